@@ -1,0 +1,19 @@
+# Finds NCCL: the CUDA toolkit's copy, or pip's nvidia-nccl package, or EPX_NCCL_ROOT / NCCL_ROOT.
+# Defines the INTERFACE target epx_nccl.
+set(_epx_nccl_hints ${EPX_NCCL_ROOT} $ENV{EPX_NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_LIBRARY_ROOT})
+execute_process(COMMAND python3 -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))"
+  OUTPUT_VARIABLE _epx_pip_nccl OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(_epx_pip_nccl)
+  list(APPEND _epx_nccl_hints ${_epx_pip_nccl})
+endif()
+find_path(EPX_NCCL_INCLUDE_DIR nccl.h HINTS ${_epx_nccl_hints} ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
+find_library(EPX_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_epx_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
+  PATH_SUFFIXES lib lib64)
+if(NOT EPX_NCCL_INCLUDE_DIR OR NOT EPX_NCCL_LIBRARY)
+  message(FATAL_ERROR "NCCL not found: install it with the CUDA toolkit or `pip install nvidia-nccl-cu13`, "
+                      "or set EPX_NCCL_ROOT")
+endif()
+message(STATUS "epx: NCCL ${EPX_NCCL_LIBRARY} (headers ${EPX_NCCL_INCLUDE_DIR})")
+add_library(epx_nccl INTERFACE)
+target_include_directories(epx_nccl INTERFACE ${EPX_NCCL_INCLUDE_DIR})
+target_link_libraries(epx_nccl INTERFACE ${EPX_NCCL_LIBRARY})

@@ -1,0 +1,192 @@
+// Expert-parallel dispatch and combine: the contract every backend (host, cuda) implements.
+//
+// One Buffer per rank. Every call below is collective: each rank of the group makes the same sequence
+// of calls (an idle rank passes T = 0 tokens). Experts are split evenly over ranks: rank r holds the
+// num_local_experts = num_experts / num_ranks experts [r * num_local_experts, (r + 1) * num_local_experts).
+//
+// Tensors: inputs are TensorViews on group.device() (the CPU for the host backend); outputs are
+// Tensors allocated with BufferOptions::allocator on the same device, unless stated otherwise.
+// Streams: the cuda backend enqueues on `stream` (host backend: ignored); when a call returns, its
+// device work is enqueued but may not have run, except where a host sync is stated.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "epx/group.h"
+#include "epx/quant.h"
+#include "epx/tensor.h"
+
+namespace epx {
+
+struct BufferOptions {
+  // Bytes of peer-visible memory for the normal kernels (0: a size that fits the default workloads;
+  // see normal_buffer_size_hint).
+  int64_t num_normal_bytes = 0;
+  // Bytes of peer-visible memory for the low-latency kernels (0: none; low_latency_* then throw).
+  // See low_latency_buffer_size_hint.
+  int64_t num_low_latency_bytes = 0;
+  // SMs the normal kernels may occupy (cuda backend).
+  int num_sms = 24;
+  std::shared_ptr<Allocator> allocator;  // null: default_allocator()
+};
+
+// Peer memory the low-latency path needs for two buffer sets with these limits.
+int64_t low_latency_buffer_size_hint(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks,
+                                     int64_t num_experts);
+// Peer memory the normal path needs (a ring buffer per channel and peer; independent of T).
+int64_t normal_buffer_size_hint(int64_t hidden, int num_ranks, int num_sms);
+
+// The routing layout of one batch, as get_dispatch_layout computes it. Tensors on the group's device.
+struct Layout {
+  Tensor num_tokens_per_rank;    // int32 [num_ranks]
+  Tensor num_tokens_per_expert;  // int32 [num_experts]
+  Tensor is_token_in_rank;       // bool  [T, num_ranks]
+};
+
+// Opaque record of one normal dispatch: where every token went. Pass it to combine, or to dispatch
+// again (cached mode) to move new data along the same routes without recomputing the layout.
+class DispatchHandle {
+ public:
+  virtual ~DispatchHandle() = default;
+  virtual int64_t num_tokens() const = 0;  // T of the dispatching rank
+  // Rows received (exact). -1 in worst-token mode on the cuda backend, where the host never learns it.
+  virtual int64_t num_recv_tokens() const = 0;
+};
+
+struct DispatchArgs {
+  TensorView x;             // [T, H]; bf16, or fp8 e4m3 with x_scales
+  TensorView x_scales;      // [T, H / 128]; fp32 or uint8 (UE8M0 exponents); only with fp8 x
+  TensorView topk_idx;      // [T, K]; int64 or int32; -1 = no expert. Absent in cached mode.
+  TensorView topk_weights;  // [T, K] fp32; optional. Absent in cached mode.
+  int64_t num_experts = 0;  // ignored in cached mode
+  // Optional: the layout of this topk_idx from get_dispatch_layout (computed when absent).
+  const Layout* layout = nullptr;
+  // Cached mode: reuse a previous dispatch's routes (same T); topk_idx/topk_weights must be absent.
+  std::shared_ptr<const DispatchHandle> handle;
+  // Round each per-local-expert receive count up to a multiple of this (>= 1).
+  int expert_alignment = 1;
+  // > 0: outputs have exactly this many rows and the call does no host sync (CUDA-graph capturable on
+  // the cuda backend). Must be >= the rows actually received, else kInvalidArgument (host) or a
+  // recorded overflow error raised on the next call (cuda).
+  int64_t num_worst_tokens = 0;
+  Stream stream = nullptr;
+};
+
+struct DispatchResult {
+  // Rows are ordered by source rank, then by source token index. Rows past the received count (worst-
+  // token mode) have recv_src_idx = -1 and recv_topk_idx = -1; their data is unspecified.
+  Tensor recv_x;             // [N, H], the dtype of x
+  Tensor recv_x_scales;      // [N, H / 128], the dtype of x_scales; only with fp8 x
+  Tensor recv_topk_idx;      // [N, K], the dtype of topk_idx: local expert id, or -1 if not local
+  Tensor recv_topk_weights;  // [N, K] fp32: the weight where recv_topk_idx >= 0, else 0
+  Tensor recv_src_idx;       // int32 [N]: the token's index on its source rank
+  // Received (token, local expert) pairs per local expert, each rounded up to expert_alignment.
+  // Host-visible except in worst-token mode, where it is empty (see recv_expert_counts).
+  std::vector<int32_t> num_recv_tokens_per_expert;
+  Tensor recv_expert_counts;  // int32 [num_local_experts] on the device: same numbers, always filled
+  std::shared_ptr<const DispatchHandle> handle;
+};
+
+struct CombineArgs {
+  TensorView x;             // [N, H] bf16: one row per received row, in dispatch's receive order
+  TensorView topk_weights;  // [N, K] fp32; optional (summed back like x)
+  TensorView bias_0;        // [T, H] bf16; optional, added once per token
+  TensorView bias_1;        // [T, H] bf16; optional
+  std::shared_ptr<const DispatchHandle> handle;
+  Stream stream = nullptr;
+};
+
+struct CombineResult {
+  // out[t] = bf16( sum over the ranks r that token t was sent to of x_r[row of t on r]
+  //                + bias_0[t] + bias_1[t] ), accumulated in fp32. A token sent nowhere gets the biases.
+  Tensor x;             // [T, H] bf16
+  Tensor topk_weights;  // [T, K] fp32, the same sum of topk_weights rows; only if given
+};
+
+// ---- low-latency ---------------------------------------------------------------------------------
+
+class LowLatencyHandle {
+ public:
+  virtual ~LowLatencyHandle() = default;
+};
+
+struct LowLatencyDispatchArgs {
+  TensorView x;         // [T, H] bf16, T <= max_tokens_per_rank, H % 128 == 0, H <= 16384
+  TensorView topk_idx;  // [T, K] int64 or int32, K <= 16; -1 = no expert
+  int64_t max_tokens_per_rank = 0;  // the same on every rank and every call of this buffer
+  int64_t num_experts = 0;          // <= 1024, divisible by num_ranks
+  bool use_fp8 = false;
+  ScaleFormat scale_format = ScaleFormat::kFloat32;
+  // True: the call only sends; the result's recv_hook() completes the receive. The caller may run
+  // other work in between (and must call the hook before reading the outputs).
+  bool return_recv_hook = false;
+  // Optional int32 [num_local_experts]: incremented by the pairs received per local expert (EPLB).
+  TensorView cumulative_recv_counts;
+  Stream stream = nullptr;
+};
+
+struct LowLatencyDispatchResult {
+  // Outputs live in the buffer (no allocation): valid until the second-next low-latency call of the
+  // same kind, since two buffer sets alternate. Slot order within (local expert e, source rank s):
+  // the pairs from s that chose e, by ascending source token index; s's block starts at s * M.
+  Tensor recv_x;              // [E_local, R * M, H]: bf16, or fp8 e4m3 with use_fp8
+  Tensor recv_x_scales;       // [E_local, R * M, H / 128]: fp32 or uint8 (UE8M0); only with use_fp8
+  Tensor recv_count;          // int32 [E_local]: pairs received per local expert
+  Tensor recv_src_info;       // int32 [E_local, R * M]: source token index, -1 in unused slots
+  Tensor recv_layout_range;   // int64 [E_local, R]: (begin << 32) | count of each source rank's block
+  std::shared_ptr<const LowLatencyHandle> handle;
+  std::function<void()> recv_hook;  // set iff return_recv_hook
+};
+
+struct LowLatencyCombineArgs {
+  TensorView x;             // [E_local, R * M, H] bf16: expert outputs in the slots of recv_x
+  TensorView topk_idx;      // [T, K], the same as the dispatch's
+  TensorView topk_weights;  // [T, K] fp32
+  std::shared_ptr<const LowLatencyHandle> handle;
+  bool return_recv_hook = false;
+  TensorView out;  // optional [T, H] bf16 to write into; else allocated
+  Stream stream = nullptr;
+};
+
+struct LowLatencyCombineResult {
+  // out[t] = bf16( sum over k with topk_idx[t][k] >= 0 and its rank not masked of
+  //                topk_weights[t][k] * x[expert][slot of (t, k)] ), accumulated in fp32.
+  Tensor x;  // [T, H] bf16
+  std::function<void()> recv_hook;  // set iff return_recv_hook
+};
+
+class Buffer {
+ public:
+  // Throws kInvalidArgument for bad options, kUnsupported for a backend this build lacks.
+  static std::unique_ptr<Buffer> create(std::shared_ptr<Group> group, const BufferOptions& options = {});
+  virtual ~Buffer() = default;
+
+  virtual Group& group() = 0;
+  int rank() { return group().rank(); }
+  int num_ranks() { return group().num_ranks(); }
+
+  // Not collective. topk_idx: [T, K] int64 or int32 on the group's device.
+  virtual Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream = nullptr) = 0;
+
+  // Normal (high-throughput) dispatch. Without num_worst_tokens the call waits on the host for the
+  // receive counts (one device-to-host copy) before allocating outputs.
+  virtual DispatchResult dispatch(const DispatchArgs& args) = 0;
+  // Normal combine: the reverse of the dispatch that made args.handle.
+  virtual CombineResult combine(const CombineArgs& args) = 0;
+
+  // Low-latency dispatch/combine: fixed shapes, no host sync on the cuda backend.
+  virtual LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args) = 0;
+  virtual LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args) = 0;
+
+  // Rank mask (low-latency path). A masked rank is skipped: nothing is sent to it or awaited from it,
+  // and its tokens come back as zeros. A rank that does not answer within the group's timeout is
+  // masked automatically. mask_rank/clear_rank_mask are local to this rank's buffer.
+  virtual void mask_rank(int rank) = 0;
+  virtual std::vector<bool> rank_mask() const = 0;  // [num_ranks], true = masked
+  virtual void clear_rank_mask() = 0;
+};
+
+}  // namespace epx

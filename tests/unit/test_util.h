@@ -1,0 +1,45 @@
+// Shared helpers for the CPU unit tests: seeded random data and tensor builders.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "epx/quant.h"
+#include "epx/tensor.h"
+
+namespace epx::testing {
+
+// Random bf16 values in [-range, range].
+inline std::vector<uint16_t> random_bf16(std::mt19937& rng, size_t n, float range = 4.f) {
+  std::uniform_real_distribution<float> dist(-range, range);
+  std::vector<uint16_t> out(n);
+  for (auto& v : out) v = float_to_bf16(dist(rng));
+  return out;
+}
+
+// topk_idx [T, K]: distinct experts per token from [0, num_experts), each slot -1 with probability p_masked.
+inline std::vector<int64_t> random_topk(std::mt19937& rng, int64_t num_tokens, int num_topk, int64_t num_experts,
+                                        double p_masked = 0.0) {
+  std::vector<int64_t> out(num_tokens * num_topk);
+  std::uniform_int_distribution<int64_t> pick(0, num_experts - 1);
+  std::bernoulli_distribution masked(p_masked);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int k = 0; k < num_topk; ++k) {
+      int64_t e;
+      bool fresh;
+      do {
+        e = pick(rng);
+        fresh = true;
+        for (int j = 0; j < k; ++j) fresh = fresh && out[t * num_topk + j] != e;
+      } while (!fresh && num_topk <= num_experts);
+      out[t * num_topk + k] = e;
+    }
+    for (int k = 0; k < num_topk; ++k) {
+      if (masked(rng)) out[t * num_topk + k] = -1;
+    }
+  }
+  return out;
+}
+
+}  // namespace epx::testing
