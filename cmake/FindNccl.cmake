@@ -10,8 +10,13 @@ find_path(EPX_NCCL_INCLUDE_DIR nccl.h HINTS ${_epx_nccl_hints} ${CUDAToolkit_INC
 find_library(EPX_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_epx_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
   PATH_SUFFIXES lib lib64)
 if(NOT EPX_NCCL_INCLUDE_DIR OR NOT EPX_NCCL_LIBRARY)
-  message(FATAL_ERROR "NCCL not found: install it with the CUDA toolkit or `pip install nvidia-nccl-cu13`, "
-                      "or set EPX_NCCL_ROOT")
+  set(_epx_nccl_msg "NCCL not found: install it with the CUDA toolkit or `pip install nvidia-nccl-cu13`, or set EPX_NCCL_ROOT")
+  if(EPX_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "${_epx_nccl_msg}")
+  endif()
+  message(WARNING "${_epx_nccl_msg}; building without the CUDA backend")
+  set(EPX_HAVE_CUDA OFF)
+  return()
 endif()
 message(STATUS "epx: NCCL ${EPX_NCCL_LIBRARY} (headers ${EPX_NCCL_INCLUDE_DIR})")
 add_library(epx_nccl INTERFACE)

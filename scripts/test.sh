@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The test command: installs what the tests need (Debian packages by name), builds epx (with the CUDA
+# backend when a toolkit is present, else host-only), runs every CPU test, runs them again under
+# AddressSanitizer + UndefinedBehaviorSanitizer (host-only build), runs `epx bench` on the host backend,
+# and checks that an installed epx is usable through find_package(epx).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc)
+
+bash scripts/install-deps.sh
+
+echo "== build (warnings are errors)"
+cmake -S . -B build -G Ninja -DEPX_WERROR=ON -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$jobs"
+echo "== CPU tests"
+ctest --test-dir build --output-on-failure -j "$jobs"
+
+echo "== CPU tests under AddressSanitizer + UndefinedBehaviorSanitizer (host-only build)"
+cmake -S . -B build-asan -G Ninja -DEPX_CUDA=OFF -DEPX_WERROR=ON -DEPX_BUILD_BENCH=OFF \
+  -DEPX_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build-asan -j "$jobs"
+UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$jobs"
+
+echo "== epx bench on the host backend"
+./build/epx bench --host --quiet --warmup 1 --iters 3 --json build/bench-host.json
+
+echo "== install and find_package(epx)"
+rm -rf build/install-prefix build/consumer
+cmake --install build --prefix build/install-prefix >/dev/null
+cmake -S tests/install -B build/consumer -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install-prefix" >/dev/null
+cmake --build build/consumer
+./build/consumer/epx_consumer
+echo "all checks passed"
