@@ -1,0 +1,227 @@
+// DP attention: attention runs data-parallel (each DP rank has its own batch), the MoE runs
+// expert-parallel over the same ranks. Between the two the hidden states are gathered into one global
+// batch and scattered back, and every step the DP ranks agree on a small batch-metadata record.
+//
+// Rank arithmetic (the same ranks seen two ways, world = tp):
+//   attention: world = attn_tp * attn_cp * attn_dp,  rank = (attn_dp_rank * attn_cp + attn_cp_rank) * attn_tp
+//                                                           + attn_tp_rank
+//   MoE:       world = moe_tp * moe_ep * moe_dp,     rank = (moe_dp_rank * moe_ep + moe_ep_rank) * moe_tp
+//                                                           + moe_tp_rank
+// e.g. 8 ranks, attn_cp 2, attn_tp 4, moe_dp 2, moe_ep 4: attention-CP groups [0,4] [1,5] [2,6] [3,7],
+// attention-TP groups [0..3] [4..7], MoE-EP groups [0..3] [4..7], MoE-DP groups [0,4] [1,5] [2,6] [3,7].
+//
+// Every collective below runs over a Group holding all `world` ranks (the TP group) and is called by
+// every rank of it with the same plan. The ranks of one DP rank (its attention-TP and -CP ranks) hold
+// the same batch; only its "leader" (attn_tp_rank 0, attn_cp_rank 0) contributes data.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "epx/group.h"
+#include "epx/tensor.h"
+
+namespace epx {
+
+// ---- rank arithmetic -------------------------------------------------------------------------------
+
+struct ParallelSizes {
+  int world_size = 1;    // ranks in the group (tp)
+  int attn_dp_size = 1;  // attention data-parallel ranks
+  int attn_cp_size = 1;  // attention context-parallel ranks
+  int attn_tp_size = 0;  // 0: world / (attn_dp * attn_cp)
+  int moe_ep_size = 0;   // 0: world / (moe_dp * moe_tp)
+  int moe_dp_size = 1;
+  int moe_tp_size = 0;  // 0: world / (moe_ep * moe_dp); 1 when moe_ep_size is 0 too
+};
+
+struct RankCoords {
+  int attn_tp_rank = 0;
+  int attn_cp_rank = 0;
+  int attn_dp_rank = 0;
+  int moe_tp_rank = 0;
+  int moe_ep_rank = 0;
+  int moe_dp_rank = 0;
+};
+
+enum class ParallelGroupKind : uint8_t { kAttnTp, kAttnCp, kAttnDp, kMoeTp, kMoeEp, kMoeDp };
+const char* to_string(ParallelGroupKind kind) noexcept;
+
+class ParallelLayout {
+ public:
+  // Derives the 0 sizes and checks every product equals world_size (1 <= world_size <= 1024, every size
+  // >= 1). Throws kInvalidArgument naming the size and the product it broke.
+  static ParallelLayout create(const ParallelSizes& sizes);
+  // Every rank its own DP rank: attn_dp = world, attn_tp = attn_cp = 1, moe_ep = world.
+  static ParallelLayout pure_dp(int world_size);
+
+  const ParallelSizes& sizes() const { return sizes_; }
+  int world_size() const { return sizes_.world_size; }
+  int attn_dp_size() const { return sizes_.attn_dp_size; }
+  int attn_tp_size() const { return sizes_.attn_tp_size; }
+  int attn_cp_size() const { return sizes_.attn_cp_size; }
+
+  // Throws kInvalidArgument unless 0 <= rank < world_size.
+  RankCoords coords(int rank) const;
+  // The rank with these attention coordinates.
+  int attn_rank(int attn_dp_rank, int attn_cp_rank, int attn_tp_rank) const;
+  // The rank that contributes DP rank `attn_dp_rank`'s data (its attn_tp_rank 0, attn_cp_rank 0).
+  int dp_leader(int attn_dp_rank) const { return attn_rank(attn_dp_rank, 0, 0); }
+  bool is_dp_leader(int rank) const;
+
+  // All groups of one kind, each an ascending list of ranks; groups ordered by their first rank.
+  std::vector<std::vector<int>> groups(ParallelGroupKind kind) const;
+  // The group of `kind` that holds `rank`.
+  std::vector<int> group_of(ParallelGroupKind kind, int rank) const;
+
+ private:
+  ParallelSizes sizes_;
+};
+
+// ---- padding mode and gather plan -------------------------------------------------------------------
+
+enum class DpPaddingMode : uint8_t {
+  kMaxLen,  // each DP rank padded to the max count; all-gather
+  kSumLen,  // zeroed buffer of the total count, each DP rank writes at its prefix offset; all-reduce
+};
+const char* to_string(DpPaddingMode mode) noexcept;  // "MAX_LEN" / "SUM_LEN"
+
+struct PaddingModeOptions {
+  bool is_extend_in_batch = false;  // some DP rank runs an extend (prefill) batch
+  bool in_cuda_graph = false;       // the step replays a CUDA graph (fixed shapes)
+  bool symmetric_a2a = false;       // the all-to-all backend needs the same shape on every rank
+};
+
+// The mode of one step from the per-DP-rank token counts (every count >= 0, at least one rank).
+// Rules, first match wins: symmetric_a2a -> MAX_LEN; in_cuda_graph -> MAX_LEN; extend with more than
+// one DP rank -> SUM_LEN; MAX_LEN iff 2 * sum >= max * num_dp_ranks; else SUM_LEN.
+DpPaddingMode choose_padding_mode(std::span<const int64_t> num_tokens_per_dp_rank,
+                                  const PaddingModeOptions& options = {});
+
+// Where every DP rank's tokens sit in the global buffer [buffer_len, hidden].
+struct DpGatherPlan {
+  DpPaddingMode mode = DpPaddingMode::kMaxLen;
+  int64_t buffer_len = 0;           // rows of the global buffer
+  int64_t slot_len = 0;             // MAX_LEN: rows per DP rank (max count, rounded up to attn_tp); SUM_LEN: 0
+  std::vector<int64_t> num_tokens;  // [num_dp_ranks] rows each DP rank contributes
+  std::vector<int64_t> offsets;     // [num_dp_ranks] first row of each DP rank's tokens
+};
+
+// MAX_LEN: slot_len = max count rounded up to a multiple of attn_tp_size (the NCCL path splits a slot
+// over the attention-TP ranks), offsets[d] = d * slot_len, buffer_len = slot_len * num_dp_ranks.
+// SUM_LEN: offsets are the exclusive prefix sums, buffer_len = the sum. Rows not covered by any DP
+// rank (MAX_LEN padding) are zero after a gather. Throws kInvalidArgument for negative counts, no
+// ranks, attn_tp_size < 1 or a buffer over 2^40 rows.
+DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpPaddingMode mode, int attn_tp_size = 1);
+
+// ---- gather / scatter (collective over the whole group) ----------------------------------------------
+// Tensors: bf16 or fp32, contiguous, on group.device(); the same dtype and hidden size on every rank.
+// `local` may have more rows than the rank's count (CUDA-graph padding); only the first count rows are
+// read, and scatter zeroes the rest. An idle DP rank (count 0) still calls, with local [>= 0, hidden].
+// Streams: the cuda backend enqueues on `stream`; the host backend ignores it and returns when done.
+// Preconditions: layout.world_size() == group.num_ranks(), plan.num_tokens.size() == attn_dp_size,
+// the same plan on every rank (the host backend checks and throws kInvalidArgument on every rank).
+// attn_cp_size > 1 is not supported yet (kUnsupported).
+
+// global [plan.buffer_len, hidden] on every rank receives every DP rank's first num_tokens[d] rows of its
+// leader's `local` at offsets[d]; all other rows are zero. SUM_LEN rows are computed as 0 + x (an
+// all-reduce in which only the leader contributes non-zero rows), so -0 reads back as +0; MAX_LEN rows
+// are copied bit-exactly.
+void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
+               const TensorView& global, Stream stream = nullptr);
+
+enum class DpScatterKind : uint8_t {
+  kSlice,          // every rank holds the same global buffer: local = its DP rank's rows (no communication)
+  kReduceScatter,  // each rank holds a partial global buffer: local = the sum over all ranks of those rows
+};
+
+// local [>= num_tokens[my DP rank], hidden] receives the rows [offsets[d], offsets[d] + num_tokens[d]) of
+// `global` [plan.buffer_len, hidden] (kSlice) or of the sum of every rank's `global` (kReduceScatter,
+// summed in fp32 in rank order, then rounded once to the dtype). Rows past the count are zeroed.
+void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
+                const TensorView& local, DpScatterKind kind = DpScatterKind::kSlice, Stream stream = nullptr);
+
+// ---- batch-metadata sync ---------------------------------------------------------------------------
+
+enum class ForwardMode : uint8_t { kIdle, kExtend, kDecode, kMixed, kTargetVerify, kDraftExtend };
+const char* to_string(ForwardMode mode) noexcept;  // "IDLE", "EXTEND", ...
+
+// One DP rank's record for a step: 11 fields, exchanged as 11 int64 (88 bytes) per rank.
+struct BatchMetadata {
+  int64_t num_tokens = 0;
+  int64_t num_tokens_for_logprob = 0;
+  bool can_run_decode_graph = true;
+  bool is_extend_in_batch = false;
+  bool can_run_tbo = true;
+  ForwardMode forward_mode = ForwardMode::kIdle;
+  bool can_run_prefill_graph = true;
+  int64_t prefill_graph_max_prefix_len = 0;
+  bool can_run_draft_graph = true;
+  bool is_health_check = false;
+  int64_t attention_pairs = 0;
+
+  // The record of a rank with no batch: IDLE, 0 tokens, every graph/TBO vote 1.
+  static BatchMetadata idle() { return {}; }
+};
+inline constexpr int kBatchMetadataFields = 11;
+
+// The agreed view of one step, identical on every rank.
+struct GlobalBatchInfo {
+  std::vector<int64_t> num_tokens;              // [num_dp_ranks]
+  std::vector<int64_t> num_tokens_for_logprob;  // [num_dp_ranks]
+  std::vector<int64_t> attention_pairs;         // [num_dp_ranks]
+  bool can_run_decode_graph = true;             // min over DP ranks (one rank vetoes)
+  bool can_run_prefill_graph = true;            // min
+  bool can_run_draft_graph = true;              // min
+  bool is_extend_in_batch = false;              // max
+  bool is_health_check = false;                 // max
+  int64_t prefill_graph_max_prefix_len = 0;     // max
+  // The common forward mode of the non-idle DP ranks; kIdle when every rank is idle; nullopt when the
+  // non-idle ranks disagree.
+  std::optional<ForwardMode> forward_mode;
+  // min of the votes, and the non-idle ranks agree on a mode, and some rank is not idle.
+  bool can_run_tbo = false;
+  // True when some DP rank has tokens: every rank runs a batch this step (an idle one if it has none).
+  bool any_tokens = false;
+};
+
+// The local result of one sync.
+struct BatchSyncResult {
+  GlobalBatchInfo global;
+  bool run_idle_batch = false;  // this rank has no batch but must run an idle one (global.any_tokens)
+  bool runs_batch = false;      // this rank runs a batch (its own or an idle one)
+  double step_wait_s = 0.0;     // seconds this sync waited for the slowest rank
+  // Waiting time attributed to this step: this sync's wait plus the waits of earlier syncs in which this
+  // rank ran no batch (carried forward). 0 when this rank runs no batch (the wait is carried instead).
+  double wait_s = 0.0;
+};
+
+// Per-rank, stateful (carries waiting time between steps). One all-gather of the records per step over
+// the whole group; records of non-leader ranks are ignored. Skipped (no communication) when
+// attn_dp_size == 1. Not thread-safe; one object per rank.
+class BatchMetadataSync {
+ public:
+  // Throws kInvalidArgument unless layout.world_size() == group.num_ranks(). Keeps a reference to group.
+  BatchMetadataSync(Group& group, const ParallelLayout& layout);
+
+  // local: this rank's record, or nullopt for a rank with no batch (the fallback record is sent).
+  // Throws kInvalidArgument for a bad record (negative counts, an IDLE record with tokens) on this rank
+  // before communicating; kTimeout from the group.
+  BatchSyncResult sync(const std::optional<BatchMetadata>& local);
+
+  double carried_wait_s() const { return carried_wait_s_; }
+
+ private:
+  Group& group_;
+  ParallelLayout layout_;
+  double carried_wait_s_ = 0.0;
+};
+
+// Reductions alone (used by sync; exposed for tests and callers with their own transport).
+// records: one per DP rank. Throws kInvalidArgument for an empty list.
+GlobalBatchInfo reduce_batch_metadata(std::span<const BatchMetadata> records);
+
+}  // namespace epx

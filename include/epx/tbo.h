@@ -1,0 +1,101 @@
+// Two-batch overlap (TBO): a batch is split into two micro-batches ("children" A and B) whose
+// operations interleave, so one child's communication hides under the other's compute.
+//
+// Three pieces, all host-side and independent of any backend:
+//   1. where to split (compute_tbo_split): a sequence index and a token index;
+//   2. the children's per-sequence fields (split_tbo_children);
+//   3. the stage executor (execute_two_batch_overlap): two operation lists cut at yield points into
+//      stages, run A-ahead-by-delta, then alternately, then B's tail.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "epx/dp.h"
+
+namespace epx {
+
+// ---- split rules ------------------------------------------------------------------------------------
+
+inline constexpr double kDefaultTboThreshold = 0.48;
+
+struct TboSplit {
+  int64_t split_seq_index = 0;    // child A holds sequences [0, split_seq_index) (and the cut one if two_chunk)
+  int64_t split_token_index = 0;  // child A holds tokens [0, split_token_index)
+  bool two_chunk = false;         // sequence split_seq_index is cut in two at split_token_index
+};
+
+// Extend (prefill) batch, extend_lens[i] >= 0 tokens of sequence i (at least one sequence).
+// 1. Balanced split: scan the sequence boundaries 1, 2, ... while |left - right| does not grow (ties move
+//    right); the last boundary kept is the split, 0 when there is one sequence.
+// 2. If its left part is < threshold * total or > (1 - threshold) * total, cut one sequence ("two-chunk"):
+//    split_seq_index = the first sequence whose running sum exceeds total / 2 (integer division),
+//    split_token_index = total / 2 — unless child A would then hold more sequences (split_seq_index + 1)
+//    than tokens (total / 2), in which case the balanced split stands.
+// threshold in [0, 0.5] (0 disables two-chunk). Throws kInvalidArgument naming the bad length or threshold.
+TboSplit compute_tbo_split_extend(std::span<const int64_t> extend_lens, double threshold = kDefaultTboThreshold);
+
+// Decode / target-verify batch: num_tokens = num_seqs * tokens_per_seq. Splits at num_seqs / 2 sequences.
+// Throws kInvalidArgument for num_tokens < 0, tokens_per_seq < 1, or num_tokens not a multiple of it.
+TboSplit compute_tbo_split_decode(int64_t num_tokens, int64_t tokens_per_seq);
+
+// By forward mode: EXTEND -> the extend rule; DECODE / TARGET_VERIFY -> the decode rule (tokens_per_seq);
+// IDLE -> {0, 0} (num_tokens must be 0). MIXED and DRAFT_EXTEND cannot be split: nullopt (TBO off).
+std::optional<TboSplit> compute_tbo_split(ForwardMode mode, int64_t num_tokens, std::span<const int64_t> extend_lens,
+                                          int64_t tokens_per_seq, double threshold = kDefaultTboThreshold);
+
+// ---- child batches ----------------------------------------------------------------------------------
+
+// Per-sequence fields of a batch: seq_lens[i] = prefix_lens[i] + extend_lens[i].
+struct TboSeqFields {
+  std::vector<int64_t> extend_lens;  // new tokens of each sequence in this batch
+  std::vector<int64_t> prefix_lens;  // tokens already in the KV cache before this batch
+  std::vector<int64_t> seq_lens;     // total length after this batch
+
+  int64_t num_seqs() const { return static_cast<int64_t>(extend_lens.size()); }
+};
+
+struct TboChildren {
+  TboSeqFields a;
+  TboSeqFields b;
+  int64_t num_tokens_a = 0;
+  int64_t num_tokens_b = 0;
+  int64_t seq_begin_b = 0;  // parent index of B's first sequence (the cut sequence when two_chunk)
+};
+
+// Without two_chunk, A = sequences [0, split_seq_index), B = the rest; split_token_index must equal
+// sum(extend_lens[0, split_seq_index)). With two_chunk, sequence s = split_seq_index is cut: A gets its
+// first k = split_token_index - sum(extend_lens[0, s)) tokens (extend k, prefix unchanged, seq_len
+// prefix + k); B starts with its remaining extend_lens[s] - k tokens with prefix_len grown by k and the
+// parent's seq_len. Throws kInvalidArgument when the fields are inconsistent (sizes, negative lengths,
+// seq_len != prefix + extend) or the split does not fit the batch.
+TboChildren split_tbo_children(const TboSeqFields& parent, const TboSplit& split);
+
+// ---- stage executor ---------------------------------------------------------------------------------
+
+// One step of a micro-batch's forward pass, or a yield point (no function) that ends a stage.
+// The function receives the micro-batch index (0 = A, 1 = B), so one list can serve both children.
+struct TboOperation {
+  std::string name;
+  std::function<void(int batch_idx)> fn;
+
+  static TboOperation yield_point() { return {"yield", nullptr}; }
+  bool is_yield() const { return !fn; }
+};
+
+// Cuts a list at its yield points into stages. A trailing yield adds no empty stage; consecutive
+// yields give an empty stage.
+std::vector<std::vector<TboOperation>> split_tbo_stages(const std::vector<TboOperation>& ops);
+
+// Runs stages of A and B on the calling thread: A's first `delta_stages` stages, then (A stage i +
+// delta, B stage i) alternately, then B's last `delta_stages` stages. Both lists must have the same
+// number of stages S, and 0 <= delta_stages <= S (kInvalidArgument otherwise, before running anything).
+// An exception from an operation propagates at once; later operations do not run.
+void execute_two_batch_overlap(const std::vector<TboOperation>& ops_a, const std::vector<TboOperation>& ops_b,
+                               int delta_stages);
+
+}  // namespace epx

@@ -1,0 +1,150 @@
+// Padding-mode choice, the gather plan, and the validated entry points of dp_gather / dp_scatter.
+#include <algorithm>
+#include <numeric>
+
+#include "core/check.h"
+#include "dp/backends.h"
+#include "epx/dp.h"
+
+namespace epx {
+
+namespace {
+
+// Keeps row offsets far from int64 overflow once multiplied by hidden and the element size.
+constexpr int64_t kMaxBufferRows = int64_t{1} << 40;
+
+void check_counts(std::span<const int64_t> num_tokens, const char* what) {
+  EPX_CHECK_ARG(!num_tokens.empty(), "{}: num_tokens_per_dp_rank must name at least one DP rank", what);
+  for (size_t d = 0; d < num_tokens.size(); ++d) {
+    EPX_CHECK_ARG(num_tokens[d] >= 0 && num_tokens[d] <= kMaxBufferRows,
+                  "{}: num_tokens_per_dp_rank[{}] must be in [0, 2^40], got {}", what, d, num_tokens[d]);
+  }
+}
+
+}  // namespace
+
+const char* to_string(DpPaddingMode mode) noexcept { return mode == DpPaddingMode::kMaxLen ? "MAX_LEN" : "SUM_LEN"; }
+
+DpPaddingMode choose_padding_mode(std::span<const int64_t> num_tokens_per_dp_rank, const PaddingModeOptions& options) {
+  check_counts(num_tokens_per_dp_rank, "choose_padding_mode");
+  if (options.symmetric_a2a || options.in_cuda_graph) return DpPaddingMode::kMaxLen;
+  const int64_t width = static_cast<int64_t>(num_tokens_per_dp_rank.size());
+  if (options.is_extend_in_batch && width > 1) return DpPaddingMode::kSumLen;
+  const int64_t sum = std::accumulate(num_tokens_per_dp_rank.begin(), num_tokens_per_dp_rank.end(), int64_t{0});
+  const int64_t max = *std::max_element(num_tokens_per_dp_rank.begin(), num_tokens_per_dp_rank.end());
+  // Padding to the max moves max * width rows; summing moves sum rows but as an all-reduce (about twice
+  // the bytes of an all-gather), so MAX_LEN wins while 2 * sum >= max * width.
+  return 2 * sum >= max * width ? DpPaddingMode::kMaxLen : DpPaddingMode::kSumLen;
+}
+
+DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpPaddingMode mode, int attn_tp_size) {
+  check_counts(num_tokens_per_dp_rank, "plan_dp_gather");
+  EPX_CHECK_ARG(attn_tp_size >= 1 && attn_tp_size <= 1024, "plan_dp_gather: attn_tp_size must be in [1, 1024], got {}",
+                attn_tp_size);
+  EPX_CHECK_ARG(mode == DpPaddingMode::kMaxLen || mode == DpPaddingMode::kSumLen,
+                "plan_dp_gather: mode must be MAX_LEN or SUM_LEN, got {}", static_cast<int>(mode));
+  const int64_t width = static_cast<int64_t>(num_tokens_per_dp_rank.size());
+  DpGatherPlan plan;
+  plan.mode = mode;
+  plan.num_tokens.assign(num_tokens_per_dp_rank.begin(), num_tokens_per_dp_rank.end());
+  plan.offsets.resize(width);
+  if (mode == DpPaddingMode::kMaxLen) {
+    const int64_t max = *std::max_element(plan.num_tokens.begin(), plan.num_tokens.end());
+    plan.slot_len = (max + attn_tp_size - 1) / attn_tp_size * attn_tp_size;
+    EPX_CHECK_ARG(plan.slot_len <= kMaxBufferRows / width,
+                  "plan_dp_gather: buffer of {} DP ranks x {} rows exceeds 2^40 rows", width, plan.slot_len);
+    for (int64_t d = 0; d < width; ++d) plan.offsets[d] = d * plan.slot_len;
+    plan.buffer_len = plan.slot_len * width;
+  } else {
+    int64_t offset = 0;
+    for (int64_t d = 0; d < width; ++d) {
+      plan.offsets[d] = offset;
+      offset += plan.num_tokens[d];
+      EPX_CHECK_ARG(offset <= kMaxBufferRows, "plan_dp_gather: the sum of the counts exceeds 2^40 rows");
+    }
+    plan.buffer_len = offset;
+  }
+  return plan;
+}
+
+namespace {
+
+// A plan must have the shape plan_dp_gather gives it (callers may build or edit one by hand).
+void check_plan(const DpGatherPlan& plan, const ParallelLayout& layout, const char* what) {
+  const size_t width = static_cast<size_t>(layout.attn_dp_size());
+  EPX_CHECK_ARG(plan.num_tokens.size() == width && plan.offsets.size() == width,
+                "{}: plan must have attn_dp_size = {} counts and offsets, got {} and {}", what, width,
+                plan.num_tokens.size(), plan.offsets.size());
+  check_counts(plan.num_tokens, what);
+  EPX_CHECK_ARG(plan.buffer_len >= 0 && plan.buffer_len <= kMaxBufferRows,
+                "{}: plan.buffer_len must be in [0, 2^40], got {}", what, plan.buffer_len);
+  int64_t expected = 0;
+  for (size_t d = 0; d < width; ++d) {
+    if (plan.mode == DpPaddingMode::kMaxLen) {
+      EPX_CHECK_ARG(plan.num_tokens[d] <= plan.slot_len, "{}: plan.num_tokens[{}] = {} exceeds plan.slot_len {}", what,
+                    d, plan.num_tokens[d], plan.slot_len);
+      expected = static_cast<int64_t>(d) * plan.slot_len;
+    }
+    EPX_CHECK_ARG(plan.offsets[d] == expected, "{}: plan.offsets[{}] must be {} for {}, got {}", what, d, expected,
+                  to_string(plan.mode), plan.offsets[d]);
+    if (plan.mode == DpPaddingMode::kSumLen) expected += plan.num_tokens[d];
+  }
+  const int64_t expected_len =
+      plan.mode == DpPaddingMode::kMaxLen ? plan.slot_len * static_cast<int64_t>(width) : expected;
+  EPX_CHECK_ARG(plan.buffer_len == expected_len, "{}: plan.buffer_len must be {} for {}, got {}", what, expected_len,
+                to_string(plan.mode), plan.buffer_len);
+}
+
+void check_common(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
+                  const TensorView& global, const char* what) {
+  EPX_CHECK_ARG(layout.world_size() == group.num_ranks(), "{}: layout.world_size() {} must equal group.num_ranks() {}",
+                what, layout.world_size(), group.num_ranks());
+  if (layout.attn_cp_size() > 1) {
+    detail::raise(ErrorCode::kUnsupported, "{}: attention context parallelism (attn_cp_size {}) is not supported", what,
+                  layout.attn_cp_size());
+  }
+  check_plan(plan, layout, what);
+  check_tensor(global, "global", {DType::kBFloat16, DType::kFloat32}, {plan.buffer_len, -1});
+  check_tensor(local, "local", {DType::kBFloat16, DType::kFloat32}, {-1, global.shape[1]});
+  EPX_CHECK_ARG(local.dtype == global.dtype, "{}: local and global must have the same dtype, got {} and {}", what,
+                local.describe(), global.describe());
+  check_device(local, "local", group.device());
+  check_device(global, "global", group.device());
+  const int dp_rank = layout.coords(group.rank()).attn_dp_rank;
+  EPX_CHECK_ARG(local.shape[0] >= plan.num_tokens[dp_rank],
+                "{}: local must have at least plan.num_tokens[{}] = {} rows (this rank's DP rank), got {}", what,
+                dp_rank, plan.num_tokens[dp_rank], local.describe());
+}
+
+}  // namespace
+
+void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
+               const TensorView& global, Stream stream) {
+  check_common(group, layout, plan, local, global, "dp_gather");
+  switch (group.backend()) {
+    case Backend::kHost:
+      return host::dp_gather_host(group, layout, plan, local, global);
+    case Backend::kCuda:
+      break;
+  }
+  // NOTE: the NCCL path (src/dp/gather_cuda.cpp, see dp/backends.h) is not written yet.
+  detail::raise(ErrorCode::kUnsupported, "dp_gather: the {} backend has no implementation in this build",
+                to_string(group.backend()));
+}
+
+void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
+                const TensorView& local, DpScatterKind kind, Stream stream) {
+  check_common(group, layout, plan, local, global, "dp_scatter");
+  EPX_CHECK_ARG(kind == DpScatterKind::kSlice || kind == DpScatterKind::kReduceScatter,
+                "dp_scatter: kind must be kSlice or kReduceScatter, got {}", static_cast<int>(kind));
+  switch (group.backend()) {
+    case Backend::kHost:
+      return host::dp_scatter_host(group, layout, plan, global, local, kind);
+    case Backend::kCuda:
+      break;
+  }
+  detail::raise(ErrorCode::kUnsupported, "dp_scatter: the {} backend has no implementation in this build",
+                to_string(group.backend()));
+}
+
+}  // namespace epx

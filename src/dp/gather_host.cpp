@@ -1,0 +1,158 @@
+// dp_gather / dp_scatter on the host backend: ranks are threads, so every rank reads the published
+// buffers of its peers directly between HostGroup::exchange and release.
+#include <cstring>
+#include <vector>
+
+#include "core/check.h"
+#include "dp/backends.h"
+#include "epx/quant.h"
+#include "host/host_group.h"
+
+namespace epx::host {
+
+namespace {
+
+// What each rank publishes for one collective.
+struct Contribution {
+  const DpGatherPlan* plan;
+  const void* data;  // local (gather) or global (reduce-scatter)
+  DType dtype;
+  int64_t hidden;
+};
+
+HostGroup& as_host(Group& group) {
+  auto* host_group = dynamic_cast<HostGroup*>(&group);
+  EPX_CHECK(ErrorCode::kInternal, host_group != nullptr, "a group with the host backend is not a HostGroup");
+  return *host_group;
+}
+
+bool same_plan(const DpGatherPlan& a, const DpGatherPlan& b) {
+  return a.mode == b.mode && a.buffer_len == b.buffer_len && a.slot_len == b.slot_len && a.num_tokens == b.num_tokens &&
+         a.offsets == b.offsets;
+}
+
+// Empty when every rank passed the same plan, dtype and hidden size as rank 0; else a message.
+std::string find_mismatch(const std::vector<const void*>& ptrs) {
+  const auto& first = *static_cast<const Contribution*>(ptrs[0]);
+  for (size_t r = 1; r < ptrs.size(); ++r) {
+    const auto& c = *static_cast<const Contribution*>(ptrs[r]);
+    if (!same_plan(*c.plan, *first.plan)) return fmt::format("rank {} passed a different plan than rank 0", r);
+    if (c.dtype != first.dtype || c.hidden != first.hidden) {
+      return fmt::format("rank {} passed {} hidden {}, rank 0 {} hidden {}", r, to_string(c.dtype), c.hidden,
+                         to_string(first.dtype), first.hidden);
+    }
+  }
+  return {};
+}
+
+// out = 0 + x in the element type: what an all-reduce computes when one rank contributes x and the
+// others zeros.
+template <typename T>
+T add_to_zero(T x);
+template <>
+float add_to_zero(float x) {
+  return 0.f + x;
+}
+template <>
+uint16_t add_to_zero(uint16_t x) {
+  return float_to_bf16(0.f + bf16_to_float(x));
+}
+
+float to_float(float x) { return x; }
+float to_float(uint16_t x) { return bf16_to_float(x); }
+template <typename T>
+T from_float(float x);
+template <>
+float from_float(float x) {
+  return x;
+}
+template <>
+uint16_t from_float(float x) {
+  return float_to_bf16(x);
+}
+
+template <typename T>
+void gather_rows(const ParallelLayout& layout, const DpGatherPlan& plan, const std::vector<const void*>& ptrs,
+                 T* global, int64_t hidden) {
+  std::memset(global, 0, static_cast<size_t>(plan.buffer_len * hidden) * sizeof(T));
+  for (int d = 0; d < layout.attn_dp_size(); ++d) {
+    const auto& c = *static_cast<const Contribution*>(ptrs[layout.dp_leader(d)]);
+    const T* src = static_cast<const T*>(c.data);
+    T* dst = global + plan.offsets[d] * hidden;
+    const int64_t n = plan.num_tokens[d] * hidden;
+    if (plan.mode == DpPaddingMode::kMaxLen) {
+      if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
+    } else {
+      for (int64_t i = 0; i < n; ++i) dst[i] = add_to_zero(src[i]);
+    }
+  }
+}
+
+template <typename T>
+void reduce_rows(const std::vector<const void*>& ptrs, int64_t first_row, int64_t num_rows, T* local, int64_t hidden) {
+  std::vector<float> acc(static_cast<size_t>(hidden));
+  for (int64_t t = 0; t < num_rows; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (const void* p : ptrs) {
+      const T* src = static_cast<const T*>(static_cast<const Contribution*>(p)->data) + (first_row + t) * hidden;
+      for (int64_t h = 0; h < hidden; ++h) acc[h] += to_float(src[h]);
+    }
+    for (int64_t h = 0; h < hidden; ++h) local[t * hidden + h] = from_float<T>(acc[h]);
+  }
+}
+
+}  // namespace
+
+void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
+                    const TensorView& global) {
+  HostGroup& host_group = as_host(group);
+  const int64_t hidden = global.shape[1];
+  const Contribution mine{&plan, local.data, local.dtype, hidden};
+  const auto ptrs = host_group.exchange(&mine);
+  const std::string mismatch = find_mismatch(ptrs);
+  if (mismatch.empty()) {
+    if (global.dtype == DType::kFloat32) {
+      gather_rows(layout, plan, ptrs, global.data_as<float>(), hidden);
+    } else {
+      gather_rows(layout, plan, ptrs, global.data_as<uint16_t>(), hidden);
+    }
+  }
+  // NOTE: release before raising, so no peer waits on a rank that left; every rank sees the same
+  // mismatch and raises the same error.
+  host_group.release();
+  EPX_CHECK_ARG(mismatch.empty(), "dp_gather: {}", mismatch);
+}
+
+void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
+                     const TensorView& local, DpScatterKind kind) {
+  const int64_t hidden = global.shape[1];
+  const int dp_rank = layout.coords(group.rank()).attn_dp_rank;
+  const int64_t count = plan.num_tokens[dp_rank];
+  const size_t elem = dtype_size(local.dtype);
+  auto* out = static_cast<char*>(local.data);
+  // Rows past the count (CUDA-graph padding) are zeroed.
+  if (local.shape[0] > count) {
+    std::memset(out + count * hidden * elem, 0, static_cast<size_t>((local.shape[0] - count) * hidden) * elem);
+  }
+  if (kind == DpScatterKind::kSlice) {
+    // A slice of this rank's own buffer: no communication.
+    const auto* src = static_cast<const char*>(global.data) + plan.offsets[dp_rank] * hidden * elem;
+    if (count > 0) std::memcpy(out, src, static_cast<size_t>(count * hidden) * elem);
+    return;
+  }
+  HostGroup& host_group = as_host(group);
+  const Contribution mine{&plan, global.data, global.dtype, hidden};
+  const auto ptrs = host_group.exchange(&mine);
+  const std::string mismatch = find_mismatch(ptrs);
+  if (mismatch.empty()) {
+    if (local.dtype == DType::kFloat32) {
+      reduce_rows(ptrs, plan.offsets[dp_rank], count, local.data_as<float>(), hidden);
+    } else {
+      reduce_rows(ptrs, plan.offsets[dp_rank], count, local.data_as<uint16_t>(), hidden);
+    }
+  }
+  host_group.release();
+  EPX_CHECK_ARG(mismatch.empty(), "dp_scatter: {}", mismatch);
+}
+
+}  // namespace epx::host

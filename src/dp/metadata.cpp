@@ -1,0 +1,158 @@
+// The per-step batch-metadata sync of DP attention: one all-gather of a fixed 11-field record.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <vector>
+
+#include "core/check.h"
+#include "epx/dp.h"
+
+namespace epx {
+
+const char* to_string(ForwardMode mode) noexcept {
+  switch (mode) {
+    case ForwardMode::kIdle:
+      return "IDLE";
+    case ForwardMode::kExtend:
+      return "EXTEND";
+    case ForwardMode::kDecode:
+      return "DECODE";
+    case ForwardMode::kMixed:
+      return "MIXED";
+    case ForwardMode::kTargetVerify:
+      return "TARGET_VERIFY";
+    case ForwardMode::kDraftExtend:
+      return "DRAFT_EXTEND";
+  }
+  return "unknown";
+}
+
+namespace {
+
+using Packed = std::array<int64_t, kBatchMetadataFields>;
+
+constexpr int64_t kMaxForwardMode = static_cast<int64_t>(ForwardMode::kDraftExtend);
+
+void check_record(const BatchMetadata& m, const char* where) {
+  EPX_CHECK_ARG(m.num_tokens >= 0, "{}: num_tokens must be >= 0, got {}", where, m.num_tokens);
+  EPX_CHECK_ARG(m.num_tokens_for_logprob >= 0, "{}: num_tokens_for_logprob must be >= 0, got {}", where,
+                m.num_tokens_for_logprob);
+  EPX_CHECK_ARG(static_cast<int64_t>(m.forward_mode) <= kMaxForwardMode, "{}: forward_mode {} is not a ForwardMode",
+                where, static_cast<int>(m.forward_mode));
+  EPX_CHECK_ARG(m.forward_mode != ForwardMode::kIdle || m.num_tokens == 0,
+                "{}: an IDLE record must have num_tokens 0, got {}", where, m.num_tokens);
+  EPX_CHECK_ARG(m.prefill_graph_max_prefix_len >= 0, "{}: prefill_graph_max_prefix_len must be >= 0, got {}", where,
+                m.prefill_graph_max_prefix_len);
+  EPX_CHECK_ARG(m.attention_pairs >= 0, "{}: attention_pairs must be >= 0, got {}", where, m.attention_pairs);
+}
+
+// NOTE: the field order is the wire format; the CUDA path copies the gathered block to the host as is.
+Packed pack(const BatchMetadata& m) {
+  return {m.num_tokens,
+          m.num_tokens_for_logprob,
+          m.can_run_decode_graph,
+          m.is_extend_in_batch,
+          m.can_run_tbo,
+          static_cast<int64_t>(m.forward_mode),
+          m.can_run_prefill_graph,
+          m.prefill_graph_max_prefix_len,
+          m.can_run_draft_graph,
+          m.is_health_check,
+          m.attention_pairs};
+}
+
+BatchMetadata unpack(const Packed& p, int dp_rank) {
+  BatchMetadata m;
+  m.num_tokens = p[0];
+  m.num_tokens_for_logprob = p[1];
+  m.can_run_decode_graph = p[2] != 0;
+  m.is_extend_in_batch = p[3] != 0;
+  m.can_run_tbo = p[4] != 0;
+  EPX_CHECK(ErrorCode::kInternal, p[5] >= 0 && p[5] <= kMaxForwardMode, "DP rank {} sent forward_mode {}", dp_rank,
+            p[5]);
+  m.forward_mode = static_cast<ForwardMode>(p[5]);
+  m.can_run_prefill_graph = p[6] != 0;
+  m.prefill_graph_max_prefix_len = p[7];
+  m.can_run_draft_graph = p[8] != 0;
+  m.is_health_check = p[9] != 0;
+  m.attention_pairs = p[10];
+  return m;
+}
+
+}  // namespace
+
+GlobalBatchInfo reduce_batch_metadata(std::span<const BatchMetadata> records) {
+  EPX_CHECK_ARG(!records.empty(), "reduce_batch_metadata: records must hold at least one DP rank");
+  GlobalBatchInfo g;
+  bool all_vote_tbo = true;
+  std::optional<ForwardMode> common;
+  bool agree = true;
+  for (size_t d = 0; d < records.size(); ++d) {
+    const BatchMetadata& m = records[d];
+    check_record(m, "reduce_batch_metadata");
+    g.num_tokens.push_back(m.num_tokens);
+    g.num_tokens_for_logprob.push_back(m.num_tokens_for_logprob);
+    g.attention_pairs.push_back(m.attention_pairs);
+    g.can_run_decode_graph = g.can_run_decode_graph && m.can_run_decode_graph;
+    g.can_run_prefill_graph = g.can_run_prefill_graph && m.can_run_prefill_graph;
+    g.can_run_draft_graph = g.can_run_draft_graph && m.can_run_draft_graph;
+    g.is_extend_in_batch = g.is_extend_in_batch || m.is_extend_in_batch;
+    g.is_health_check = g.is_health_check || m.is_health_check;
+    g.prefill_graph_max_prefix_len = std::max(g.prefill_graph_max_prefix_len, m.prefill_graph_max_prefix_len);
+    all_vote_tbo = all_vote_tbo && m.can_run_tbo;
+    g.any_tokens = g.any_tokens || m.num_tokens > 0;
+    if (m.forward_mode == ForwardMode::kIdle) continue;
+    if (!common) {
+      common = m.forward_mode;
+    } else if (*common != m.forward_mode) {
+      agree = false;
+    }
+  }
+  if (!common) {
+    g.forward_mode = ForwardMode::kIdle;  // every rank idle: nothing to overlap
+    g.can_run_tbo = false;
+  } else {
+    g.forward_mode = agree ? common : std::nullopt;
+    g.can_run_tbo = all_vote_tbo && agree;
+  }
+  return g;
+}
+
+BatchMetadataSync::BatchMetadataSync(Group& group, const ParallelLayout& layout) : group_(group), layout_(layout) {
+  EPX_CHECK_ARG(layout.world_size() == group.num_ranks(),
+                "BatchMetadataSync: layout.world_size() {} must equal group.num_ranks() {}", layout.world_size(),
+                group.num_ranks());
+}
+
+BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& local) {
+  const BatchMetadata mine = local.value_or(BatchMetadata::idle());
+  check_record(mine, "BatchMetadataSync::sync");
+  BatchSyncResult result;
+  const int num_dp = layout_.attn_dp_size();
+  if (num_dp == 1) {
+    // One DP rank: its attention-TP/CP ranks hold the same batch, so there is nothing to agree on.
+    result.global = reduce_batch_metadata(std::span<const BatchMetadata>(&mine, 1));
+  } else {
+    const Packed packed = pack(mine);
+    std::vector<Packed> gathered(static_cast<size_t>(group_.num_ranks()));
+    const auto start = std::chrono::steady_clock::now();
+    group_.all_gather_bytes(packed.data(), gathered.data(), sizeof(Packed));
+    result.step_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::vector<BatchMetadata> records;
+    records.reserve(num_dp);
+    for (int d = 0; d < num_dp; ++d) records.push_back(unpack(gathered[layout_.dp_leader(d)], d));
+    result.global = reduce_batch_metadata(records);
+  }
+  const bool has_batch = local.has_value() && mine.forward_mode != ForwardMode::kIdle;
+  result.run_idle_batch = !has_batch && result.global.any_tokens;
+  result.runs_batch = has_batch || result.run_idle_batch;
+  if (result.runs_batch) {
+    result.wait_s = carried_wait_s_ + result.step_wait_s;
+    carried_wait_s_ = 0.0;
+  } else {
+    carried_wait_s_ += result.step_wait_s;
+  }
+  return result;
+}
+
+}  // namespace epx
