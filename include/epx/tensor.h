@@ -39,7 +39,8 @@ struct Device {
   static Device cpu() { return {}; }
   static Device cuda(int index) { return {DeviceKind::kCuda, index}; }
   bool is_cuda() const { return kind == DeviceKind::kCuda; }
-  bool operator==(const Device&) const = default;
+  bool operator==(const Device& o) const { return kind == o.kind && index == o.index; }
+  bool operator!=(const Device& o) const { return !(*this == o); }
 };
 std::string to_string(Device device);
 
