@@ -1,0 +1,118 @@
+// Low-latency dispatch/combine kernels (private to the CUDA backend).
+//
+// Every rank owns one peer-visible region laid out identically on all ranks (LowLatencyLayout). Two buffer
+// sets alternate between calls of the same kind, so two results can be alive at once. Senders write each
+// (token, expert) pair straight into its final slot in the receiver's region, so the receive half only
+// waits on signals and writes bookkeeping: the received data is already where the result points.
+//
+// Signals carry a tag instead of being reset: each set has a device-side sequence number `seq`; the
+// sender tags with seq + 1 and the receive kernel advances seq when it completes. Because seq lives in
+// device memory, graph replays see fresh tags. All ranks make the same calls, so tags agree.
+//
+// Memory ordering: a sending block writes its data with plain stores, then __syncthreads(), then one thread
+// issues __threadfence_system() and a st.release.sys of the tagged signal. The receiver polls with
+// ld.acquire.sys, so data written before the release is visible after the acquire.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace epx::cuda {
+
+inline constexpr int kLowLatencyMaxRanks = 16;
+inline constexpr int kLowLatencyMaxTopk = 16;
+inline constexpr int kLowLatencyMaxHidden = 16384;
+inline constexpr int kLowLatencyMaxExperts = 1024;
+inline constexpr int kLowLatencyMaxTokens = 4096;
+
+// Byte offsets of one buffer set inside a rank's region.
+struct LowLatencySet {
+  int64_t dispatch_data;      // [E_local][R * M][H] bf16 or fp8
+  int64_t dispatch_scales;    // [E_local][R * M][H / 128] fp32 (or uint8 UE8M0, packed the same way)
+  int64_t dispatch_src_info;  // [E_local][R * M] int32: source token, -1 in unused slots
+  int64_t dispatch_slot_k;    // [E_local][R * M] int32: the top-k slot the pair came from
+  int64_t dispatch_signals;   // [E_local][R] uint64: (tag << 32) | count, written by source rank s
+  int64_t recv_count;         // [E_local] int32 (local only)
+  int64_t layout_range;       // [E_local][R] int64 (local only)
+  int64_t combine_data;       // [M][kLowLatencyMaxTopk][H] bf16: one row per (token, k)
+  int64_t combine_signals;    // [num_experts] uint64: tag, written by the expert's rank
+};
+
+struct LowLatencyLayout {
+  int64_t max_tokens_per_rank = 0;  // M
+  int64_t hidden = 0;               // H
+  int64_t num_experts = 0;          // E
+  int num_ranks = 0;                // R
+  int64_t num_local_experts = 0;    // E / R
+  LowLatencySet sets[2];
+  int64_t control_offset = 0;  // LowLatencyControl, local only
+  int64_t total_bytes = 0;
+
+  static LowLatencyLayout make(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks, int64_t num_experts);
+};
+
+// Device-side state of one rank, at control_offset in its region (zeroed once at allocation).
+struct LowLatencyControl {
+  unsigned long long dispatch_seq[2];
+  unsigned long long combine_seq[2];
+  unsigned int dispatch_ticket[2];
+  unsigned int combine_ticket[2];
+  int mask[kLowLatencyMaxRanks];  // 1 = masked
+};
+
+// A wait that expired, recorded by the kernel (host-mapped memory); the host reports it and masks the peer.
+struct LowLatencyDiag {
+  int flag;      // != 0: a timeout happened
+  int peer;      // the rank waited for
+  int expert;    // the expert whose signal was awaited
+  int phase;     // 0 dispatch, 1 combine
+  long long expected_tag;
+  long long observed;
+};
+
+// What the kernels need about the peers. Trivially copyable; passed by value.
+struct LowLatencyPeers {
+  char* bases[kLowLatencyMaxRanks];  // each rank's region, addressable from this rank's device
+  int rank = 0;
+  int num_ranks = 0;
+  LowLatencyDiag* diag = nullptr;  // host-mapped
+  long long timeout_cycles = 0;
+};
+
+struct LowLatencyDispatchLaunch {
+  const void* x;      // [T, H] bf16
+  const void* topk;   // [T, K] int32 or int64
+  bool topk_int64;
+  int64_t num_tokens;
+  int num_topk;
+  bool use_fp8;
+  bool ue8m0;
+  int* cumulative_recv_counts;  // [E_local] or null
+};
+
+struct LowLatencyCombineLaunch {
+  const void* x;              // [E_local, R * M, H] bf16 expert outputs
+  const void* topk;           // [T, K]
+  bool topk_int64;
+  const float* topk_weights;  // [T, K]
+  int64_t num_tokens;
+  int num_topk;
+  void* out;                  // [T, H] bf16
+  int dispatch_set;           // the set of the dispatch whose slots x follows
+};
+
+// Send half of dispatch: quantize (optionally) and write every (token, expert) pair into the receiver's slot.
+void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream);
+// Receive half: wait for every unmasked source rank, write counts, ranges and -1 into unused src_info slots.
+void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream);
+// Send half of combine: each local expert's rows go back to their (token, k) row on the source rank.
+void launch_low_latency_combine_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                     const LowLatencyCombineLaunch& args, cudaStream_t stream);
+// Receive half: wait for the experts each token chose, then the weighted sum in fp32 (ascending k).
+void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                     const LowLatencyCombineLaunch& args, cudaStream_t stream);
+
+}  // namespace epx::cuda
