@@ -23,6 +23,13 @@ __device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned l
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Masks change under a running kernel (another block's timeout): read them past the L1.
+__device__ __forceinline__ int ld_volatile(const int* p) {
+  int v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 template <typename T>
 __device__ __forceinline__ T* at(char* base, int64_t offset) {
   return reinterpret_cast<T*>(base + offset);
@@ -56,7 +63,7 @@ __device__ bool wait_tag(const LowLatencyPeers& peers, LowLatencyControl* ctrl, 
       *value = v;
       return true;
     }
-    if (ctrl->mask[peer] != 0) return false;  // masked meanwhile (by another block's timeout)
+    if (ld_volatile(&ctrl->mask[peer]) != 0) return false;  // masked meanwhile by another block's timeout
     if (clock64() - start > peers.timeout_cycles) {
       atomicExch(&ctrl->mask[peer], 1);
       record_timeout(peers, peer, expert, phase, tag, v);
@@ -95,8 +102,8 @@ __device__ __forceinline__ uint32_t float2_to_bf16x2(float a, float b) {
 // ---- dispatch -----------------------------------------------------------------------------------------
 
 template <typename TopkT>
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout,
-                                                                 int set, LowLatencyDispatchLaunch args) {
+__global__ void __launch_bounds__(kThreads)
+    dispatch_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
   extern __shared__ int pair_list[];  // [M]: entries t * K + k that chose this block's expert, ascending
   __shared__ int warp_counts[kWarps];
   const int expert = blockIdx.x;
@@ -107,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(LowLatencyPeers
   const int64_t H = layout.hidden;
   const int R = peers.num_ranks;
   LowLatencyControl* ctrl = control_of(peers, layout);
-  if (ctrl->mask[dst] != 0) return;
+  if (ld_volatile(&ctrl->mask[dst]) != 0) return;
   const unsigned long long tag = ctrl->dispatch_seq[set] + 1;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -190,11 +197,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(LowLatencyPeers
         uint32_t packed[2];
 #pragma unroll
         for (int w = 0; w < 2; ++w) {
-          const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-              make_float2(__fmul_rn(v[4 * w], scale_inv), __fmul_rn(v[4 * w + 1], scale_inv)), __NV_SATFINITE, __NV_E4M3);
-          const __nv_fp8x2_storage_t hi =
-              __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[4 * w + 2], scale_inv), __fmul_rn(v[4 * w + 3], scale_inv)),
+          const __nv_fp8x2_storage_t lo =
+              __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[4 * w], scale_inv), __fmul_rn(v[4 * w + 1], scale_inv)),
                                        __NV_SATFINITE, __NV_E4M3);
+          const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+              make_float2(__fmul_rn(v[4 * w + 2], scale_inv), __fmul_rn(v[4 * w + 3], scale_inv)), __NV_SATFINITE,
+              __NV_E4M3);
           packed[w] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
         }
         if (active) out[b * 16 + hl] = make_uint2(packed[0], packed[1]);
@@ -213,8 +221,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(LowLatencyPeers
   }
 }
 
-__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout,
-                                                                 int set, LowLatencyDispatchLaunch args) {
+__global__ void __launch_bounds__(kThreads)
+    dispatch_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
   __shared__ int counts[kLowLatencyMaxRanks];
   const int64_t e_local = blockIdx.x;
   const int R = peers.num_ranks;
@@ -227,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(LowLatencyPeers
     const int src = threadIdx.x;
     int c = 0;
     unsigned long long v = 0;
-    if (ctrl->mask[src] == 0 &&
+    if (ld_volatile(&ctrl->mask[src]) == 0 &&
         wait_tag(peers, ctrl, at<unsigned long long>(base, s.dispatch_signals) + e_local * R + src, tag, 32, src,
                  static_cast<int>(src * layout.num_local_experts + e_local), 0, &v)) {
       c = static_cast<int>(v & 0xffffffffu);
@@ -251,8 +259,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(LowLatencyPeers
 
 // ---- combine ------------------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout,
-                                                                int set, LowLatencyCombineLaunch args) {
+__global__ void __launch_bounds__(kThreads)
+    combine_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
   const int64_t e_local = blockIdx.x;
   const int R = peers.num_ranks;
   const int64_t M = layout.max_tokens_per_rank;
@@ -270,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(LowLatencyPeers 
   const auto* x = static_cast<const int4*>(args.x);
   const int64_t row_vecs = H * 2 / 16;
   for (int r = 0; r < R; ++r) {
-    if (ctrl->mask[r] != 0) continue;
+    if (ld_volatile(&ctrl->mask[r]) != 0) continue;
     const int count = static_cast<int>(ranges[r] & 0xffffffff);
     for (int i = warp; i < count; i += kWarps) {
       const int64_t slot = e_local * R * M + r * M + i;
@@ -283,18 +291,18 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(LowLatencyPeers 
     }
   }
   __syncthreads();
-  if (threadIdx.x < R && ctrl->mask[threadIdx.x] == 0) {
+  if (threadIdx.x < R && ld_volatile(&ctrl->mask[threadIdx.x]) == 0) {
     const int r = threadIdx.x;
     __threadfence_system();
-    st_release_sys(at<unsigned long long>(peers.bases[r], c.combine_signals) + peers.rank * layout.num_local_experts +
-                       e_local,
-                   tag);
+    st_release_sys(
+        at<unsigned long long>(peers.bases[r], c.combine_signals) + peers.rank * layout.num_local_experts + e_local,
+        tag);
   }
 }
 
 template <typename TopkT>
-__global__ void __launch_bounds__(kThreads) combine_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout,
-                                                                int set, LowLatencyCombineLaunch args) {
+__global__ void __launch_bounds__(kThreads)
+    combine_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
   __shared__ float weights[kLowLatencyMaxTopk];
   __shared__ bool valid[kLowLatencyMaxTopk];  // the slot contributes: a chosen expert on an unmasked rank
   const int64_t H = layout.hidden;
@@ -314,8 +322,9 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(LowLatencyPeers 
       if (e >= 0) {
         const int r = static_cast<int>(e / layout.num_local_experts);
         unsigned long long v = 0;
-        if (ctrl->mask[r] == 0 && wait_tag(peers, ctrl, at<unsigned long long>(base, c.combine_signals) + e, tag, 0, r,
-                                           static_cast<int>(e), 1, &v)) {
+        if (ld_volatile(&ctrl->mask[r]) == 0 &&
+            wait_tag(peers, ctrl, at<unsigned long long>(base, c.combine_signals) + e, tag, 0, r, static_cast<int>(e),
+                     1, &v)) {
           ok = true;
         }
       }

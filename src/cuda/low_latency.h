@@ -63,10 +63,10 @@ struct LowLatencyControl {
 
 // A wait that expired, recorded by the kernel (host-mapped memory); the host reports it and masks the peer.
 struct LowLatencyDiag {
-  int flag;      // != 0: a timeout happened
-  int peer;      // the rank waited for
-  int expert;    // the expert whose signal was awaited
-  int phase;     // 0 dispatch, 1 combine
+  int flag;    // != 0: a timeout happened
+  int peer;    // the rank waited for
+  int expert;  // the expert whose signal was awaited
+  int phase;   // 0 dispatch, 1 combine
   long long expected_tag;
   long long observed;
 };
@@ -81,8 +81,8 @@ struct LowLatencyPeers {
 };
 
 struct LowLatencyDispatchLaunch {
-  const void* x;      // [T, H] bf16
-  const void* topk;   // [T, K] int32 or int64
+  const void* x;     // [T, H] bf16
+  const void* topk;  // [T, K] int32 or int64
   bool topk_int64;
   int64_t num_tokens;
   int num_topk;
@@ -92,14 +92,14 @@ struct LowLatencyDispatchLaunch {
 };
 
 struct LowLatencyCombineLaunch {
-  const void* x;              // [E_local, R * M, H] bf16 expert outputs
-  const void* topk;           // [T, K]
+  const void* x;     // [E_local, R * M, H] bf16 expert outputs
+  const void* topk;  // [T, K]
   bool topk_int64;
   const float* topk_weights;  // [T, K]
   int64_t num_tokens;
   int num_topk;
-  void* out;                  // [T, H] bf16
-  int dispatch_set;           // the set of the dispatch whose slots x follows
+  void* out;         // [T, H] bf16
+  int dispatch_set;  // the set of the dispatch whose slots x follows
 };
 
 // Send half of dispatch: quantize (optionally) and write every (token, expert) pair into the receiver's slot.
