@@ -2,25 +2,24 @@
 // (bench_cuda.cpp, CUDA builds only).
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 
 namespace epx::cli {
 
 struct BenchConfig {
-  int num_ranks = 0;                    // 0: all visible GPUs (cuda) or 4 (host)
-  int64_t num_tokens = 4096;            // per rank, normal mode
+  int num_ranks = 0;          // 0: all visible GPUs (cuda) or 4 (host)
+  int64_t num_tokens = 4096;  // per rank, normal mode
   int64_t hidden = 7168;
   int num_topk = 8;
   int64_t num_experts = 256;
-  int64_t num_ll_tokens = 128;          // per rank, low-latency mode
-  std::vector<int> num_sms = {24};      // normal kernels: SM counts to sweep (cuda)
+  int64_t num_ll_tokens = 128;      // per rank, low-latency mode
+  std::vector<int> num_sms = {24};  // normal kernels: SM counts to sweep (cuda)
   int num_warmup = 5;
   int num_iters = 20;
-  bool host = false;                    // force the host backend
-  bool progress = true;                 // progress lines on stderr
+  bool host = false;     // force the host backend
+  bool progress = true;  // progress lines on stderr
   uint64_t seed = 1;
 };
 

@@ -1,12 +1,12 @@
 // `epx bench`: dispatch + combine (normal and low-latency) of a DeepSeek-V3-shaped MoE step.
 // On all visible GPUs with the CUDA backend; without a GPU (or with --host) on the host backend.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "bench.h"
 #include "command.h"
@@ -29,11 +29,11 @@ double median(std::vector<double> v) {
 
 // Per-rank inputs. x holds small integers so that sums of up to 2^8 copies are exact in bf16.
 struct RankInputs {
-  std::vector<uint16_t> x;       // [T, H] bf16
-  std::vector<uint8_t> x_fp8;    // [T, H]
-  std::vector<float> x_scales;   // [T, H / 128]
-  std::vector<int64_t> topk;     // [T, K]
-  std::vector<float> weights;    // [T, K]
+  std::vector<uint16_t> x;      // [T, H] bf16
+  std::vector<uint8_t> x_fp8;   // [T, H]
+  std::vector<float> x_scales;  // [T, H / 128]
+  std::vector<int64_t> topk;    // [T, K]
+  std::vector<float> weights;   // [T, K]
   int64_t num_tokens = 0;
 };
 
@@ -150,8 +150,8 @@ nlohmann::json run_host_bench(const BenchConfig& config) {
   phases.push_back(phase_json("layout",
                               time_phase(groups, config,
                                          [&](int r, int) {
-                                           layouts[r] = buffers[r]->get_dispatch_layout(topk_view(r),
-                                                                                         config.num_experts);
+                                           layouts[r] =
+                                               buffers[r]->get_dispatch_layout(topk_view(r), config.num_experts);
                                            return 0.0;
                                          }),
                               num_ranks));
@@ -250,20 +250,20 @@ nlohmann::json run_host_bench(const BenchConfig& config) {
     std::vector<LowLatencyCombineResult> out(num_ranks);
     phases.push_back(phase_json(
         "ll_combine",
-        time_phase(groups, config,
-                   [&](int r, int) {
-                     LowLatencyCombineArgs a;
-                     a.x = ll[r].recv_x;
-                     a.topk_idx = TensorView::of(ll_inputs[r].topk.data(), DType::kInt64, {ll_tokens, num_topk});
-                     a.topk_weights =
-                         TensorView::of(ll_inputs[r].weights.data(), DType::kFloat32, {ll_tokens, num_topk});
-                     a.handle = ll[r].handle;
-                     out[r] = buffers[r]->low_latency_combine(a);
-                     const auto* counts = ll[r].recv_count.data_as<const int32_t>();
-                     double pairs = 0;
-                     for (int64_t e = 0; e < ll[r].recv_count.numel(); ++e) pairs += counts[e];
-                     return pairs * static_cast<double>(hidden * 2);
-                   }),
+        time_phase(
+            groups, config,
+            [&](int r, int) {
+              LowLatencyCombineArgs a;
+              a.x = ll[r].recv_x;
+              a.topk_idx = TensorView::of(ll_inputs[r].topk.data(), DType::kInt64, {ll_tokens, num_topk});
+              a.topk_weights = TensorView::of(ll_inputs[r].weights.data(), DType::kFloat32, {ll_tokens, num_topk});
+              a.handle = ll[r].handle;
+              out[r] = buffers[r]->low_latency_combine(a);
+              const auto* counts = ll[r].recv_count.data_as<const int32_t>();
+              double pairs = 0;
+              for (int64_t e = 0; e < ll[r].recv_count.numel(); ++e) pairs += counts[e];
+              return pairs * static_cast<double>(hidden * 2);
+            }),
         num_ranks));
     // Check: identity experts give back x * sum of weights (exact: small integers times eighths).
     int64_t bad = 0;
@@ -307,26 +307,28 @@ void print_report(const nlohmann::json& report) {
   std::printf("%-28s %12s %14s\n", "phase", "time (us)", "logical GB/s");
   for (const auto& p : report["phases"]) {
     const std::string gbps = p.contains("logical_gbps") ? fmt::format("{:.1f}", p["logical_gbps"].get<double>()) : "-";
-    std::printf("%-28s %12.1f %14s\n", p["name"].get<std::string>().c_str(), p["time_us"].get<double>(),
-                gbps.c_str());
+    std::printf("%-28s %12.1f %14s\n", p["name"].get<std::string>().c_str(), p["time_us"].get<double>(), gbps.c_str());
   }
   std::printf("check: %s\n", report["check"]["passed"].get<bool>() ? "passed" : "FAILED");
 }
 
 void add_bench(CLI::App& app) {
-  auto* cmd = app.add_subcommand("bench", "Run dispatch + combine (normal and low-latency) of a DeepSeek-V3-shaped "
-                                          "MoE step on all visible GPUs, or on the host backend without a GPU");
+  auto* cmd = app.add_subcommand("bench",
+                                 "Run dispatch + combine (normal and low-latency) of a DeepSeek-V3-shaped "
+                                 "MoE step on all visible GPUs, or on the host backend without a GPU");
   auto config = std::make_shared<BenchConfig>();
   auto json_path = std::make_shared<std::string>();
   cmd->add_option("--ranks", config->num_ranks, "Ranks (default: all visible GPUs; host backend: 4)")
       ->check(CLI::Range(0, 1024));
-  auto* tokens = cmd->add_option("--tokens", config->num_tokens, "Tokens per rank, normal mode (default 4096; host "
-                                                                  "backend 512)")
+  auto* tokens = cmd->add_option("--tokens", config->num_tokens,
+                                 "Tokens per rank, normal mode (default 4096; host "
+                                 "backend 512)")
                      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   auto* hidden = cmd->add_option("--hidden", config->hidden, "Hidden size (default 7168; host backend 2048)")
                      ->check(CLI::Range(int64_t{128}, int64_t{65536}));
   cmd->add_option("--topk", config->num_topk, "Experts per token (default 8)")->check(CLI::Range(1, 16));
-  cmd->add_option("--experts", config->num_experts, "Experts (default 256)")->check(CLI::Range(int64_t{1}, int64_t{4096}));
+  cmd->add_option("--experts", config->num_experts, "Experts (default 256)")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   cmd->add_option("--ll-tokens", config->num_ll_tokens, "Tokens per rank, low-latency mode (default 128)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   cmd->add_option("--sms", config->num_sms, "SM counts to sweep for the normal kernels (cuda; default 24)")

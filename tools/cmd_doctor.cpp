@@ -10,8 +10,9 @@ namespace epx::cli {
 namespace {
 
 void add_doctor(CLI::App& app) {
-  auto* cmd = app.add_subcommand("doctor", "Report GPUs, peer access/NVLink between each pair, driver, CUDA and "
-                                           "NCCL versions, and what they mean for epx");
+  auto* cmd = app.add_subcommand("doctor",
+                                 "Report GPUs, peer access/NVLink between each pair, driver, CUDA and "
+                                 "NCCL versions, and what they mean for epx");
   auto* as_json = cmd->add_flag("--json")->description("Print the report as JSON");
   cmd->callback([as_json] {
     nlohmann::json j = {{"epx_version", version()},

@@ -1,8 +1,7 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
-#include <nccl.h>
-
 #include <fmt/format.h>
+#include <nccl.h>
 
 #include "doctor.h"
 
@@ -81,7 +80,10 @@ nlohmann::json cuda_doctor() {
       cudaDeviceGetP2PAttribute(&access, cudaDevP2PAttrAccessSupported, a, b);
       cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, a, b);
       cudaDeviceGetP2PAttribute(&rank, cudaDevP2PAttrPerformanceRank, a, b);
-      pairs.push_back({{"from", a}, {"to", b}, {"peer_access", access == 1}, {"native_atomics", atomics == 1},
+      pairs.push_back({{"from", a},
+                       {"to", b},
+                       {"peer_access", access == 1},
+                       {"native_atomics", atomics == 1},
                        {"performance_rank", rank}});
     }
   }

@@ -34,8 +34,7 @@ struct BufferOptions {
 };
 
 // Peer memory the low-latency path needs for two buffer sets with these limits.
-int64_t low_latency_buffer_size_hint(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks,
-                                     int64_t num_experts);
+int64_t low_latency_buffer_size_hint(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks, int64_t num_experts);
 // Peer memory the normal path needs (a ring buffer per channel and peer; independent of T).
 int64_t normal_buffer_size_hint(int64_t hidden, int num_ranks, int num_sms);
 
@@ -114,8 +113,8 @@ class LowLatencyHandle {
 };
 
 struct LowLatencyDispatchArgs {
-  TensorView x;         // [T, H] bf16, T <= max_tokens_per_rank, H % 128 == 0, H <= 16384
-  TensorView topk_idx;  // [T, K] int64 or int32, K <= 16; -1 = no expert
+  TensorView x;                     // [T, H] bf16, T <= max_tokens_per_rank, H % 128 == 0, H <= 16384
+  TensorView topk_idx;              // [T, K] int64 or int32, K <= 16; -1 = no expert
   int64_t max_tokens_per_rank = 0;  // the same on every rank and every call of this buffer
   int64_t num_experts = 0;          // <= 1024, divisible by num_ranks
   bool use_fp8 = false;
@@ -132,11 +131,11 @@ struct LowLatencyDispatchResult {
   // Outputs live in the buffer (no allocation): valid until the second-next low-latency call of the
   // same kind, since two buffer sets alternate. Slot order within (local expert e, source rank s):
   // the pairs from s that chose e, by ascending source token index; s's block starts at s * M.
-  Tensor recv_x;              // [E_local, R * M, H]: bf16, or fp8 e4m3 with use_fp8
-  Tensor recv_x_scales;       // [E_local, R * M, H / 128]: fp32 or uint8 (UE8M0); only with use_fp8
-  Tensor recv_count;          // int32 [E_local]: pairs received per local expert
-  Tensor recv_src_info;       // int32 [E_local, R * M]: source token index, -1 in unused slots
-  Tensor recv_layout_range;   // int64 [E_local, R]: (begin << 32) | count of each source rank's block
+  Tensor recv_x;             // [E_local, R * M, H]: bf16, or fp8 e4m3 with use_fp8
+  Tensor recv_x_scales;      // [E_local, R * M, H / 128]: fp32 or uint8 (UE8M0); only with use_fp8
+  Tensor recv_count;         // int32 [E_local]: pairs received per local expert
+  Tensor recv_src_info;      // int32 [E_local, R * M]: source token index, -1 in unused slots
+  Tensor recv_layout_range;  // int64 [E_local, R]: (begin << 32) | count of each source rank's block
   std::shared_ptr<const LowLatencyHandle> handle;
   std::function<void()> recv_hook;  // set iff return_recv_hook
 };
@@ -154,7 +153,7 @@ struct LowLatencyCombineArgs {
 struct LowLatencyCombineResult {
   // out[t] = bf16( sum over k with topk_idx[t][k] >= 0 and its rank not masked of
   //                topk_weights[t][k] * x[expert][slot of (t, k)] ), accumulated in fp32.
-  Tensor x;  // [T, H] bf16
+  Tensor x;                         // [T, H] bf16
   std::function<void()> recv_hook;  // set iff return_recv_hook
 };
 

@@ -9,7 +9,7 @@
 
 namespace epx {
 
-inline constexpr int kFp8BlockSize = 128;   // channels per scale
+inline constexpr int kFp8BlockSize = 128;    // channels per scale
 inline constexpr float kFp8E4M3Max = 448.f;  // largest finite e4m3fn value
 
 // Round-to-nearest-even; NaN stays NaN.

@@ -15,12 +15,12 @@ template <typename... Args>
 }  // namespace epx::detail
 
 // EPX_CHECK_ARG(n > 0, "num_ranks must be >= 1, got {}", n)
-#define EPX_CHECK_ARG(cond, ...)                                              \
-  do {                                                                        \
+#define EPX_CHECK_ARG(cond, ...)                                                        \
+  do {                                                                                  \
     if (!(cond)) ::epx::detail::raise(::epx::ErrorCode::kInvalidArgument, __VA_ARGS__); \
   } while (0)
 
-#define EPX_CHECK(code, cond, ...)                            \
-  do {                                                        \
-    if (!(cond)) ::epx::detail::raise((code), __VA_ARGS__);   \
+#define EPX_CHECK(code, cond, ...)                          \
+  do {                                                      \
+    if (!(cond)) ::epx::detail::raise((code), __VA_ARGS__); \
   } while (0)

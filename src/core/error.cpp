@@ -4,14 +4,22 @@ namespace epx {
 
 const char* to_string(ErrorCode code) noexcept {
   switch (code) {
-    case ErrorCode::kInvalidArgument: return "invalid_argument";
-    case ErrorCode::kOutOfMemory: return "out_of_memory";
-    case ErrorCode::kCudaError: return "cuda_error";
-    case ErrorCode::kNcclError: return "nccl_error";
-    case ErrorCode::kTimeout: return "timeout";
-    case ErrorCode::kPeerFailure: return "peer_failure";
-    case ErrorCode::kInternal: return "internal";
-    case ErrorCode::kUnsupported: return "unsupported";
+    case ErrorCode::kInvalidArgument:
+      return "invalid_argument";
+    case ErrorCode::kOutOfMemory:
+      return "out_of_memory";
+    case ErrorCode::kCudaError:
+      return "cuda_error";
+    case ErrorCode::kNcclError:
+      return "nccl_error";
+    case ErrorCode::kTimeout:
+      return "timeout";
+    case ErrorCode::kPeerFailure:
+      return "peer_failure";
+    case ErrorCode::kInternal:
+      return "internal";
+    case ErrorCode::kUnsupported:
+      return "unsupported";
   }
   return "unknown";
 }

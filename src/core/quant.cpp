@@ -52,7 +52,7 @@ float ue8m0_to_float(uint8_t exponent) noexcept { return std::ldexp(1.f, static_
 
 uint8_t float_to_ue8m0(float scale) noexcept {
   int e = 0;
-  const float m = std::frexp(scale, &e);  // scale = m * 2^e, m in [0.5, 1)
+  const float m = std::frexp(scale, &e);   // scale = m * 2^e, m in [0.5, 1)
   int exponent = (m == 0.5f) ? e - 1 : e;  // ceil(log2(scale))
   return static_cast<uint8_t>(std::clamp(exponent + 127, 1, 254));
 }
@@ -62,8 +62,8 @@ namespace {
 void check_quant_shapes(const TensorView& x8, const TensorView& scales, const char* x_name) {
   const int64_t num_tokens = x8.shape[0];
   const int64_t hidden = x8.shape[1];
-  EPX_CHECK_ARG(hidden % kFp8BlockSize == 0, "{} hidden size must be a multiple of {}, got {}", x_name,
-                kFp8BlockSize, hidden);
+  EPX_CHECK_ARG(hidden % kFp8BlockSize == 0, "{} hidden size must be a multiple of {}, got {}", x_name, kFp8BlockSize,
+                hidden);
   check_tensor(scales, "scales", {DType::kFloat32, DType::kUInt8}, {num_tokens, hidden / kFp8BlockSize});
   check_device(scales, "scales", Device::cpu());
 }
@@ -96,7 +96,8 @@ void quantize_fp8_host(const TensorView& x, const TensorView& out, const TensorV
         scales.data_as<uint8_t>()[s] = e;
         scale_inv = 1.f / ue8m0_to_float(e);
       }
-      for (int i = 0; i < kFp8BlockSize; ++i) dst[base + i] = float_to_fp8_e4m3(bf16_to_float(src[base + i]) * scale_inv);
+      for (int i = 0; i < kFp8BlockSize; ++i)
+        dst[base + i] = float_to_fp8_e4m3(bf16_to_float(src[base + i]) * scale_inv);
     }
   }
 }

@@ -12,26 +12,40 @@ namespace epx {
 
 size_t dtype_size(DType dtype) noexcept {
   switch (dtype) {
-    case DType::kBFloat16: return 2;
-    case DType::kFloat8E4M3: return 1;
-    case DType::kFloat32: return 4;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
-    case DType::kBool: return 1;
-    case DType::kUInt8: return 1;
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat8E4M3:
+      return 1;
+    case DType::kFloat32:
+      return 4;
+    case DType::kInt32:
+      return 4;
+    case DType::kInt64:
+      return 8;
+    case DType::kBool:
+      return 1;
+    case DType::kUInt8:
+      return 1;
   }
   return 0;
 }
 
 const char* to_string(DType dtype) noexcept {
   switch (dtype) {
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "fp8_e4m3";
-    case DType::kFloat32: return "fp32";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kBool: return "bool";
-    case DType::kUInt8: return "uint8";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat8E4M3:
+      return "fp8_e4m3";
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kBool:
+      return "bool";
+    case DType::kUInt8:
+      return "uint8";
   }
   return "unknown";
 }
@@ -98,9 +112,9 @@ class DefaultAllocator final : public Allocator {
                     to_string(device));
 #endif
     }
-    void* p = ::operator new(bytes > 0 ? bytes : 1, std::align_val_t{256}, std::nothrow);
+    void* p = ::operator new (bytes > 0 ? bytes : 1, std::align_val_t{256}, std::nothrow);
     if (p == nullptr) detail::raise(ErrorCode::kOutOfMemory, "host allocation of {} bytes failed", bytes);
-    return {p, [](void* q) { ::operator delete(q, std::align_val_t{256}); }};
+    return {p, [](void* q) { ::operator delete (q, std::align_val_t{256}); }};
   }
 };
 

@@ -58,7 +58,7 @@ TEST(Quant, Fp8E4M3AllCodes) {
   }
   EXPECT_EQ(fp8_e4m3_to_float(0x7e), 448.f);
   EXPECT_EQ(fp8_e4m3_to_float(0x01), std::ldexp(1.f, -9));
-  EXPECT_EQ(float_to_fp8_e4m3(1000.f), 0x7e);   // saturates
+  EXPECT_EQ(float_to_fp8_e4m3(1000.f), 0x7e);  // saturates
   EXPECT_EQ(float_to_fp8_e4m3(-1000.f), 0xfe);
   EXPECT_EQ(float_to_fp8_e4m3(1.0625f), 0x38);  // halfway between 1 and 1.125: ties to even
   EXPECT_EQ(float_to_fp8_e4m3(1.1875f), 0x3a);  // halfway between 1.125 and 1.25: to even (1.25)

@@ -1,12 +1,13 @@
 // Layout against a brute-force count on random inputs: tokens {0, 1, 7, 4096}, top-k 1-9,
 // experts 8-512, ranks 1-16, with -1 entries; int32 and int64 indices; bad input.
+#include "epx/routing.h"
+
 #include <gtest/gtest.h>
 
 #include <random>
 #include <set>
 
 #include "epx/error.h"
-#include "epx/routing.h"
 #include "test_util.h"
 
 namespace epx {

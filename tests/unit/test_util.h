@@ -2,7 +2,10 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "epx/quant.h"
@@ -40,6 +43,26 @@ inline std::vector<int64_t> random_topk(std::mt19937& rng, int64_t num_tokens, i
     }
   }
   return out;
+}
+
+// Runs fn(rank) on one thread per rank, joins them all and rethrows the first exception by rank order
+// (like run_host_ranks, for code that holds per-rank objects rather than groups).
+inline void on_ranks(int num_ranks, const std::function<void(int rank)>& fn) {
+  std::vector<std::exception_ptr> errors(num_ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < num_ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
 }
 
 }  // namespace epx::testing
