@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <thread>
 
 #include "core/check.h"
@@ -25,6 +26,7 @@ class HostWorld {
   std::vector<uint64_t> arrive_seq;   // last collective each rank published
   std::vector<uint64_t> release_seq;  // last collective each rank released
   std::vector<const void*> ptrs;      // pointer of each rank's last published collective
+  std::map<std::string, std::shared_ptr<void>> objects;  // see HostGroup::world_object
 
   // Waits until seqs[r] >= seq for every r not skipped. Returns the ranks still behind at the deadline.
   std::vector<int> wait_for(std::unique_lock<std::mutex>& lock, const std::vector<uint64_t>& seqs, uint64_t seq,
@@ -87,6 +89,14 @@ void HostGroup::release(const std::vector<bool>* skip, std::vector<int>* timed_o
   const auto missing = world_->wait_for(lock, world_->release_seq, seq, skip);
   lock.unlock();
   report(rank_, "release", seq, missing, world_->timeout_ms, timed_out);
+}
+
+std::shared_ptr<void> HostGroup::world_object(const std::string& key,
+                                              const std::function<std::shared_ptr<void>()>& make) {
+  std::lock_guard lock(world_->mutex);
+  auto& slot = world_->objects[key];
+  if (slot == nullptr) slot = make();
+  return slot;
 }
 
 void HostGroup::barrier() {

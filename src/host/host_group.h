@@ -11,8 +11,10 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "epx/group.h"
@@ -40,6 +42,11 @@ class HostGroup final : public Group {
                                     std::vector<int>* timed_out = nullptr);
   // Phase 2. Same skip/timeout rules; ranks that time out here are appended to `timed_out`.
   void release(const std::vector<bool>* skip = nullptr, std::vector<int>* timed_out = nullptr);
+
+  // The object stored under `key` for the whole world (shared by every rank's group), made by make()
+  // on the first call. Lets host objects meet without a collective (e.g. low-latency mailboxes, where
+  // a masked or dead rank must not be waited for).
+  std::shared_ptr<void> world_object(const std::string& key, const std::function<std::shared_ptr<void>()>& make);
 
  private:
   std::shared_ptr<HostWorld> world_;

@@ -1,0 +1,138 @@
+#include "ep/validate.h"
+
+#include "core/check.h"
+#include "epx/routing.h"
+
+namespace epx::ep {
+
+namespace {
+
+void check_optional(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape,
+                    Device device) {
+  if (!t.defined()) return;
+  check_tensor(t, name, dtype, shape);
+  check_device(t, name, device);
+}
+
+void check_topk_idx(const TensorView& topk_idx, int64_t num_tokens, Device device) {
+  check_tensor(topk_idx, "topk_idx", {DType::kInt64, DType::kInt32}, {num_tokens, -1});
+  check_device(topk_idx, "topk_idx", device);
+  EPX_CHECK_ARG(topk_idx.shape[1] >= 1, "topk_idx must have >= 1 column (num_topk), got {}", topk_idx.describe());
+}
+
+}  // namespace
+
+void validate_layout_args(const TensorView& topk_idx, int64_t num_experts, int num_ranks, Device device) {
+  check_expert_split(num_experts, num_ranks);
+  check_topk_idx(topk_idx, -1, device);
+}
+
+DispatchShape validate_dispatch(const DispatchArgs& args, int num_ranks, Device device) {
+  DispatchShape shape;
+  check_tensor(args.x, "x", {DType::kBFloat16, DType::kFloat8E4M3}, {-1, -1});
+  check_device(args.x, "x", device);
+  shape.num_tokens = args.x.shape[0];
+  shape.hidden = args.x.shape[1];
+  shape.is_fp8 = args.x.dtype == DType::kFloat8E4M3;
+  EPX_CHECK_ARG(shape.hidden >= 1, "x hidden size must be >= 1, got {}", args.x.describe());
+  if (shape.is_fp8) {
+    EPX_CHECK_ARG(shape.hidden % kFp8BlockSize == 0, "x hidden size must be a multiple of {} with fp8 x, got {}",
+                  kFp8BlockSize, shape.hidden);
+    EPX_CHECK_ARG(args.x_scales.defined(), "x_scales is required with fp8 x");
+    check_tensor(args.x_scales, "x_scales", {DType::kFloat32, DType::kUInt8},
+                 {shape.num_tokens, shape.hidden / kFp8BlockSize});
+    check_device(args.x_scales, "x_scales", device);
+  } else {
+    EPX_CHECK_ARG(!args.x_scales.defined(), "x_scales must be absent with bf16 x, got {}", args.x_scales.describe());
+  }
+  EPX_CHECK_ARG(args.expert_alignment >= 1, "expert_alignment must be >= 1, got {}", args.expert_alignment);
+  EPX_CHECK_ARG(args.num_worst_tokens >= 0, "num_worst_tokens must be >= 0, got {}", args.num_worst_tokens);
+  shape.is_cached = args.handle != nullptr;
+  if (shape.is_cached) {
+    EPX_CHECK_ARG(!args.topk_idx.defined(), "topk_idx must be absent in cached mode (handle given), got {}",
+                  args.topk_idx.describe());
+    EPX_CHECK_ARG(!args.topk_weights.defined(), "topk_weights must be absent in cached mode (handle given), got {}",
+                  args.topk_weights.describe());
+    EPX_CHECK_ARG(args.layout == nullptr, "layout must be absent in cached mode (handle given)");
+    EPX_CHECK_ARG(args.handle->num_tokens() == shape.num_tokens,
+                  "x has {} tokens but the cached handle was made for {} tokens", shape.num_tokens,
+                  args.handle->num_tokens());
+    return shape;
+  }
+  check_expert_split(args.num_experts, num_ranks);
+  EPX_CHECK_ARG(args.topk_idx.defined(), "topk_idx is required unless a handle is given (cached mode)");
+  check_topk_idx(args.topk_idx, shape.num_tokens, device);
+  shape.num_topk = args.topk_idx.shape[1];
+  check_optional(args.topk_weights, "topk_weights", DType::kFloat32, {shape.num_tokens, shape.num_topk}, device);
+  if (args.layout != nullptr) {
+    check_tensor(args.layout->num_tokens_per_rank, "layout.num_tokens_per_rank", DType::kInt32, {num_ranks});
+    check_device(args.layout->num_tokens_per_rank, "layout.num_tokens_per_rank", device);
+    check_tensor(args.layout->num_tokens_per_expert, "layout.num_tokens_per_expert", DType::kInt32, {args.num_experts});
+    check_device(args.layout->num_tokens_per_expert, "layout.num_tokens_per_expert", device);
+    check_tensor(args.layout->is_token_in_rank, "layout.is_token_in_rank", DType::kBool, {shape.num_tokens, num_ranks});
+    check_device(args.layout->is_token_in_rank, "layout.is_token_in_rank", device);
+  }
+  return shape;
+}
+
+void validate_combine(const CombineArgs& args, int64_t num_tokens, int64_t num_rows, Device device) {
+  EPX_CHECK_ARG(args.handle != nullptr, "handle is required (from the dispatch being reversed)");
+  check_tensor(args.x, "x", DType::kBFloat16, {num_rows, -1});
+  check_device(args.x, "x", device);
+  const int64_t hidden = args.x.shape[1];
+  EPX_CHECK_ARG(hidden >= 1, "x hidden size must be >= 1, got {}", args.x.describe());
+  if (args.topk_weights.defined()) {
+    check_tensor(args.topk_weights, "topk_weights", DType::kFloat32, {num_rows, -1});
+    check_device(args.topk_weights, "topk_weights", device);
+  }
+  check_optional(args.bias_0, "bias_0", DType::kBFloat16, {num_tokens, hidden}, device);
+  check_optional(args.bias_1, "bias_1", DType::kBFloat16, {num_tokens, hidden}, device);
+}
+
+LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args, int num_ranks, Device device) {
+  LowLatencyShape shape;
+  const int64_t max_tokens = args.max_tokens_per_rank;
+  EPX_CHECK_ARG(max_tokens >= 1, "max_tokens_per_rank must be >= 1, got {}", max_tokens);
+  EPX_CHECK_ARG(max_tokens * num_ranks < (int64_t{1} << 31),
+                "num_ranks * max_tokens_per_rank must be < 2^31 (slot indices are 32-bit), got {} * {}", num_ranks,
+                max_tokens);
+  check_tensor(args.x, "x", DType::kBFloat16, {-1, -1});
+  check_device(args.x, "x", device);
+  shape.num_tokens = args.x.shape[0];
+  shape.hidden = args.x.shape[1];
+  EPX_CHECK_ARG(shape.num_tokens <= max_tokens, "x has {} tokens, more than max_tokens_per_rank = {}", shape.num_tokens,
+                max_tokens);
+  EPX_CHECK_ARG(
+      shape.hidden >= kFp8BlockSize && shape.hidden <= kMaxLowLatencyHidden && shape.hidden % kFp8BlockSize == 0,
+      "x hidden size must be a multiple of {} in [{}, {}], got {}", kFp8BlockSize, kFp8BlockSize, kMaxLowLatencyHidden,
+      shape.hidden);
+  check_topk_idx(args.topk_idx, shape.num_tokens, device);
+  shape.num_topk = args.topk_idx.shape[1];
+  EPX_CHECK_ARG(shape.num_topk <= kMaxLowLatencyTopk, "topk_idx has {} columns, more than the low-latency limit {}",
+                shape.num_topk, kMaxLowLatencyTopk);
+  check_expert_split(args.num_experts, num_ranks);
+  EPX_CHECK_ARG(args.num_experts <= kMaxLowLatencyExperts, "num_experts must be <= {} for low-latency, got {}",
+                kMaxLowLatencyExperts, args.num_experts);
+  EPX_CHECK_ARG(args.scale_format == ScaleFormat::kFloat32 || args.scale_format == ScaleFormat::kUE8M0,
+                "scale_format {} is not a ScaleFormat", static_cast<int>(args.scale_format));
+  shape.num_local_experts = args.num_experts / num_ranks;
+  check_optional(args.cumulative_recv_counts, "cumulative_recv_counts", DType::kInt32, {shape.num_local_experts},
+                 device);
+  return shape;
+}
+
+void validate_low_latency_combine(const LowLatencyCombineArgs& args, const LowLatencyShape& dispatch_shape,
+                                  int64_t max_tokens_per_rank, int num_ranks, Device device) {
+  check_tensor(args.x, "x", DType::kBFloat16,
+               {dispatch_shape.num_local_experts, num_ranks * max_tokens_per_rank, dispatch_shape.hidden});
+  check_device(args.x, "x", device);
+  check_tensor(args.topk_idx, "topk_idx", {DType::kInt64, DType::kInt32},
+               {dispatch_shape.num_tokens, dispatch_shape.num_topk});
+  check_device(args.topk_idx, "topk_idx", device);
+  check_tensor(args.topk_weights, "topk_weights", DType::kFloat32,
+               {dispatch_shape.num_tokens, dispatch_shape.num_topk});
+  check_device(args.topk_weights, "topk_weights", device);
+  check_optional(args.out, "out", DType::kBFloat16, {dispatch_shape.num_tokens, dispatch_shape.hidden}, device);
+}
+
+}  // namespace epx::ep

@@ -1,0 +1,54 @@
+// Backend-independent argument checks of the Buffer API (include/epx/buffer.h). Both backends call
+// these before touching memory; they read only shapes, dtypes and scalars, never tensor contents
+// (value checks such as topk_idx ranges need device reads and stay with each backend).
+// Every check throws Error(kInvalidArgument) whose message names the argument and the bound.
+#pragma once
+
+#include <cstdint>
+
+#include "epx/buffer.h"
+
+namespace epx::ep {
+
+// Low-latency limits (the kernels size per-thread state by them).
+inline constexpr int64_t kMaxLowLatencyHidden = 16384;
+inline constexpr int64_t kMaxLowLatencyTopk = 16;
+inline constexpr int64_t kMaxLowLatencyExperts = 1024;
+
+// Shapes of a validated normal dispatch.
+struct DispatchShape {
+  int64_t num_tokens = 0;  // T
+  int64_t hidden = 0;      // H
+  int64_t num_topk = 0;    // K; 0 in cached mode
+  bool is_fp8 = false;
+  bool is_cached = false;  // args.handle is set
+};
+
+// get_dispatch_layout: topk_idx int32/int64 [T, K] on `device`, num_experts divisible by num_ranks.
+void validate_layout_args(const TensorView& topk_idx, int64_t num_experts, int num_ranks, Device device);
+
+// Normal dispatch. In cached mode also checks handle->num_tokens() == T.
+DispatchShape validate_dispatch(const DispatchArgs& args, int num_ranks, Device device);
+
+// Normal combine. num_tokens: the handle's T; num_rows: rows of the dispatch's outputs (the received
+// count, or num_worst_tokens in worst-token mode).
+void validate_combine(const CombineArgs& args, int64_t num_tokens, int64_t num_rows, Device device);
+
+// Shapes of a validated low-latency dispatch.
+struct LowLatencyShape {
+  int64_t num_tokens = 0;
+  int64_t hidden = 0;
+  int64_t num_topk = 0;
+  int64_t num_local_experts = 0;
+};
+
+// Low-latency dispatch: T <= max_tokens_per_rank, H % 128 == 0, H <= 16384, K <= 16, experts <= 1024
+// and divisible by num_ranks, num_ranks * max_tokens_per_rank < 2^31 (slot indices are packed in 32 bits).
+LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args, int num_ranks, Device device);
+
+// Low-latency combine against the dispatch that made the handle: x [E_local, R * M, H] bf16 with the
+// dispatch's H, topk_idx / topk_weights [T, K] with the dispatch's T and K, out (optional) [T, H] bf16.
+void validate_low_latency_combine(const LowLatencyCombineArgs& args, const LowLatencyShape& dispatch_shape,
+                                  int64_t max_tokens_per_rank, int num_ranks, Device device);
+
+}  // namespace epx::ep

@@ -1,0 +1,76 @@
+// Low-latency mailboxes of the host backend (private; see host_buffer.h for the protocol).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ep/validate.h"
+#include "epx/quant.h"
+#include "epx/tensor.h"
+#include "host/host_group.h"
+
+namespace epx::host {
+
+enum class LowLatencyKind : int { kDispatch, kCombine };
+
+// One rank's message for one low-latency call: immutable once posted, freed by reference count.
+struct LowLatencyPost {
+  LowLatencyKind kind = LowLatencyKind::kDispatch;
+  uint64_t seq = 0;        // the sender's low-latency call number (1, 2, ...)
+  std::vector<bool> mask;  // the sender's rank mask when it posted
+  int64_t hidden = 0;
+  // Dispatch: the sender's tokens.
+  int64_t num_tokens = 0, num_topk = 0, max_tokens = 0, num_experts = 0;
+  bool use_fp8 = false;
+  ScaleFormat scale_format = ScaleFormat::kFloat32;
+  std::vector<int64_t> topk;    // [T, K]
+  std::vector<uint8_t> x;       // [T, H]: bf16, or fp8 after quantize_fp8_host
+  std::vector<uint8_t> scales;  // [T, H / 128]: fp32 or uint8; fp8 only
+  // Combine: the expert outputs of the received slots, per (local expert, destination rank) block.
+  std::vector<int64_t> block_offset;  // [E_local, R]: first row of the block in `rows`
+  std::vector<int32_t> block_count;   // [E_local, R]
+  std::vector<uint16_t> rows;         // bf16 [sum of counts, H]
+};
+
+// Shared by the same-numbered low-latency buffers of all ranks of one host world.
+struct LowLatencyMailbox {
+  static constexpr size_t kMaxPostsPerRank = 4;  // a rank more calls behind than this is masked
+
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::vector<std::deque<std::shared_ptr<const LowLatencyPost>>> posts;  // [R], oldest first
+};
+
+// The mailbox of this rank's next low-latency buffer. Ranks pair their buffers by creation order.
+std::shared_ptr<LowLatencyMailbox> attach_mailbox(HostGroup& group);
+// Drops this rank's posts (the buffer is going away).
+void detach_mailbox(LowLatencyMailbox& mailbox, int rank);
+
+// The state of one low-latency call, shared by its handle and its receive hook.
+struct LowLatencyState {
+  const void* owner = nullptr;  // the HostBuffer
+  LowLatencyKind kind = LowLatencyKind::kDispatch;
+  uint64_t seq = 0;
+  bool received = false;
+  ep::LowLatencyShape shape;
+  int64_t max_tokens = 0, num_experts = 0;
+  bool use_fp8 = false;
+  ScaleFormat scale_format = ScaleFormat::kFloat32;
+  // Dispatch.
+  std::vector<int64_t> topk;              // [T, K]
+  std::vector<int32_t> slot_idx;          // [T, K]: index of (t, k) in its (expert, rank) block, -1 if none
+  std::vector<int32_t> recv_block_count;  // [E_local, R]: pairs received per block (set on receive)
+  int set_idx = 0;
+  std::shared_ptr<void> recv_x, recv_x_scales, recv_count, recv_src_info, recv_layout_range;
+  TensorView cumulative_recv_counts;
+  // Combine.
+  std::shared_ptr<const LowLatencyState> dispatch;
+  std::vector<float> topk_weights;  // [T, K]
+  TensorView out;                   // [T, H] bf16
+};
+
+}  // namespace epx::host
