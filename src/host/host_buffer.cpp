@@ -51,6 +51,7 @@ struct DispatchPost {
   const uint8_t* scales = nullptr;
   TensorView topk_idx;
   const float* topk_weights = nullptr;
+  bool has_weights = false;  // the pointer alone is null for T = 0
   int64_t num_experts = 0;
   const uint8_t* is_token_in_rank = nullptr;       // [T, R]
   const int32_t* num_tokens_per_rank = nullptr;    // [R]
@@ -61,6 +62,7 @@ struct CombinePost {
   const uint16_t* x = nullptr;  // [rows, H]
   int64_t hidden = 0;
   const float* topk_weights = nullptr;  // [rows, K]
+  bool has_weights = false;
   int64_t num_topk = 0;
 };
 
@@ -173,6 +175,7 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
   } else {
     mine.topk_idx = args.topk_idx;
     mine.topk_weights = args.topk_weights.defined() ? args.topk_weights.data_as<const float>() : nullptr;
+    mine.has_weights = args.topk_weights.defined();
     mine.is_token_in_rank = layout->is_token_in_rank.data();
     mine.num_tokens_per_rank = layout->num_tokens_per_rank.data();
     mine.num_tokens_per_expert = layout->num_tokens_per_expert.data();
@@ -189,7 +192,7 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
       EPX_CHECK_ARG(p->shape.is_cached == shape.is_cached && p->shape.hidden == hidden && p->x_dtype == args.x.dtype &&
                         (!shape.is_fp8 || p->scales_dtype == mine.scales_dtype) && p->num_experts == num_experts &&
                         p->shape.num_topk == shape.num_topk &&
-                        (p->topk_weights != nullptr) == (mine.topk_weights != nullptr) &&
+                        p->has_weights == mine.has_weights &&
                         (shape.is_cached || p->topk_idx.dtype == args.topk_idx.dtype),
                     "dispatch arguments differ between rank {} and rank {} (cached mode, x hidden/dtype, x_scales "
                     "dtype, num_experts, topk_idx shape/dtype and topk_weights presence must agree)",
@@ -216,7 +219,7 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
     result.recv_src_idx = alloc(DType::kInt32, {num_rows});
     if (!cached) {
       result.recv_topk_idx = alloc(args.topk_idx.dtype, {num_rows, num_topk});
-      if (mine.topk_weights != nullptr) result.recv_topk_weights = alloc(DType::kFloat32, {num_rows, num_topk});
+      if (mine.has_weights) result.recv_topk_weights = alloc(DType::kFloat32, {num_rows, num_topk});
     }
     auto* recv_x = static_cast<uint8_t*>(result.recv_x.data());
     auto* recv_scales = static_cast<uint8_t*>(result.recv_x_scales.data());
@@ -314,6 +317,7 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
   mine.hidden = hidden;
   if (args.topk_weights.defined()) {
     mine.topk_weights = args.topk_weights.data_as<const float>();
+    mine.has_weights = true;
     mine.num_topk = args.topk_weights.shape[1];
   }
 
@@ -324,7 +328,7 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
     std::vector<const CombinePost*> peers(num_ranks_);
     for (int r = 0; r < num_ranks_; ++r) {
       const auto* p = peers[r] = static_cast<const CombinePost*>(ptrs[r]);
-      EPX_CHECK_ARG(p->hidden == hidden && (p->topk_weights != nullptr) == (mine.topk_weights != nullptr) &&
+      EPX_CHECK_ARG(p->hidden == hidden && p->has_weights == mine.has_weights &&
                         p->num_topk == mine.num_topk,
                     "combine arguments differ between rank {} and rank {} (x hidden size, topk_weights presence and "
                     "width must agree)",
@@ -336,7 +340,7 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
     const auto* bias_1 = args.bias_1.defined() ? args.bias_1.data_as<const uint16_t>() : nullptr;
     const int64_t num_topk = mine.num_topk;
     float* out_w = nullptr;
-    if (mine.topk_weights != nullptr) {
+    if (mine.has_weights) {
       result.topk_weights = alloc(DType::kFloat32, {num_tokens, num_topk});
       out_w = result.topk_weights.data_as<float>();
     }

@@ -1,0 +1,590 @@
+// Host backend, low-latency mode, against a brute-force expectation built here.
+//
+// Routing: each rank draws T <= M tokens (one rank idle) with distinct random top-k experts, ~10% of
+// the slots -1; so each (expert, source rank) block holds at most M pairs. Expected slots: in block
+// (local expert e, source s), starting at s * M, the pairs (t, k) of s that chose e by ascending t
+// (then k); recv_src_info = t there and -1 elsewhere; recv_count and recv_layout_range follow. Combine
+// of identity experts (x = recv_x, dequantized for fp8) must give x[t] * (sum of the weights whose
+// expert's rank is present), within bf16 rounding: |got - exp| <= 2^-8 |exp| + 2e-6 * sum_k |w_k x|
+// (bf16 rounds to 2^-9 relative; fp32 products and <= 16 sums add < 17 * 2^-24 of sum |w x|).
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "epx/buffer.h"
+#include "epx/error.h"
+#include "epx/group.h"
+#include "epx/quant.h"
+#include "test_util.h"
+
+namespace epx {
+namespace {
+
+struct Case {
+  int num_ranks = 1;
+  int64_t max_tokens = 24;
+  int64_t hidden = 128;
+  int num_topk = 1;
+  int64_t num_experts = 8;
+  bool int32_topk = false;
+  bool use_fp8 = false;
+  ScaleFormat scale_format = ScaleFormat::kFloat32;
+};
+
+struct RankInput {
+  int64_t num_tokens = 0;
+  std::vector<uint16_t> x;      // [T, H] bf16
+  std::vector<int64_t> topk;    // [T, K]
+  std::vector<int32_t> topk32;  // [T, K]
+  std::vector<float> weights;   // [T, K]
+  std::vector<uint8_t> x8;      // [T, H] fp8 (quantize_fp8_host), when use_fp8
+  std::vector<uint8_t> scales;  // [T, H / 128] scale bytes, when use_fp8
+};
+
+unsigned fresh_seed() {
+  std::random_device source;
+  return source();
+}
+
+DType scale_dtype(const Case& c) { return c.scale_format == ScaleFormat::kUE8M0 ? DType::kUInt8 : DType::kFloat32; }
+
+std::vector<RankInput> make_inputs(std::mt19937& rng, const Case& c) {
+  std::vector<RankInput> in(c.num_ranks);
+  std::uniform_int_distribution<int64_t> tokens(1, c.max_tokens);
+  std::uniform_real_distribution<float> weight(-1.f, 1.f);
+  const int idle = static_cast<int>(rng() % c.num_ranks);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    auto& d = in[r];
+    d.num_tokens = (r == idle && c.num_ranks > 1) ? 0 : tokens(rng);
+    d.x = testing::random_bf16(rng, d.num_tokens * c.hidden, 8.f);
+    d.topk = testing::random_topk(rng, d.num_tokens, c.num_topk, c.num_experts, 0.1);
+    d.topk32.assign(d.topk.begin(), d.topk.end());
+    d.weights.resize(d.topk.size());
+    for (auto& w : d.weights) w = weight(rng);
+    if (c.use_fp8) {
+      const int64_t num_blocks = c.hidden / kFp8BlockSize;
+      d.x8.resize(d.num_tokens * c.hidden);
+      d.scales.resize(d.num_tokens * num_blocks * dtype_size(scale_dtype(c)));
+      quantize_fp8_host(TensorView::of(d.x.data(), DType::kBFloat16, {d.num_tokens, c.hidden}),
+                        TensorView::of(d.x8.data(), DType::kFloat8E4M3, {d.num_tokens, c.hidden}),
+                        TensorView::of(d.scales.data(), scale_dtype(c), {d.num_tokens, num_blocks}), c.scale_format);
+    }
+  }
+  return in;
+}
+
+TensorView topk_view(RankInput& d, const Case& c) {
+  return c.int32_topk ? TensorView::of(d.topk32.data(), DType::kInt32, {d.num_tokens, c.num_topk})
+                      : TensorView::of(d.topk.data(), DType::kInt64, {d.num_tokens, c.num_topk});
+}
+
+LowLatencyDispatchArgs dispatch_args(RankInput& d, const Case& c) {
+  LowLatencyDispatchArgs a;
+  a.x = TensorView::of(d.x.data(), DType::kBFloat16, {d.num_tokens, c.hidden});
+  a.topk_idx = topk_view(d, c);
+  a.max_tokens_per_rank = c.max_tokens;
+  a.num_experts = c.num_experts;
+  a.use_fp8 = c.use_fp8;
+  a.scale_format = c.scale_format;
+  return a;
+}
+
+std::vector<std::unique_ptr<Buffer>> make_buffers(const std::vector<std::shared_ptr<Group>>& groups) {
+  BufferOptions options;
+  options.num_low_latency_bytes = 1;  // the host backend sizes its own slots
+  std::vector<std::unique_ptr<Buffer>> buffers;
+  for (const auto& g : groups) buffers.push_back(Buffer::create(g, options));
+  return buffers;
+}
+
+// Checks rank dst's dispatch outputs; present[s]: whether dst received from s (not masked).
+void check_dispatch(const std::vector<RankInput>& in, const Case& c, int dst, const LowLatencyDispatchResult& res,
+                    const std::vector<bool>& present) {
+  SCOPED_TRACE("receiving rank " + std::to_string(dst));
+  const int R = c.num_ranks;
+  const int64_t M = c.max_tokens, H = c.hidden, E_local = c.num_experts / R, K = c.num_topk;
+  const int64_t num_blocks = H / kFp8BlockSize;
+  ASSERT_EQ(res.recv_x.sizes(), (std::vector<int64_t>{E_local, R * M, H}));
+  ASSERT_EQ(res.recv_x.dtype(), c.use_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16);
+  ASSERT_EQ(res.recv_count.sizes(), (std::vector<int64_t>{E_local}));
+  ASSERT_EQ(res.recv_src_info.sizes(), (std::vector<int64_t>{E_local, R * M}));
+  ASSERT_EQ(res.recv_layout_range.sizes(), (std::vector<int64_t>{E_local, R}));
+  ASSERT_EQ(res.recv_x_scales.defined(), c.use_fp8);
+  if (c.use_fp8) {
+    ASSERT_EQ(res.recv_x_scales.sizes(), (std::vector<int64_t>{E_local, R * M, num_blocks}));
+    ASSERT_EQ(res.recv_x_scales.dtype(), scale_dtype(c));
+  }
+  const size_t scale_bytes = num_blocks * dtype_size(scale_dtype(c));
+  for (int64_t e = 0; e < E_local; ++e) {
+    int32_t total = 0;
+    for (int s = 0; s < R; ++s) {
+      int64_t n = 0;
+      for (int64_t t = 0; present[s] && t < in[s].num_tokens; ++t) {
+        for (int64_t k = 0; k < K; ++k) {
+          if (in[s].topk[t * K + k] != dst * E_local + e) continue;
+          const int64_t slot = e * R * M + s * M + n;
+          ASSERT_EQ(res.recv_src_info.data_as<int32_t>()[slot], t) << "expert " << e << " source " << s << " #" << n;
+          if (c.use_fp8) {
+            ASSERT_EQ(std::memcmp(res.recv_x.data_as<uint8_t>() + slot * H, in[s].x8.data() + t * H, H), 0);
+            ASSERT_EQ(std::memcmp(res.recv_x_scales.data_as<uint8_t>() + slot * scale_bytes,
+                                  in[s].scales.data() + t * scale_bytes, scale_bytes),
+                      0);
+          } else {
+            ASSERT_EQ(std::memcmp(res.recv_x.data_as<uint16_t>() + slot * H, in[s].x.data() + t * H, H * 2), 0);
+          }
+          ++n;
+        }
+      }
+      for (int64_t i = n; i < M; ++i) ASSERT_EQ(res.recv_src_info.data_as<int32_t>()[e * R * M + s * M + i], -1);
+      ASSERT_EQ(res.recv_layout_range.data_as<int64_t>()[e * R + s], ((s * M) << 32) | n)
+          << "expert " << e << " source " << s;
+      total += static_cast<int32_t>(n);
+    }
+    ASSERT_EQ(res.recv_count.data_as<int32_t>()[e], total) << "expert " << e;
+  }
+}
+
+// The identity experts' output for a dispatch result: recv_x itself (bf16) or its dequantization.
+std::vector<uint16_t> identity_expert(const Case& c, const LowLatencyDispatchResult& res) {
+  const int64_t rows = res.recv_x.size(0) * res.recv_x.size(1);
+  std::vector<uint16_t> out(rows * c.hidden);
+  if (!c.use_fp8) {
+    std::memcpy(out.data(), res.recv_x.data(), out.size() * 2);
+  } else {
+    dequantize_fp8_host(TensorView::of(res.recv_x.data(), DType::kFloat8E4M3, {rows, c.hidden}),
+                        TensorView::of(res.recv_x_scales.data(), scale_dtype(c), {rows, c.hidden / kFp8BlockSize}),
+                        TensorView::of(out.data(), DType::kBFloat16, {rows, c.hidden}));
+  }
+  return out;
+}
+
+// Checks rank r's combine output; present[q]: whether experts on rank q contribute (not masked).
+void check_combine(const std::vector<RankInput>& in, const Case& c, int r, const Tensor& out,
+                   const std::vector<bool>& present) {
+  SCOPED_TRACE("token rank " + std::to_string(r));
+  const int64_t H = c.hidden, K = c.num_topk, E_local = c.num_experts / c.num_ranks;
+  ASSERT_EQ(out.sizes(), (std::vector<int64_t>{in[r].num_tokens, H}));
+  std::vector<float> token(H);
+  for (int64_t t = 0; t < in[r].num_tokens; ++t) {
+    // What every expert saw of token t: x, or its fp8 round trip.
+    for (int64_t h = 0; h < H; ++h) {
+      float v = bf16_to_float(in[r].x[t * H + h]);
+      if (c.use_fp8) {
+        const int64_t b = t * (H / kFp8BlockSize) + h / kFp8BlockSize;
+        const float scale = c.scale_format == ScaleFormat::kUE8M0
+                                ? ue8m0_to_float(in[r].scales[b])
+                                : reinterpret_cast<const float*>(in[r].scales.data())[b];
+        v = bf16_to_float(float_to_bf16(fp8_e4m3_to_float(in[r].x8[t * H + h]) * scale));
+      }
+      token[h] = v;
+    }
+    double weight_sum = 0, weight_abs = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = in[r].topk[t * K + k];
+      if (e < 0 || !present[e / E_local]) continue;
+      weight_sum += in[r].weights[t * K + k];
+      weight_abs += std::fabs(in[r].weights[t * K + k]);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const double expected = token[h] * weight_sum;
+      const double tolerance = std::ldexp(std::fabs(expected), -8) + 2e-6 * weight_abs * std::fabs(token[h]);
+      ASSERT_LE(std::fabs(bf16_to_float(out.data_as<uint16_t>()[t * H + h]) - expected), tolerance)
+          << "token " << t << " h " << h;
+    }
+  }
+}
+
+struct Step {
+  std::vector<LowLatencyDispatchResult> dispatched;
+  std::vector<std::vector<uint16_t>> expert_out;
+  std::vector<LowLatencyCombineResult> combined;
+};
+
+LowLatencyCombineArgs combine_args(RankInput& d, const Case& c, const LowLatencyDispatchResult& res,
+                                   std::vector<uint16_t>& expert_out) {
+  LowLatencyCombineArgs a;
+  const int64_t R = c.num_ranks;
+  a.x = TensorView::of(expert_out.data(), DType::kBFloat16, {c.num_experts / R, R * c.max_tokens, c.hidden});
+  a.topk_idx = topk_view(d, c);
+  a.topk_weights = TensorView::of(d.weights.data(), DType::kFloat32, {d.num_tokens, c.num_topk});
+  a.handle = res.handle;
+  return a;
+}
+
+TEST(HostLowLatency, DispatchCombineMatchBruteForce) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  for (int num_ranks : {1, 2, 3, 4, 8}) {
+    auto groups = create_host_groups(num_ranks, {.timeout_ms = 20'000});
+    auto buffers = make_buffers(groups);
+    std::vector<std::vector<int32_t>> cumulative(num_ranks);
+    std::vector<std::vector<int32_t>> expected_cumulative(num_ranks);
+    for (int64_t num_experts : {8, 24, 64, 288}) {
+      if (num_experts % num_ranks != 0) continue;
+      Case c;
+      c.num_ranks = num_ranks;
+      c.num_experts = num_experts;
+      c.hidden = 128 * (1 + rng() % 2);
+      c.num_topk = 1 + static_cast<int>(rng() % 9);
+      c.int32_topk = rng() % 2 == 0;
+      SCOPED_TRACE("experts " + std::to_string(num_experts) + " top-" + std::to_string(c.num_topk));
+      auto in = make_inputs(rng, c);
+      const int64_t E_local = num_experts / num_ranks;
+      for (int r = 0; r < num_ranks; ++r) {
+        cumulative[r].assign(E_local, 0);
+        for (auto& v : cumulative[r]) v = static_cast<int32_t>(rng() % 100);
+        expected_cumulative[r] = cumulative[r];
+      }
+      Step step;
+      step.dispatched.resize(num_ranks);
+      step.expert_out.resize(num_ranks);
+      step.combined.resize(num_ranks);
+      testing::on_ranks(num_ranks, [&](int r) {
+        for (int round = 0; round < 2; ++round) {  // two dispatches: the counts accumulate twice
+          auto a = dispatch_args(in[r], c);
+          a.cumulative_recv_counts = TensorView::of(cumulative[r].data(), DType::kInt32, {E_local});
+          step.dispatched[r] = buffers[r]->low_latency_dispatch(a);
+        }
+        step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+        step.combined[r] =
+            buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+      });
+      const std::vector<bool> all(num_ranks, true);
+      for (int r = 0; r < num_ranks; ++r) {
+        check_dispatch(in, c, r, step.dispatched[r], all);
+        check_combine(in, c, r, step.combined[r].x, all);
+        for (int64_t e = 0; e < E_local; ++e) {
+          expected_cumulative[r][e] += 2 * step.dispatched[r].recv_count.data_as<int32_t>()[e];
+        }
+        EXPECT_EQ(cumulative[r], expected_cumulative[r]);
+        EXPECT_EQ(buffers[r]->rank_mask(), std::vector<bool>(num_ranks, false));
+      }
+    }
+  }
+}
+
+TEST(HostLowLatency, Fp8Dispatch) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  for (const ScaleFormat format : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {
+    Case c;
+    c.num_ranks = 4;
+    c.num_experts = 32;
+    c.hidden = 384;
+    c.num_topk = 6;
+    c.use_fp8 = true;
+    c.scale_format = format;
+    auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
+    auto buffers = make_buffers(groups);
+    auto in = make_inputs(rng, c);
+    Step step;
+    step.dispatched.resize(c.num_ranks);
+    step.expert_out.resize(c.num_ranks);
+    step.combined.resize(c.num_ranks);
+    testing::on_ranks(c.num_ranks, [&](int r) {
+      step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
+      step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+      step.combined[r] =
+          buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+    });
+    const std::vector<bool> all(c.num_ranks, true);
+    for (int r = 0; r < c.num_ranks; ++r) {
+      check_dispatch(in, c, r, step.dispatched[r], all);
+      check_combine(in, c, r, step.combined[r].x, all);
+    }
+  }
+}
+
+TEST(HostLowLatency, HookSplitsSendAndReceive) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Case c;
+  c.num_ranks = 4;
+  c.num_experts = 16;
+  c.num_topk = 4;
+  auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
+  auto buffers = make_buffers(groups);
+  auto in = make_inputs(rng, c);
+  Step step;
+  step.dispatched.resize(c.num_ranks);
+  step.expert_out.resize(c.num_ranks);
+  step.combined.resize(c.num_ranks);
+  std::vector<std::vector<uint16_t>> out(c.num_ranks);
+  // Every rank's send must return before any rank runs its hook: a send that waited for a peer's
+  // receive would deadlock here (and fail by timeout).
+  std::barrier sync(c.num_ranks);
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    auto a = dispatch_args(in[r], c);
+    a.return_recv_hook = true;
+    step.dispatched[r] = buffers[r]->low_latency_dispatch(a);
+    EXPECT_TRUE(static_cast<bool>(step.dispatched[r].recv_hook));
+    sync.arrive_and_wait();
+    step.dispatched[r].recv_hook();
+    step.dispatched[r].recv_hook();  // a second call is a no-op
+    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+    out[r].assign(in[r].num_tokens * c.hidden, 0xffff);
+    auto ca = combine_args(in[r], c, step.dispatched[r], step.expert_out[r]);
+    ca.return_recv_hook = true;
+    ca.out = TensorView::of(out[r].data(), DType::kBFloat16, {in[r].num_tokens, c.hidden});
+    step.combined[r] = buffers[r]->low_latency_combine(ca);
+    sync.arrive_and_wait();
+    step.combined[r].recv_hook();
+  });
+  const std::vector<bool> all(c.num_ranks, true);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    check_dispatch(in, c, r, step.dispatched[r], all);
+    EXPECT_EQ(step.combined[r].x.data(), out[r].data());  // written into args.out
+    check_combine(in, c, r, step.combined[r].x, all);
+  }
+}
+
+TEST(HostLowLatency, TwoResultsStayValid) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Case c;
+  c.num_ranks = 3;
+  c.num_experts = 24;
+  c.num_topk = 5;
+  auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
+  auto buffers = make_buffers(groups);
+  auto in_a = make_inputs(rng, c);
+  auto in_b = make_inputs(rng, c);
+  Step a, b;
+  for (Step* s : {&a, &b}) {
+    s->dispatched.resize(c.num_ranks);
+    s->expert_out.resize(c.num_ranks);
+    s->combined.resize(c.num_ranks);
+  }
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    a.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in_a[r], c));
+    b.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in_b[r], c));
+    // Combine B first, then A: A's outputs and handle are still valid after B.
+    b.expert_out[r] = identity_expert(c, b.dispatched[r]);
+    b.combined[r] = buffers[r]->low_latency_combine(combine_args(in_b[r], c, b.dispatched[r], b.expert_out[r]));
+    a.expert_out[r] = identity_expert(c, a.dispatched[r]);
+    a.combined[r] = buffers[r]->low_latency_combine(combine_args(in_a[r], c, a.dispatched[r], a.expert_out[r]));
+  });
+  const std::vector<bool> all(c.num_ranks, true);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    EXPECT_NE(a.dispatched[r].recv_x.data(), b.dispatched[r].recv_x.data());
+    check_dispatch(in_a, c, r, a.dispatched[r], all);
+    check_dispatch(in_b, c, r, b.dispatched[r], all);
+    check_combine(in_a, c, r, a.combined[r].x, all);
+    check_combine(in_b, c, r, b.combined[r].x, all);
+  }
+}
+
+TEST(HostLowLatency, ExplicitMaskSkipsTheRank) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Case c;
+  c.num_ranks = 4;
+  c.num_experts = 32;
+  c.num_topk = 6;
+  constexpr int kMasked = 2;
+  // A long timeout: nothing may wait for the masked rank.
+  auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
+  auto buffers = make_buffers(groups);
+  auto in = make_inputs(rng, c);
+  Step step;
+  step.dispatched.resize(c.num_ranks);
+  step.expert_out.resize(c.num_ranks);
+  step.combined.resize(c.num_ranks);
+  const auto start = std::chrono::steady_clock::now();
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    if (r != kMasked) buffers[r]->mask_rank(kMasked);
+    step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
+    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  for (int r = 0; r < c.num_ranks; ++r) {
+    // The others skip rank 2; rank 2 sees it was masked by everyone and masks them back.
+    std::vector<bool> present(c.num_ranks, r != kMasked);
+    present[kMasked] = r == kMasked;
+    std::vector<bool> mask(present.size());
+    for (size_t i = 0; i < mask.size(); ++i) mask[i] = !present[i];
+    EXPECT_EQ(buffers[r]->rank_mask(), mask) << "rank " << r;
+    check_dispatch(in, c, r, step.dispatched[r], present);
+    check_combine(in, c, r, step.combined[r].x, present);
+  }
+  // After clearing the masks everyone takes part again.
+  auto in2 = make_inputs(rng, c);
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    buffers[r]->clear_rank_mask();
+    step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in2[r], c));
+    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in2[r], c, step.dispatched[r], step.expert_out[r]));
+  });
+  const std::vector<bool> all(c.num_ranks, true);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    check_dispatch(in2, c, r, step.dispatched[r], all);
+    check_combine(in2, c, r, step.combined[r].x, all);
+  }
+}
+
+TEST(HostLowLatency, SilentRankIsMaskedAfterTimeout) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Case c;
+  c.num_ranks = 3;
+  c.num_experts = 12;
+  c.num_topk = 4;
+  constexpr int kSilent = 2;
+  auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 200});
+  auto buffers = make_buffers(groups);
+  auto in = make_inputs(rng, c);
+  Step step;
+  step.dispatched.resize(c.num_ranks);
+  step.expert_out.resize(c.num_ranks);
+  step.combined.resize(c.num_ranks);
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    if (r == kSilent) return;  // never calls
+    step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
+    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+  });
+  const std::vector<bool> present = {true, true, false};
+  for (int r = 0; r < c.num_ranks; ++r) {
+    if (r == kSilent) continue;
+    EXPECT_EQ(buffers[r]->rank_mask(), (std::vector<bool>{false, false, true})) << "rank " << r;
+    check_dispatch(in, c, r, step.dispatched[r], present);
+    check_combine(in, c, r, step.combined[r].x, present);
+  }
+}
+
+void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected kInvalidArgument mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(HostLowLatency, RejectsBadInput) {
+  auto groups = create_host_groups(1, {.timeout_ms = 1'000});
+  auto buffers = make_buffers(groups);
+  Buffer& buffer = *buffers[0];
+  std::mt19937 rng(3);
+  Case c;
+  c.num_experts = 8;
+  c.num_topk = 3;
+  c.max_tokens = 8;
+  auto in = make_inputs(rng, c);
+  auto& d = in[0];
+  d.topk[1] = 8;
+  expect_invalid([&] { buffer.low_latency_dispatch(dispatch_args(d, c)); }, "topk_idx[0][1] = 8");
+  d.topk[1] = (d.topk[0] + 1) % 8 == d.topk[2] ? (d.topk[0] + 2) % 8 : (d.topk[0] + 1) % 8;
+  expect_invalid(
+      [&] {
+        auto a = dispatch_args(d, c);
+        a.max_tokens_per_rank = d.num_tokens - 1;
+        buffer.low_latency_dispatch(a);
+      },
+      "max_tokens_per_rank");
+  std::vector<uint16_t> x(d.num_tokens * 200);
+  expect_invalid(
+      [&] {
+        auto a = dispatch_args(d, c);
+        a.x = TensorView::of(x.data(), DType::kBFloat16, {d.num_tokens, 200});
+        buffer.low_latency_dispatch(a);
+      },
+      "multiple of 128");
+  std::vector<uint16_t> big(16512);
+  expect_invalid(
+      [&] {
+        auto a = dispatch_args(d, c);
+        a.x = TensorView::of(big.data(), DType::kBFloat16, {1, 16512});
+        a.topk_idx = TensorView::of(d.topk.data(), DType::kInt64, {1, 3});
+        buffer.low_latency_dispatch(a);
+      },
+      "16384");
+  std::vector<int64_t> wide(17, 0);
+  expect_invalid(
+      [&] {
+        auto a = dispatch_args(d, c);
+        a.x = TensorView::of(d.x.data(), DType::kBFloat16, {1, c.hidden});
+        a.topk_idx = TensorView::of(wide.data(), DType::kInt64, {1, 17});
+        buffer.low_latency_dispatch(a);
+      },
+      "topk_idx");
+  expect_invalid(
+      [&] {
+        auto a = dispatch_args(d, c);
+        a.num_experts = 2048;
+        buffer.low_latency_dispatch(a);
+      },
+      "num_experts");
+  expect_invalid(
+      [&] {
+        auto a = dispatch_args(d, c);
+        a.topk_idx.shape[0] -= 1;
+        buffer.low_latency_dispatch(a);
+      },
+      "topk_idx");
+  std::vector<int32_t> counts(3);
+  expect_invalid(
+      [&] {
+        auto a = dispatch_args(d, c);
+        a.cumulative_recv_counts = TensorView::of(counts.data(), DType::kInt32, {3});
+        buffer.low_latency_dispatch(a);
+      },
+      "cumulative_recv_counts");
+  // Without low-latency memory the path is off.
+  auto plain = Buffer::create(groups[0]);
+  expect_invalid([&] { plain->low_latency_dispatch(dispatch_args(d, c)); }, "num_low_latency_bytes");
+
+  // Combine: before the hook ran, and with mismatched shapes.
+  auto ha = dispatch_args(d, c);
+  ha.return_recv_hook = true;
+  auto pending = buffer.low_latency_dispatch(ha);
+  auto expert_out = std::vector<uint16_t>(c.num_experts * c.max_tokens * c.hidden);
+  expect_invalid([&] { buffer.low_latency_combine(combine_args(d, c, pending, expert_out)); }, "recv_hook");
+  pending.recv_hook();
+  expect_invalid(
+      [&] {
+        auto a = combine_args(d, c, pending, expert_out);
+        a.x.shape[1] -= 1;
+        buffer.low_latency_combine(a);
+      },
+      "x dim 1");
+  expect_invalid(
+      [&] {
+        auto a = combine_args(d, c, pending, expert_out);
+        a.topk_weights.shape[1] = 2;
+        buffer.low_latency_combine(a);
+      },
+      "topk_weights");
+  expect_invalid(
+      [&] {
+        auto a = combine_args(d, c, pending, expert_out);
+        a.handle = nullptr;
+        buffer.low_latency_combine(a);
+      },
+      "handle");
+  expect_invalid([&] { buffer.mask_rank(1); }, "rank");
+  expect_invalid([&] { buffer.mask_rank(0); }, "itself");
+  // Experts not divisible by ranks: each rank throws before posting anything.
+  auto groups3 = create_host_groups(3, {.timeout_ms = 1'000});
+  auto buffers3 = make_buffers(groups3);
+  testing::on_ranks(3, [&](int r) {
+    auto a = dispatch_args(d, c);
+    expect_invalid([&] { buffers3[r]->low_latency_dispatch(a); }, "divisible by num_ranks");
+  });
+}
+
+}  // namespace
+}  // namespace epx
