@@ -306,7 +306,7 @@ void print_report(const nlohmann::json& report) {
               report["device"].get<std::string>().c_str());
   std::printf("%-28s %12s %14s\n", "phase", "time (us)", "logical GB/s");
   for (const auto& p : report["phases"]) {
-    const std::string gbps = p.contains("logical_gbps") ? fmt::format("{:.1f}", p["logical_gbps"].get<double>()) : "-";
+    const std::string gbps = p.contains("logical_gbps") ? fmt::format("{:.3g}", p["logical_gbps"].get<double>()) : "-";
     std::printf("%-28s %12.1f %14s\n", p["name"].get<std::string>().c_str(), p["time_us"].get<double>(), gbps.c_str());
   }
   std::printf("check: %s\n", report["check"]["passed"].get<bool>() ? "passed" : "FAILED");
