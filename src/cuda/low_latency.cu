@@ -377,6 +377,8 @@ LowLatencyLayout LowLatencyLayout::make(int64_t max_tokens_per_rank, int64_t hid
     offset = align_up(offset + bytes, 256);
     return at;
   };
+  // NOTE: the control block comes first, so its offset does not depend on the shapes.
+  l.control_offset = take(sizeof(LowLatencyControl));
   for (auto& s : l.sets) {
     s.dispatch_data = take(slots * hidden * 2);
     s.dispatch_scales = take(slots * (hidden / kBlock) * 4);
@@ -388,7 +390,6 @@ LowLatencyLayout LowLatencyLayout::make(int64_t max_tokens_per_rank, int64_t hid
     s.combine_data = take(max_tokens_per_rank * kLowLatencyMaxTopk * hidden * 2);
     s.combine_signals = take(num_experts * 8);
   }
-  l.control_offset = take(sizeof(LowLatencyControl));
   l.total_bytes = offset;
   return l;
 }
