@@ -1,0 +1,40 @@
+// CUDA groups: how ranks of the cuda backend find each other and share peer memory.
+//
+// Two process models:
+//   one process per GPU (production: torchrun, mpirun): create_cuda_group(comm) on an existing NCCL
+//     communicator. Group collectives (barrier, all_gather_bytes) run on NCCL; Buffer peer memory is
+//     shared through CUDA IPC handles exchanged with all_gather_bytes.
+//   one process, one thread per rank (tests, `epx bench`, the CLI): create_cuda_groups(devices). Ranks
+//     may share a GPU (4 ranks on 2 GPUs); collectives are host rendezvous, peer memory is plain
+//     device pointers with peer access enabled. NCCL is not needed.
+// Every rank's buffer needs load/store access to every other rank's GPU: GPUs without peer access
+// make Buffer::create throw Error(kUnsupported) naming the pair.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "epx/group.h"
+
+typedef struct ncclComm* ncclComm_t;  // NOLINT: the same typedef as nccl.h
+
+namespace epx {
+
+struct CudaGroupOptions {
+  // Budget for every wait on a peer (host collectives and device-side waits), in milliseconds.
+  int64_t timeout_ms = 60'000;
+};
+
+// One group per entry of `devices` (CUDA ordinals, repeats allowed; 1 to 8 entries). Hand groups[r] to
+// the thread that plays rank r; that thread's CUDA calls go to devices[r] (epx sets the device itself).
+// Throws kInvalidArgument for a bad ordinal or count.
+std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& devices,
+                                                       const CudaGroupOptions& options = {});
+
+// A group over an existing NCCL communicator (one rank per GPU). The communicator must outlive the
+// group and must not be used concurrently with the group's collectives from another thread. The rank's
+// device is the communicator's. Throws kNcclError if the communicator cannot be queried.
+std::shared_ptr<Group> create_cuda_group(ncclComm_t comm, const CudaGroupOptions& options = {});
+
+}  // namespace epx

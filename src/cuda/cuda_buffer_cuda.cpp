@@ -1,0 +1,487 @@
+// The cuda backend's Buffer: peer memory, the normal kernels' host side, handles and errors.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "core/check.h"
+#include "cuda/cuda_group.h"
+#include "cuda/cuda_util.h"
+#include "cuda/normal_kernels.h"
+#include "ep/backends.h"
+#include "ep/validate.h"
+
+namespace epx::cuda {
+namespace {
+
+// Signals and notify slots live in the first kSignalBytes of every rank's region (src/ep/size_hints.cpp
+// reserves the same amount).
+constexpr int64_t kSignalBytes = int64_t{1} << 20;
+constexpr int64_t kMaxRingRows = 1024;
+constexpr int64_t kMinRingRows = 4;
+
+int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+class CudaDispatchHandle final : public DispatchHandle {
+ public:
+  int64_t num_tokens() const override { return num_tokens_; }
+  int64_t num_recv_tokens() const override { return num_recv_; }
+
+  const void* owner = nullptr;  // the buffer that made it
+  int num_channels = 0;
+  int num_local_experts = 0;
+  int64_t num_tokens_ = 0;
+  int64_t num_recv_ = -1;                   // -1: unknown on the host (worst-token mode)
+  int64_t num_rows = 0;                     // rows of the dispatch outputs
+  Tensor is_token_in_rank;                  // uint8 [T, R]
+  Tensor excl_pos;                          // int32 [R][T + 1]
+  Tensor list_tok;                          // int32 [R][T]
+  Tensor chan_start;                        // int32 [R][C + 1]
+  Tensor recv_meta;                         // int32 RecvMetaLayout
+  Tensor recv_expert_counts;                // int32 [E_local]
+  std::vector<int32_t> expert_counts_host;  // empty when unknown
+};
+
+class CudaBuffer final : public Buffer {
+ public:
+  CudaBuffer(std::shared_ptr<Group> group, const BufferOptions& options)
+      : group_(std::move(group)), allocator_(options.allocator ? options.allocator : default_allocator()) {
+    cgroup_ = dynamic_cast<CudaGroup*>(group_.get());
+    EPX_CHECK_ARG(cgroup_ != nullptr, "group must be a cuda group (see epx/cuda.h)");
+    rank_ = group_->rank();
+    num_ranks_ = group_->num_ranks();
+    device_ = group_->device().index;
+    EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kMaxRanks,
+              "the cuda backend supports up to {} ranks per host, got {}", kMaxRanks, num_ranks_);
+    num_channels_ = std::clamp(options.num_sms / 2, 1, kMaxChannels);
+    EPX_CHECK_ARG(options.num_sms <= 2 * kMaxChannels, "num_sms must be <= {} on the cuda backend, got {}",
+                  2 * kMaxChannels, options.num_sms);
+    int64_t bytes = options.num_normal_bytes;
+    if (bytes == 0) bytes = normal_buffer_size_hint(8192, num_ranks_, options.num_sms);
+    EPX_CHECK_ARG(bytes > kSignalBytes, "num_normal_bytes must be > {} (signals) on the cuda backend, got {}",
+                  kSignalBytes, bytes);
+    region_bytes_ = align_up(bytes, 4096);
+
+    DeviceGuard guard(device_);
+    check_cuda(cudaMalloc(&region_, region_bytes_), "cudaMalloc (peer region)");
+    check_cuda(cudaMemset(region_, 0, kSignalBytes), "cudaMemset (signals)");
+    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&errors_), 2 * sizeof(ErrorRecord),
+                             cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc (error records)");
+    std::memset(errors_, 0, 2 * sizeof(ErrorRecord));
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&errors_device_), errors_, 0),
+               "cudaHostGetDevicePointer");
+    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&meta_host_), sizeof(int32_t) * 8192, cudaHostAllocPortable),
+               "cudaHostAlloc (receive counts)");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    open_peers();
+    if (cgroup_->world() != nullptr) seen_generation_ = cgroup_->world()->reset_generation.load();
+    group_->barrier();
+
+    comm_.rank = rank_;
+    comm_.num_ranks = num_ranks_;
+    comm_.num_channels = num_channels_;
+    int64_t off = 0;
+    auto take = [&](int64_t n) {
+      const int64_t o = off;
+      off = align_up(off + n, 128);
+      return o;
+    };
+    const int64_t rc = int64_t{num_ranks_} * num_channels_;
+    comm_.off_epoch = take(8);
+    comm_.off_tail = take(8 * rc);
+    comm_.off_head = take(8 * rc);
+    comm_.off_done = take(8 * rc);
+    comm_.off_notify_flag = take(8 * 2 * num_ranks_);
+    comm_.off_notify = take(4 * 2 * int64_t{num_ranks_} * kNotifyInts);
+    if (off > kSignalBytes) detail::raise(ErrorCode::kInternal, "signal area needs {} bytes", off);
+    comm_.signal_bytes = kSignalBytes;
+    comm_.off_ring = kSignalBytes;
+    comm_.ring_bytes = region_bytes_ - kSignalBytes;
+    comm_.timeout_ns = static_cast<uint64_t>(group_->timeout_ms()) * 1'000'000ull;
+    comm_.error = errors_device_;
+  }
+
+  ~CudaBuffer() override {
+    DeviceGuard guard(device_);
+    // NOTE: peers may still write into our region until they finished their last call: wait for them.
+    try {
+      if (last_stream_ != nullptr) cudaStreamSynchronize(last_stream_);
+      group_->barrier();
+    } catch (...) {
+    }
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (r != rank_ && ipc_opened_[r]) cudaIpcCloseMemHandle(comm_.peers[r]);
+    }
+    cudaFree(region_);
+    cudaFreeHost(errors_);
+    cudaFreeHost(meta_host_);
+  }
+
+  Group& group() override { return *group_; }
+
+  Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) override {
+    ep::validate_layout_args(topk_idx, num_experts, num_ranks_, group_->device());
+    EPX_CHECK_ARG(num_experts <= kMaxExperts, "num_experts must be <= {} on the cuda backend, got {}", kMaxExperts,
+                  num_experts);
+    DeviceGuard guard(device_);
+    raise_recorded_errors();
+    return compute_layout(topk_idx, num_experts, stream);
+  }
+
+  DispatchResult dispatch(const DispatchArgs& args) override;
+  CombineResult combine(const CombineArgs& args) override;
+
+  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs&) override {
+    detail::raise(ErrorCode::kUnsupported, "low_latency_dispatch is not implemented yet on the cuda backend");
+  }
+  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs&) override {
+    detail::raise(ErrorCode::kUnsupported, "low_latency_combine is not implemented yet on the cuda backend");
+  }
+  void mask_rank(int) override {
+    detail::raise(ErrorCode::kUnsupported, "mask_rank (low-latency path) is not implemented yet on the cuda backend");
+  }
+  std::vector<bool> rank_mask() const override { return std::vector<bool>(num_ranks_, false); }
+  void clear_rank_mask() override {}
+
+ private:
+  void open_peers();
+  Layout compute_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream);
+  Tensor empty(DType dtype, const std::vector<int64_t>& shape, Stream stream) {
+    return Tensor::empty(dtype, shape, group_->device(), allocator_, stream);
+  }
+  int64_t ring_rows_for(int64_t row_bytes) const {
+    const int64_t rows = comm_.ring_bytes / (int64_t{num_ranks_} * num_channels_ * row_bytes);
+    EPX_CHECK_ARG(rows >= kMinRingRows,
+                  "num_normal_bytes too small: rows of {} bytes need >= {} bytes of ring per rank and channel "
+                  "({} ranks, {} channels), have {} in all",
+                  row_bytes, kMinRingRows * row_bytes, num_ranks_, num_channels_, comm_.ring_bytes);
+    return std::min(rows, kMaxRingRows);
+  }
+  // Raises (once) what the device recorded since the last call. A timeout also asks every rank of
+  // this process to reset its signals on its next call.
+  void raise_recorded_errors();
+  void begin_collective(Stream stream);
+  void request_reset();
+
+  std::shared_ptr<Group> group_;
+  CudaGroup* cgroup_ = nullptr;
+  std::shared_ptr<Allocator> allocator_;
+  int rank_ = 0;
+  int num_ranks_ = 0;
+  int device_ = 0;
+  int num_channels_ = 1;
+  int64_t region_bytes_ = 0;
+  void* region_ = nullptr;
+  bool ipc_opened_[kMaxRanks] = {};
+  ErrorRecord* errors_ = nullptr;         // mapped host memory [2]
+  ErrorRecord* errors_device_ = nullptr;  // its device alias
+  int32_t* meta_host_ = nullptr;          // pinned staging of the receive counts
+  CommArgs comm_{};
+  uint64_t seen_generation_ = 0;
+  Stream last_stream_ = nullptr;
+};
+
+void CudaBuffer::open_peers() {
+  DeviceGuard guard(device_);
+  void* mine = region_;
+  if (cgroup_->single_process()) {
+    struct Entry {
+      void* ptr;
+      int device;
+    };
+    Entry entry{mine, device_};
+    std::vector<Entry> all(num_ranks_);
+    group_->all_gather_bytes(&entry, all.data(), sizeof(Entry));
+    for (int r = 0; r < num_ranks_; ++r) {
+      comm_.peers[r] = static_cast<char*>(all[r].ptr);
+      if (all[r].device == device_) continue;
+      int can = 0;
+      check_cuda(cudaDeviceCanAccessPeer(&can, device_, all[r].device), "cudaDeviceCanAccessPeer");
+      EPX_CHECK(ErrorCode::kUnsupported, can != 0,
+                "cuda:{} (rank {}) has no peer access to cuda:{} (rank {}): the cuda backend needs NVLink or PCIe "
+                "peer-to-peer between all GPUs of a group",
+                device_, rank_, all[r].device, r);
+      const cudaError_t err = cudaDeviceEnablePeerAccess(all[r].device, 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+      } else {
+        check_cuda(err, "cudaDeviceEnablePeerAccess");
+      }
+    }
+    return;
+  }
+  cudaIpcMemHandle_t handle;
+  check_cuda(cudaIpcGetMemHandle(&handle, mine), "cudaIpcGetMemHandle");
+  std::vector<cudaIpcMemHandle_t> all(num_ranks_);
+  group_->all_gather_bytes(&handle, all.data(), sizeof(handle));
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_) {
+      comm_.peers[r] = static_cast<char*>(mine);
+      continue;
+    }
+    void* ptr = nullptr;
+    const cudaError_t err = cudaIpcOpenMemHandle(&ptr, all[r], cudaIpcMemLazyEnablePeerAccess);
+    if (err == cudaErrorPeerAccessUnsupported || err == cudaErrorInvalidDevice) {
+      cudaGetLastError();
+      detail::raise(ErrorCode::kUnsupported, "rank {} (cuda:{}) cannot map rank {}'s memory: no peer access ({})",
+                    rank_, device_, r, cudaGetErrorString(err));
+    }
+    check_cuda(err, "cudaIpcOpenMemHandle");
+    comm_.peers[r] = static_cast<char*>(ptr);
+    ipc_opened_[r] = true;
+  }
+}
+
+void CudaBuffer::request_reset() {
+  CudaWorld* world = cgroup_->world();
+  if (world == nullptr) return;
+  // Every rank that failed asks for the same next generation, so simultaneous failures reset once.
+  uint64_t current = world->reset_generation.load();
+  const uint64_t target = seen_generation_ + 1;
+  while (current < target && !world->reset_generation.compare_exchange_weak(current, target)) {
+  }
+}
+
+void CudaBuffer::raise_recorded_errors() {
+  ErrorRecord rec[2];
+  std::memcpy(rec, errors_, sizeof(rec));
+  if (rec[0].code == kErrNone && rec[1].code == kErrNone) return;
+  std::memset(errors_, 0, sizeof(rec));
+  if (rec[0].code == kErrTimeout) {
+    request_reset();
+    const auto& e = rec[0];
+    detail::raise(ErrorCode::kTimeout,
+                  "cuda rank {} timed out after {} ms in {}: peer rank {}, channel {}, expected counter {:#x}, "
+                  "observed {:#x}; the buffer resets on the next call of every rank",
+                  e.rank, group_->timeout_ms(), wait_site_name(e.where), e.peer, e.channel, e.expected, e.observed);
+  }
+  const auto& e = rec[1];
+  if (e.code == kErrInvalidTopk) {
+    detail::raise(ErrorCode::kInvalidArgument, "topk_idx[{}][{}] = {} is outside [-1, num_experts = {}) (rank {})",
+                  e.peer, e.channel, e.observed, e.expected, e.rank);
+  }
+  detail::raise(ErrorCode::kInvalidArgument,
+                "num_worst_tokens = {} is smaller than the {} rows received by rank {} in an earlier dispatch; the "
+                "extra rows were dropped",
+                e.expected, e.observed, e.rank);
+}
+
+void CudaBuffer::begin_collective(Stream stream) {
+  raise_recorded_errors();
+  last_stream_ = stream;
+  CudaWorld* world = cgroup_->world();
+  if (world == nullptr) return;
+  const uint64_t generation = world->reset_generation.load();
+  if (generation == seen_generation_) return;
+  // A rank timed out: nobody may still run a kernel on the old signals, then everyone zeroes its own.
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
+  group_->barrier();
+  check_cuda(cudaMemsetAsync(region_, 0, kSignalBytes, stream), "cudaMemsetAsync (reset)");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
+  std::memset(errors_, 0, 2 * sizeof(ErrorRecord));
+  group_->barrier();
+  seen_generation_ = generation;
+}
+
+Layout CudaBuffer::compute_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) {
+  const int64_t T = topk_idx.shape[0];
+  Layout layout;
+  layout.num_tokens_per_rank = empty(DType::kInt32, {num_ranks_}, stream);
+  layout.num_tokens_per_expert = empty(DType::kInt32, {num_experts}, stream);
+  layout.is_token_in_rank = empty(DType::kBool, {T, num_ranks_}, stream);
+  launch_layout(topk_idx.data, topk_idx.dtype == DType::kInt64, T, static_cast<int>(topk_idx.shape[1]), num_experts,
+                num_ranks_, layout.num_tokens_per_rank.data_as<int32_t>(),
+                layout.num_tokens_per_expert.data_as<int32_t>(), layout.is_token_in_rank.data_as<uint8_t>(),
+                errors_device_ + 1, rank_, stream);
+  check_cuda(cudaGetLastError(), "layout kernel launch");
+  return layout;
+}
+
+DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
+  const ep::DispatchShape shape = ep::validate_dispatch(args, num_ranks_, group_->device());
+  const int64_t T = shape.num_tokens, H = shape.hidden;
+  const int64_t x_row_bytes = H * static_cast<int64_t>(dtype_size(args.x.dtype));
+  EPX_CHECK_ARG(x_row_bytes % 16 == 0, "x rows must be a multiple of 16 bytes on the cuda backend, got hidden = {}", H);
+  EPX_CHECK_ARG(shape.num_topk <= kMaxTopk, "topk_idx has {} columns; the cuda backend allows <= {}", shape.num_topk,
+                kMaxTopk);
+  std::shared_ptr<const CudaDispatchHandle> cached;
+  if (shape.is_cached) {
+    cached = std::dynamic_pointer_cast<const CudaDispatchHandle>(args.handle);
+    EPX_CHECK_ARG(cached != nullptr && cached->owner == this, "handle was not made by this buffer");
+  } else {
+    EPX_CHECK_ARG(args.num_experts / num_ranks_ <= kMaxLocalExperts,
+                  "num_experts / num_ranks must be <= {} on the cuda backend, got {}", kMaxLocalExperts,
+                  args.num_experts / num_ranks_);
+    EPX_CHECK_ARG(args.num_experts <= kMaxExperts, "num_experts must be <= {} on the cuda backend, got {}", kMaxExperts,
+                  args.num_experts);
+  }
+  const int64_t scale_row_bytes =
+      args.x_scales.defined() ? args.x_scales.shape[1] * static_cast<int64_t>(dtype_size(args.x_scales.dtype)) : 0;
+  const int K = shape.is_cached ? 0 : static_cast<int>(shape.num_topk);
+  const int64_t row_bytes = align_up(align_up(x_row_bytes + scale_row_bytes, 4) + 8 * K + 4, 16);
+  const int64_t ring_rows = ring_rows_for(row_bytes);
+  Stream stream = args.stream;
+  DeviceGuard guard(device_);
+  begin_collective(stream);
+
+  auto handle = std::make_shared<CudaDispatchHandle>();
+  std::string value_error;
+  if (cached) {
+    *handle = *cached;
+  } else {
+    handle->owner = this;
+    handle->num_channels = num_channels_;
+    handle->num_tokens_ = T;
+    handle->num_local_experts = static_cast<int>(args.num_experts / num_ranks_);
+    Tensor per_expert_tensor;
+    const int32_t* per_expert = nullptr;
+    if (args.layout != nullptr) {
+      const Layout& l = *args.layout;
+      check_tensor(l.is_token_in_rank, "layout->is_token_in_rank", DType::kBool, {T, num_ranks_});
+      check_device(l.is_token_in_rank, "layout->is_token_in_rank", group_->device());
+      check_tensor(l.num_tokens_per_expert, "layout->num_tokens_per_expert", DType::kInt32, {args.num_experts});
+      check_device(l.num_tokens_per_expert, "layout->num_tokens_per_expert", group_->device());
+      // The handle outlives the caller's layout: keep a copy of the routing.
+      handle->is_token_in_rank = empty(DType::kBool, {T, num_ranks_}, stream);
+      check_cuda(cudaMemcpyAsync(handle->is_token_in_rank.data(), l.is_token_in_rank.data(), T * num_ranks_,
+                                 cudaMemcpyDeviceToDevice, stream),
+                 "cudaMemcpyAsync (is_token_in_rank)");
+      per_expert = l.num_tokens_per_expert.data_as<const int32_t>();
+    } else {
+      Layout l = compute_layout(args.topk_idx, args.num_experts, stream);
+      handle->is_token_in_rank = l.is_token_in_rank;
+      per_expert_tensor = l.num_tokens_per_expert;
+      per_expert = per_expert_tensor.data_as<const int32_t>();
+    }
+    const int R = num_ranks_, C = num_channels_;
+    handle->excl_pos = empty(DType::kInt32, {R, T + 1}, stream);
+    handle->list_tok = empty(DType::kInt32, {R, std::max<int64_t>(T, 1)}, stream);
+    handle->chan_start = empty(DType::kInt32, {R, C + 1}, stream);
+    launch_scan(handle->is_token_in_rank.data_as<uint8_t>(), T, R, C, handle->excl_pos.data_as<int32_t>(),
+                handle->list_tok.data_as<int32_t>(), handle->chan_start.data_as<int32_t>(), stream);
+    const RecvMetaLayout m{R, C, handle->num_local_experts};
+    handle->recv_meta = empty(DType::kInt32, {m.size()}, stream);
+    handle->recv_expert_counts = empty(DType::kInt32, {handle->num_local_experts}, stream);
+    launch_advance_epoch(comm_, stream);
+    launch_notify(comm_, handle->chan_start.data_as<int32_t>(), per_expert, handle->num_local_experts,
+                  args.expert_alignment, handle->recv_meta.data_as<int32_t>(),
+                  handle->recv_expert_counts.data_as<int32_t>(), stream);
+    check_cuda(cudaGetLastError(), "notify launch");
+    if (args.num_worst_tokens == 0) {
+      check_cuda(cudaMemcpyAsync(meta_host_, handle->recv_meta.data(), m.size() * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream),
+                 "cudaMemcpyAsync (receive counts)");
+      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (notify)");
+      if (errors_[0].code != kErrNone) raise_recorded_errors();  // a timeout: no data kernel follows
+      handle->num_recv_ = meta_host_[m.num_recv()];
+      handle->expert_counts_host.assign(meta_host_ + m.expert_count(0),
+                                        meta_host_ + m.expert_count(handle->num_local_experts));
+    }
+  }
+  if (cached) launch_advance_epoch(comm_, stream);
+  if (args.num_worst_tokens == 0 && handle->num_recv_ < 0) {
+    // A cached dispatch without num_worst_tokens after a worst-token dispatch: learn the counts now.
+    const RecvMetaLayout m{num_ranks_, num_channels_, handle->num_local_experts};
+    check_cuda(cudaMemcpyAsync(meta_host_, handle->recv_meta.data(), m.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                               stream),
+               "cudaMemcpyAsync (receive counts)");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (counts)");
+    handle->num_recv_ = meta_host_[m.num_recv()];
+    handle->expert_counts_host.assign(meta_host_ + m.expert_count(0),
+                                      meta_host_ + m.expert_count(handle->num_local_experts));
+  }
+  const int64_t N = args.num_worst_tokens > 0 ? args.num_worst_tokens : handle->num_recv_;
+  handle->num_rows = N;
+
+  DispatchResult result;
+  result.recv_x = empty(args.x.dtype, {N, H}, stream);
+  if (args.x_scales.defined()) result.recv_x_scales = empty(args.x_scales.dtype, {N, args.x_scales.shape[1]}, stream);
+  if (!shape.is_cached) {
+    result.recv_topk_idx = empty(args.topk_idx.dtype, {N, K}, stream);
+    if (args.topk_weights.defined()) result.recv_topk_weights = empty(DType::kFloat32, {N, K}, stream);
+  }
+  result.recv_src_idx = empty(DType::kInt32, {N}, stream);
+
+  DispatchKernelArgs k{};
+  k.x = static_cast<const char*>(args.x.data);
+  k.x_scales = static_cast<const char*>(args.x_scales.defined() ? args.x_scales.data : nullptr);
+  k.topk_idx = shape.is_cached ? nullptr : args.topk_idx.data;
+  k.topk_is_int64 = !shape.is_cached && args.topk_idx.dtype == DType::kInt64;
+  k.topk_weights = args.topk_weights.defined() ? args.topk_weights.data_as<const float>() : nullptr;
+  k.num_topk = K;
+  k.num_local_experts = handle->num_local_experts;
+  k.num_tokens = T;
+  k.x_row_bytes = x_row_bytes;
+  k.scale_row_bytes = scale_row_bytes;
+  k.list_tok = handle->list_tok.data_as<const int32_t>();
+  k.chan_start = handle->chan_start.data_as<const int32_t>();
+  k.recv_meta = handle->recv_meta.data_as<const int32_t>();
+  k.out_x = static_cast<char*>(result.recv_x.data());
+  k.out_scales = static_cast<char*>(result.recv_x_scales.defined() ? result.recv_x_scales.data() : nullptr);
+  k.out_topk_idx = result.recv_topk_idx.defined() ? result.recv_topk_idx.data() : nullptr;
+  k.out_topk_weights = result.recv_topk_weights.defined() ? result.recv_topk_weights.data_as<float>() : nullptr;
+  k.out_src_idx = result.recv_src_idx.data_as<int32_t>();
+  k.num_out_rows = N;
+  k.worst_mode = args.num_worst_tokens > 0;
+  k.ring_rows = ring_rows;
+  k.row_bytes = row_bytes;
+  launch_dispatch(comm_, k, stream);
+  check_cuda(cudaGetLastError(), "dispatch launch");
+
+  result.recv_expert_counts = handle->recv_expert_counts;
+  if (args.num_worst_tokens == 0) result.num_recv_tokens_per_expert = handle->expert_counts_host;
+  result.handle = handle;
+  // A bad topk_idx found by the layout kernel (checked after the data kernel so peers are not left waiting).
+  if (errors_[1].code != kErrNone) raise_recorded_errors();
+  return result;
+}
+
+CombineResult CudaBuffer::combine(const CombineArgs& args) {
+  auto handle = std::dynamic_pointer_cast<const CudaDispatchHandle>(args.handle);
+  EPX_CHECK_ARG(handle != nullptr && handle->owner == this, "handle was not made by this buffer's dispatch");
+  ep::validate_combine(args, handle->num_tokens_, handle->num_rows, group_->device());
+  const int64_t H = args.x.shape[1];
+  EPX_CHECK_ARG(H % 8 == 0, "x hidden size must be a multiple of 8 on the cuda backend, got {}", H);
+  const int K = args.topk_weights.defined() ? static_cast<int>(args.topk_weights.shape[1]) : 0;
+  EPX_CHECK_ARG(K <= kMaxTopk, "topk_weights has {} columns; the cuda backend allows <= {}", K, kMaxTopk);
+  const int64_t row_bytes = align_up(H * 2 + 4 * K, 16);
+  const int64_t ring_rows = ring_rows_for(row_bytes);
+  Stream stream = args.stream;
+  DeviceGuard guard(device_);
+  begin_collective(stream);
+  const int64_t T = handle->num_tokens_;
+  CombineResult result;
+  result.x = empty(DType::kBFloat16, {T, H}, stream);
+  if (K > 0) result.topk_weights = empty(DType::kFloat32, {T, K}, stream);
+  CombineKernelArgs k{};
+  k.x = args.x.data_as<const uint16_t>();
+  k.topk_weights = K > 0 ? args.topk_weights.data_as<const float>() : nullptr;
+  k.bias_0 = args.bias_0.defined() ? args.bias_0.data_as<const uint16_t>() : nullptr;
+  k.bias_1 = args.bias_1.defined() ? args.bias_1.data_as<const uint16_t>() : nullptr;
+  k.num_topk = K;
+  k.hidden = H;
+  k.num_tokens = T;
+  k.is_token_in_rank = handle->is_token_in_rank.data_as<const uint8_t>();
+  k.excl_pos = handle->excl_pos.data_as<const int32_t>();
+  k.chan_start = handle->chan_start.data_as<const int32_t>();
+  k.recv_meta = handle->recv_meta.data_as<const int32_t>();
+  k.out = result.x.data_as<uint16_t>();
+  k.out_topk_weights = K > 0 ? result.topk_weights.data_as<float>() : nullptr;
+  k.ring_rows = ring_rows;
+  k.row_bytes = row_bytes;
+  launch_advance_epoch(comm_, stream);
+  launch_combine(comm_, k, stream);
+  check_cuda(cudaGetLastError(), "combine launch");
+  return result;
+}
+
+}  // namespace
+
+std::unique_ptr<Buffer> create_cuda_buffer(std::shared_ptr<Group> group, const BufferOptions& options) {
+  return std::make_unique<CudaBuffer>(std::move(group), options);
+}
+
+}  // namespace epx::cuda

@@ -1,0 +1,656 @@
+// Normal-mode kernels: layout, scan, notify, dispatch, combine. Protocol: docs/normal-kernels.md.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/normal_kernels.h"
+
+namespace epx::cuda {
+
+const char* wait_site_name(int32_t site) {
+  switch (site) {
+    case kSiteNotify:
+      return "notify (counts from the peer)";
+    case kSiteDispatchSendDone:
+      return "dispatch send (peer finishing its previous receive)";
+    case kSiteDispatchSendHead:
+      return "dispatch send (ring space at the peer)";
+    case kSiteDispatchRecvTail:
+      return "dispatch receive (rows from the peer)";
+    case kSiteCombineSendDone:
+      return "combine send (peer finishing its previous receive)";
+    case kSiteCombineSendHead:
+      return "combine send (ring space at the peer)";
+    case kSiteCombineRecvTail:
+      return "combine receive (rows from the peer)";
+    default:
+      return "unknown";
+  }
+}
+
+namespace {
+
+// ---- memory-ordering primitives --------------------------------------------------------------
+// Signals cross GPUs over NVLink (or stay on one GPU when ranks share it): system scope throughout.
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// NOTE: the caller reached this store after a (named) barrier with the threads whose writes it
+// publishes; the release at system scope is cumulative over what the barrier ordered before it.
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("fence.acq_rel.sys;\n\tst.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void named_barrier(int id, int num_threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
+__device__ __forceinline__ bool aborted(const CommArgs& comm) {
+  return *reinterpret_cast<volatile int32_t*>(&comm.error[0].code) != kErrNone;
+}
+
+__device__ void record_error(const CommArgs& comm, int32_t code, int32_t where, int32_t peer, int32_t channel,
+                             int64_t expected, int64_t observed) {
+  volatile ErrorRecord* e = comm.error + (code == kErrTimeout ? 0 : 1);
+  if (e->code != kErrNone) return;  // first failure wins (a benign race between simultaneous failures)
+  e->where = where;
+  e->rank = comm.rank;
+  e->peer = peer;
+  e->channel = channel;
+  e->expected = expected;
+  e->observed = observed;
+  __threadfence_system();
+  e->code = code;
+  __threadfence_system();
+}
+
+// Spins until *p >= target (acquire). On budget expiry or a recorded failure elsewhere it records (if
+// first) and returns false. One thread calls it.
+__device__ bool wait_geq(const CommArgs& comm, const uint64_t* p, uint64_t target, int32_t site, int32_t peer,
+                         int32_t channel) {
+  const uint64_t start = global_ns();
+  uint64_t v = 0;
+  for (uint32_t i = 0;; ++i) {
+    v = ld_acquire_sys(p);
+    if (v >= target) return true;
+    if ((i & 255) == 255) {
+      if (aborted(comm)) return false;
+      if (global_ns() - start > comm.timeout_ns) {
+        record_error(comm, kErrTimeout, site, peer, channel, static_cast<int64_t>(target), static_cast<int64_t>(v));
+        return false;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint64_t* sig(const CommArgs& comm, int rank, int64_t off, int idx) {
+  return reinterpret_cast<uint64_t*>(comm.peers[rank] + off) + idx;
+}
+
+__device__ __forceinline__ uint64_t read_epoch(const CommArgs& comm) {
+  return *reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_epoch);
+}
+
+// Copies `bytes` (multiple of 16, both 16-byte aligned) with one warp.
+__device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
+  const int64_t n = bytes / 16;
+  auto* d = reinterpret_cast<int4*>(dst);
+  const auto* s = reinterpret_cast<const int4*>(src);
+  int64_t i = lane;
+#pragma unroll 4
+  for (; i + 96 < n; i += 128) {
+    const int4 a = __ldg(s + i), b = __ldg(s + i + 32), c = __ldg(s + i + 64), e = __ldg(s + i + 96);
+    d[i] = a;
+    d[i + 32] = b;
+    d[i + 64] = c;
+    d[i + 96] = e;
+  }
+  for (; i < n; i += 32) d[i] = __ldg(s + i);
+}
+
+// Same, but the source is a ring written by another GPU: plain (coherent) loads, no __ldg.
+__device__ __forceinline__ void warp_copy16_coherent(char* dst, const char* src, int64_t bytes, int lane) {
+  const int64_t n = bytes / 16;
+  auto* d = reinterpret_cast<int4*>(dst);
+  const auto* s = reinterpret_cast<const volatile int4*>(src);
+  for (int64_t i = lane; i < n; i += 32) {
+    int4 v;
+    v.x = s[i].x;
+    v.y = s[i].y;
+    v.z = s[i].z;
+    v.w = s[i].w;
+    d[i] = v;
+  }
+}
+
+__device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int64_t bytes, int lane) {
+  if ((bytes & 3) == 0 && (reinterpret_cast<uintptr_t>(dst) & 3) == 0 && (reinterpret_cast<uintptr_t>(src) & 3) == 0) {
+    for (int64_t i = lane; i < bytes / 4; i += 32)
+      reinterpret_cast<int32_t*>(dst)[i] = reinterpret_cast<const volatile int32_t*>(src)[i];
+  } else {
+    for (int64_t i = lane; i < bytes; i += 32) dst[i] = reinterpret_cast<const volatile char*>(src)[i];
+  }
+}
+
+// ---- layout ----------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(1024)
+    layout_kernel(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
+                  int num_ranks, int32_t* per_rank, int32_t* per_expert, uint8_t* in_rank, ErrorRecord* error,
+                  int rank) {
+  __shared__ int32_t s_expert[kMaxExperts];
+  __shared__ int32_t s_rank[kMaxRanks];
+  for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) s_expert[i] = 0;
+  if (threadIdx.x < kMaxRanks) s_rank[threadIdx.x] = 0;
+  __syncthreads();
+  const int64_t per = num_experts / num_ranks;
+  for (int64_t t = threadIdx.x; t < num_tokens; t += blockDim.x) {
+    uint32_t mask = 0;
+    for (int k = 0; k < num_topk; ++k) {
+      const int64_t i = t * num_topk + k;
+      const int64_t e = is_int64 ? static_cast<const int64_t*>(topk_idx)[i]
+                                 : static_cast<int64_t>(static_cast<const int32_t*>(topk_idx)[i]);
+      if (e < -1 || e >= num_experts) {
+        volatile ErrorRecord* rec = error;
+        if (rec->code == kErrNone) {
+          rec->rank = rank;
+          rec->peer = static_cast<int32_t>(t);
+          rec->channel = k;
+          rec->observed = e;
+          rec->expected = num_experts;
+          __threadfence_system();
+          rec->code = kErrInvalidTopk;
+        }
+        continue;
+      }
+      if (e < 0) continue;
+      atomicAdd(&s_expert[e], 1);
+      mask |= 1u << static_cast<int>(e / per);
+    }
+    for (int r = 0; r < num_ranks; ++r) {
+      const bool in = (mask >> r) & 1u;
+      in_rank[t * num_ranks + r] = in;
+      if (in) atomicAdd(&s_rank[r], 1);
+    }
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) per_expert[i] = s_expert[i];
+  if (threadIdx.x < num_ranks) per_rank[threadIdx.x] = s_rank[threadIdx.x];
+}
+
+// ---- scan: one block per destination ----------------------------------------------------------
+
+__global__ void __launch_bounds__(1024)
+    scan_kernel(const uint8_t* in_rank, int64_t num_tokens, int num_ranks, int num_channels, int32_t* excl_pos,
+                int32_t* list_tok, int32_t* chan_start) {
+  __shared__ int32_t s_warp[32];
+  __shared__ int32_t s_base;
+  const int r = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int num_warps = blockDim.x >> 5;
+  int32_t* pos = excl_pos + r * (num_tokens + 1);
+  if (threadIdx.x == 0) s_base = 0;
+  __syncthreads();
+  for (int64_t tile = 0; tile < num_tokens; tile += blockDim.x) {
+    const int64_t t = tile + threadIdx.x;
+    const int flag = t < num_tokens ? in_rank[t * num_ranks + r] : 0;
+    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+    const int in_warp = __popc(ballot & ((1u << lane) - 1));
+    if (lane == 0) s_warp[warp] = __popc(ballot);
+    __syncthreads();
+    if (warp == 0) {
+      int v = lane < num_warps ? s_warp[lane] : 0;
+      for (int d = 1; d < 32; d <<= 1) {
+        const int o = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += o;
+      }
+      if (lane < num_warps) s_warp[lane] = v;  // inclusive
+    }
+    __syncthreads();
+    const int base = s_base;
+    const int excl = base + (warp > 0 ? s_warp[warp - 1] : 0) + in_warp;
+    if (t < num_tokens) {
+      pos[t] = excl;
+      if (flag) list_tok[r * num_tokens + excl] = static_cast<int32_t>(t);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) s_base = base + s_warp[num_warps - 1];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) pos[num_tokens] = s_base;
+  __syncthreads();
+  for (int c = threadIdx.x; c <= num_channels; c += blockDim.x) {
+    const int64_t begin = num_tokens * c / num_channels;
+    chan_start[r * (num_channels + 1) + c] = begin < num_tokens ? pos[begin] : s_base;
+  }
+}
+
+__global__ void advance_epoch_kernel(CommArgs comm) {
+  auto* p = reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_epoch);
+  *p = *p + 1;
+}
+
+// ---- notify: one block -----------------------------------------------------------------------
+
+__global__ void __launch_bounds__(256)
+    notify_kernel(CommArgs comm, const int32_t* chan_start, const int32_t* per_expert, int num_local_experts,
+                  int expert_alignment, int32_t* recv_meta, int32_t* recv_expert_counts) {
+  __shared__ bool s_abort;
+  const uint64_t epoch = read_epoch(comm);
+  const int parity = static_cast<int>(epoch & 1);
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  // NOTE: slot [parity][me] at each destination was last read in operation epoch - 2, which every
+  // destination finished before it released our rings in epoch - 1 (we waited on that), so it is free.
+  for (int r = 0; r < R; ++r) {
+    int32_t* slot = reinterpret_cast<int32_t*>(comm.peers[r] + comm.off_notify) + (parity * R + me) * kNotifyInts;
+    for (int i = threadIdx.x; i < C + 1; i += blockDim.x) slot[1 + i] = chan_start[r * (C + 1) + i];
+    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
+      slot[C + 2 + j] = per_expert[r * num_local_experts + j];
+    }
+  }
+  if (threadIdx.x == 0) s_abort = false;
+  __syncthreads();
+  if (threadIdx.x < R) {
+    const int r = threadIdx.x;
+    st_release_sys(sig(comm, r, comm.off_notify_flag, parity * R + me), epoch);
+    if (!wait_geq(comm, sig(comm, me, comm.off_notify_flag, parity * R + r), epoch, kSiteNotify, r, -1)) {
+      s_abort = true;
+    }
+  }
+  __syncthreads();
+  if (s_abort) return;
+  const RecvMetaLayout m{R, C, num_local_experts};
+  const int32_t* mine = reinterpret_cast<const int32_t*>(comm.peers[me] + comm.off_notify) + parity * R * kNotifyInts;
+  if (threadIdx.x == 0) {
+    int32_t prefix = 0;
+    for (int s = 0; s < R; ++s) {
+      recv_meta[m.rank_prefix(s)] = prefix;
+      prefix += mine[s * kNotifyInts + 1 + C];
+    }
+    recv_meta[m.num_recv()] = prefix;
+  }
+  for (int i = threadIdx.x; i < R * (C + 1); i += blockDim.x) {
+    const int s = i / (C + 1), c = i % (C + 1);
+    recv_meta[m.chan_start(s, c)] = mine[s * kNotifyInts + 1 + c];
+  }
+  for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
+    int32_t sum = 0;
+    for (int s = 0; s < R; ++s) sum += mine[s * kNotifyInts + C + 2 + j];
+    sum = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
+    recv_meta[m.expert_count(j)] = sum;
+    recv_expert_counts[j] = sum;
+  }
+}
+
+// ---- the ring protocol, shared by dispatch and combine ------------------------------------------
+// Sender group (channel c, destination r): rows [0, n) of its list go into ring (me -> r, c) at r,
+// batch by batch; per batch the leader waits for space (head), the warps copy rows, then the leader
+// publishes tail. Receiver group (channel c, source s) waits for tail, copies rows out, publishes head.
+// The last operation's receiver publishes done = epoch so the next operation's sender knows the ring
+// (and our notify slot) is free.
+
+template <typename WriteRow>
+__device__ void send_rows(const CommArgs& comm, int dst, int channel, int64_t num_rows, int64_t ring_rows,
+                          int64_t row_bytes, int site_done, int site_head, int group_id, int group_threads,
+                          int warp_in_group, int warps_per_group, int lane, bool* s_abort, WriteRow write_row) {
+  const uint64_t epoch = read_epoch(comm);
+  const uint64_t tag = epoch << 32;
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  const bool leader = warp_in_group == 0 && lane == 0;
+  if (leader) {
+    s_abort[group_id] =
+        !wait_geq(comm, sig(comm, me, comm.off_done, dst * C + channel), epoch - 1, site_done, dst, channel);
+  }
+  named_barrier(1 + group_id, group_threads);
+  if (s_abort[group_id]) return;
+  char* ring = comm.peers[dst] + comm.off_ring + (static_cast<int64_t>(me) * C + channel) * ring_rows * row_bytes;
+  const int64_t batch = ring_rows / 2 < 32 ? (ring_rows / 2 > 0 ? ring_rows / 2 : 1) : 32;
+  for (int64_t sent = 0; sent < num_rows; sent += batch) {
+    const int64_t n = num_rows - sent < batch ? num_rows - sent : batch;
+    if (leader) {
+      const int64_t need = sent + n - ring_rows;
+      if (need > 0) {
+        s_abort[group_id] = !wait_geq(comm, sig(comm, me, comm.off_head, dst * C + channel),
+                                      tag + static_cast<uint64_t>(need), site_head, dst, channel);
+      }
+    }
+    named_barrier(1 + group_id, group_threads);
+    if (s_abort[group_id]) return;
+    for (int64_t i = sent + warp_in_group; i < sent + n; i += warps_per_group) {
+      write_row(i, ring + (i % ring_rows) * row_bytes, lane);
+    }
+    named_barrier(1 + group_id, group_threads);
+    if (leader) st_release_sys(sig(comm, dst, comm.off_tail, me * C + channel), tag + static_cast<uint64_t>(sent + n));
+  }
+  (void)R;
+}
+
+// ---- dispatch ---------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm, DispatchKernelArgs a) {
+  __shared__ bool s_abort[kMaxRanks];
+  __shared__ int64_t s_avail[kMaxRanks];
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  const int channel = blockIdx.x >> 1;
+  const bool is_sender = (blockIdx.x & 1) == 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps_per_group = (kNormalThreads / 32) / R;
+  const int group_id = warp / warps_per_group;
+  if (group_id >= R) return;  // spare warps when R does not divide the warp count
+  const int warp_in_group = warp % warps_per_group;
+  const int group_threads = warps_per_group * 32;
+  const int peer = group_id;
+  const uint64_t epoch = read_epoch(comm);
+  const uint64_t tag = epoch << 32;
+  const int64_t T = a.num_tokens;
+  const int K = a.num_topk;
+  const int64_t off_scales = a.x_row_bytes;
+  const int64_t off_topk = (off_scales + a.scale_row_bytes + 3) / 4 * 4;
+  const int64_t off_weights = off_topk + 4 * K;
+  const int64_t off_src = off_weights + 4 * K;
+  const RecvMetaLayout m{R, C, a.num_local_experts};
+
+  if (is_sender) {
+    const int32_t* starts = a.chan_start + peer * (C + 1);
+    const int64_t first = starts[channel];
+    const int64_t num_rows = starts[channel + 1] - first;
+    const int32_t* list = a.list_tok + peer * T + first;
+    const int64_t expert_begin = static_cast<int64_t>(peer) * a.num_local_experts;
+    send_rows(comm, peer, channel, num_rows, a.ring_rows, a.row_bytes, kSiteDispatchSendDone, kSiteDispatchSendHead,
+              group_id, group_threads, warp_in_group, warps_per_group, lane, s_abort, [&](int64_t i, char* row, int l) {
+                const int64_t t = list[i];
+                warp_copy16(row, a.x + t * a.x_row_bytes, a.x_row_bytes, l);
+                if (a.scale_row_bytes > 0) {
+                  const char* src = a.x_scales + t * a.scale_row_bytes;
+                  for (int64_t b = l; b < a.scale_row_bytes; b += 32) row[off_scales + b] = src[b];
+                }
+                if (l < K && a.topk_idx != nullptr) {
+                  const int64_t e = a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[t * K + l]
+                                                    : static_cast<const int32_t*>(a.topk_idx)[t * K + l];
+                  const bool local = e >= expert_begin && e < expert_begin + a.num_local_experts;
+                  reinterpret_cast<int32_t*>(row + off_topk)[l] = local ? static_cast<int32_t>(e - expert_begin) : -1;
+                  reinterpret_cast<float*>(row + off_weights)[l] =
+                      local && a.topk_weights != nullptr ? a.topk_weights[t * K + l] : 0.f;
+                }
+                if (l == 0) *reinterpret_cast<int32_t*>(row + off_src) = static_cast<int32_t>(t);
+              });
+    return;
+  }
+
+  // Receiver group for source `peer`.
+  const int64_t first = a.recv_meta[m.chan_start(peer, channel)];
+  const int64_t num_rows = a.recv_meta[m.chan_start(peer, channel + 1)] - first;
+  const int64_t out_base = a.recv_meta[m.rank_prefix(peer)] + first;
+  const char* ring =
+      comm.peers[me] + comm.off_ring + (static_cast<int64_t>(peer) * C + channel) * a.ring_rows * a.row_bytes;
+  const bool leader = warp_in_group == 0 && lane == 0;
+  int64_t consumed = 0;
+  while (consumed < num_rows) {
+    if (leader) {
+      const uint64_t* tail = sig(comm, me, comm.off_tail, peer * C + channel);
+      s_abort[group_id] =
+          !wait_geq(comm, tail, tag + static_cast<uint64_t>(consumed + 1), kSiteDispatchRecvTail, peer, channel);
+      const int64_t avail = static_cast<int64_t>(ld_acquire_sys(tail) - tag);
+      s_avail[group_id] = avail < num_rows ? avail : num_rows;
+    }
+    named_barrier(1 + group_id, group_threads);
+    if (s_abort[group_id]) return;
+    const int64_t avail = s_avail[group_id];
+    for (int64_t i = consumed + warp_in_group; i < avail; i += warps_per_group) {
+      const char* row = ring + (i % a.ring_rows) * a.row_bytes;
+      const int64_t p = out_base + i;
+      if (p >= a.num_out_rows) continue;  // worst-token overflow: recorded below, rows dropped
+      warp_copy16_coherent(a.out_x + p * a.x_row_bytes, row, a.x_row_bytes, lane);
+      if (a.scale_row_bytes > 0) {
+        warp_copy_bytes(a.out_scales + p * a.scale_row_bytes, row + off_scales, a.scale_row_bytes, lane);
+      }
+      if (lane < K && a.out_topk_idx != nullptr) {
+        const int32_t e = reinterpret_cast<const volatile int32_t*>(row + off_topk)[lane];
+        if (a.topk_is_int64) {
+          static_cast<int64_t*>(a.out_topk_idx)[p * K + lane] = e;
+        } else {
+          static_cast<int32_t*>(a.out_topk_idx)[p * K + lane] = e;
+        }
+        if (a.out_topk_weights != nullptr) {
+          a.out_topk_weights[p * K + lane] = reinterpret_cast<const volatile float*>(row + off_weights)[lane];
+        }
+      }
+      if (lane == 0) a.out_src_idx[p] = *reinterpret_cast<const volatile int32_t*>(row + off_src);
+    }
+    named_barrier(1 + group_id, group_threads);
+    if (leader) st_release_sys(sig(comm, peer, comm.off_head, me * C + channel), tag + static_cast<uint64_t>(avail));
+    consumed = avail;
+  }
+  if (leader) st_release_sys(sig(comm, peer, comm.off_done, me * C + channel), epoch);
+
+  // Worst-token mode: mark the rows past the received count (receiver blocks share the work).
+  if (a.worst_mode && peer == 0) {
+    const int64_t received = a.recv_meta[m.num_recv()];
+    if (received > a.num_out_rows && channel == 0 && leader) {
+      record_error(comm, kErrWorstOverflow, 0, -1, -1, a.num_out_rows, received);
+    }
+    const int stride = C * group_threads;
+    for (int64_t p = received + channel * group_threads + warp_in_group * 32 + lane; p < a.num_out_rows; p += stride) {
+      a.out_src_idx[p] = -1;
+      for (int k = 0; k < K && a.out_topk_idx != nullptr; ++k) {
+        if (a.topk_is_int64) {
+          static_cast<int64_t*>(a.out_topk_idx)[p * K + k] = -1;
+        } else {
+          static_cast<int32_t*>(a.out_topk_idx)[p * K + k] = -1;
+        }
+        if (a.out_topk_weights != nullptr) a.out_topk_weights[p * K + k] = 0.f;
+      }
+    }
+  }
+}
+
+// ---- combine ----------------------------------------------------------------------------------
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Round-to-nearest-even, NaN kept (matches epx::float_to_bf16).
+__device__ __forceinline__ uint32_t to_bf16(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+__global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, CombineKernelArgs a) {
+  __shared__ bool s_abort[kMaxRanks];
+  __shared__ bool s_stall_abort;
+  __shared__ int64_t s_tail[kMaxRanks];
+  __shared__ int64_t s_consumed[kMaxRanks];
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  const int channel = blockIdx.x >> 1;
+  const bool is_sender = (blockIdx.x & 1) == 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint64_t epoch = read_epoch(comm);
+  const uint64_t tag = epoch << 32;
+  const int K = a.num_topk;
+  const int64_t H = a.hidden;
+  const int64_t x_bytes = H * 2;
+  const RecvMetaLayout m{R, C, 0};
+
+  if (is_sender) {
+    const int warps_per_group = (kNormalThreads / 32) / R;
+    const int group_id = warp / warps_per_group;
+    if (group_id >= R) return;
+    const int peer = group_id;
+    const int64_t first = a.recv_meta[m.chan_start(peer, channel)];
+    const int64_t num_rows = a.recv_meta[m.chan_start(peer, channel + 1)] - first;
+    const int64_t base = a.recv_meta[m.rank_prefix(peer)] + first;
+    send_rows(comm, peer, channel, num_rows, a.ring_rows, a.row_bytes, kSiteCombineSendDone, kSiteCombineSendHead,
+              group_id, warps_per_group * 32, warp % warps_per_group, warps_per_group, lane, s_abort,
+              [&](int64_t i, char* row, int l) {
+                const int64_t p = base + i;
+                warp_copy16(row, reinterpret_cast<const char*>(a.x + p * H), x_bytes, l);
+                if (a.topk_weights != nullptr && l < K) {
+                  reinterpret_cast<float*>(row + x_bytes)[l] = a.topk_weights[p * K + l];
+                }
+              });
+    return;
+  }
+
+  // Receiver: tokens of this channel in order; a token is ready once every rank it went to delivered
+  // its row. Readiness is monotone in the token index, so the ready tokens form a prefix.
+  const int64_t T = a.num_tokens;
+  const int64_t t_begin = T * channel / C, t_end = T * (channel + 1) / C;
+  if (threadIdx.x < R) s_consumed[threadIdx.x] = 0;
+  if (threadIdx.x == 0) s_stall_abort = false;
+  uint64_t stall_start = global_ns();
+  const int num_warps = kNormalThreads / 32;
+  for (int64_t cursor = t_begin; cursor < t_end;) {
+    if (threadIdx.x < R) {
+      const uint64_t v = ld_acquire_sys(sig(comm, me, comm.off_tail, threadIdx.x * C + channel));
+      s_tail[threadIdx.x] = v >= tag ? static_cast<int64_t>(v - tag) : 0;
+    }
+    __syncthreads();
+    const int64_t t = cursor + threadIdx.x;
+    int ready = 0;
+    if (t < t_end) {
+      ready = 1;
+      for (int r = 0; r < R; ++r) {
+        if (a.is_token_in_rank[t * R + r]) {
+          const int64_t li = a.excl_pos[r * (T + 1) + t] - a.chan_start[r * (C + 1) + channel];
+          if (li >= s_tail[r]) ready = 0;
+        }
+      }
+    }
+    const int num_ready = __syncthreads_count(ready);
+    if (num_ready == 0) {
+      if (threadIdx.x == 0) {
+        if (aborted(comm)) {
+          s_stall_abort = true;
+        } else if (global_ns() - stall_start > comm.timeout_ns) {
+          // Name the first rank whose row is missing.
+          int who = -1;
+          int64_t want = 0;
+          for (int r = 0; r < R && who < 0; ++r) {
+            if (a.is_token_in_rank[cursor * R + r]) {
+              const int64_t li = a.excl_pos[r * (T + 1) + cursor] - a.chan_start[r * (C + 1) + channel];
+              if (li >= s_tail[r]) {
+                who = r;
+                want = li + 1;
+              }
+            }
+          }
+          record_error(comm, kErrTimeout, kSiteCombineRecvTail, who, channel, static_cast<int64_t>(tag) + want,
+                       static_cast<int64_t>(tag) + (who >= 0 ? s_tail[who] : 0));
+          s_stall_abort = true;
+        }
+      }
+      __syncthreads();
+      if (s_stall_abort) return;
+      continue;
+    }
+    stall_start = global_ns();
+    for (int64_t tt = cursor + warp; tt < cursor + num_ready; tt += num_warps) {
+      const char* rows[kMaxRanks];
+      int num_src = 0;
+      for (int r = 0; r < R; ++r) {
+        if (a.is_token_in_rank[tt * R + r]) {
+          const int64_t li = a.excl_pos[r * (T + 1) + tt] - a.chan_start[r * (C + 1) + channel];
+          rows[num_src++] = comm.peers[me] + comm.off_ring +
+                            ((static_cast<int64_t>(r) * C + channel) * a.ring_rows + li % a.ring_rows) * a.row_bytes;
+        }
+      }
+      for (int64_t v = lane; v < H / 8; v += 32) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < num_src; ++j) {
+          const volatile int4* src = reinterpret_cast<const volatile int4*>(rows[j]) + v;
+          const uint32_t w[4] = {static_cast<uint32_t>(src->x), static_cast<uint32_t>(src->y),
+                                 static_cast<uint32_t>(src->z), static_cast<uint32_t>(src->w)};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            acc[2 * q] += bf16_lo(w[q]);
+            acc[2 * q + 1] += bf16_hi(w[q]);
+          }
+        }
+        const uint16_t* biases[2] = {a.bias_0, a.bias_1};
+        for (const uint16_t* bias : biases) {
+          if (bias == nullptr) continue;
+          const int4 b = __ldg(reinterpret_cast<const int4*>(bias + tt * H) + v);
+          const uint32_t w[4] = {static_cast<uint32_t>(b.x), static_cast<uint32_t>(b.y), static_cast<uint32_t>(b.z),
+                                 static_cast<uint32_t>(b.w)};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            acc[2 * q] += bf16_lo(w[q]);
+            acc[2 * q + 1] += bf16_hi(w[q]);
+          }
+        }
+        int4 o;
+        o.x = static_cast<int>(to_bf16(acc[0]) | (to_bf16(acc[1]) << 16));
+        o.y = static_cast<int>(to_bf16(acc[2]) | (to_bf16(acc[3]) << 16));
+        o.z = static_cast<int>(to_bf16(acc[4]) | (to_bf16(acc[5]) << 16));
+        o.w = static_cast<int>(to_bf16(acc[6]) | (to_bf16(acc[7]) << 16));
+        reinterpret_cast<int4*>(a.out + tt * H)[v] = o;
+      }
+      if (a.out_topk_weights != nullptr && lane < K) {
+        float sum = 0.f;
+        for (int j = 0; j < num_src; ++j) sum += reinterpret_cast<const volatile float*>(rows[j] + x_bytes)[lane];
+        a.out_topk_weights[tt * K + lane] = sum;
+      }
+    }
+    // Rows consumed per source rank: one count per rank over the processed tokens.
+    const bool mine = threadIdx.x < num_ready;
+    for (int r = 0; r < R; ++r) {
+      const int cnt = __syncthreads_count(mine && a.is_token_in_rank[t * R + r]);
+      if (threadIdx.x == 0) s_consumed[r] += cnt;
+    }
+    __syncthreads();
+    if (threadIdx.x < R) {
+      st_release_sys(sig(comm, threadIdx.x, comm.off_head, me * C + channel),
+                     tag + static_cast<uint64_t>(s_consumed[threadIdx.x]));
+    }
+    cursor += num_ready;
+  }
+  __syncthreads();
+  if (threadIdx.x < R) st_release_sys(sig(comm, threadIdx.x, comm.off_done, me * C + channel), epoch);
+}
+
+}  // namespace
+
+void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
+                   int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,
+                   uint8_t* is_token_in_rank, ErrorRecord* error, int rank, cudaStream_t stream) {
+  layout_kernel<<<1, 1024, 0, stream>>>(topk_idx, is_int64, num_tokens, num_topk, num_experts, num_ranks,
+                                        num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, error, rank);
+}
+
+void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ranks, int num_channels,
+                 int32_t* excl_pos, int32_t* list_tok, int32_t* chan_start, cudaStream_t stream) {
+  scan_kernel<<<num_ranks, 1024, 0, stream>>>(is_token_in_rank, num_tokens, num_ranks, num_channels, excl_pos, list_tok,
+                                              chan_start);
+}
+
+void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream) {
+  advance_epoch_kernel<<<1, 1, 0, stream>>>(comm);
+}
+
+void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
+                   int num_local_experts, int expert_alignment, int32_t* recv_meta, int32_t* recv_expert_counts,
+                   cudaStream_t stream) {
+  notify_kernel<<<1, 256, 0, stream>>>(comm, chan_start, num_tokens_per_expert, num_local_experts, expert_alignment,
+                                       recv_meta, recv_expert_counts);
+}
+
+void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, cudaStream_t stream) {
+  dispatch_kernel<<<comm.num_channels * 2, kNormalThreads, 0, stream>>>(comm, args);
+}
+
+void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, cudaStream_t stream) {
+  combine_kernel<<<comm.num_channels * 2, kNormalThreads, 0, stream>>>(comm, args);
+}
+
+}  // namespace epx::cuda

@@ -1,0 +1,134 @@
+// The normal (high-throughput) kernels of the cuda backend and the plain structs they take by value.
+// See docs/normal-kernels.md for the protocol.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace epx::cuda {
+
+inline constexpr int kMaxRanks = 8;
+inline constexpr int kMaxChannels = 64;        // num_sms / 2, num_sms <= 128
+inline constexpr int kMaxLocalExperts = 1024;  // notify carries one count per local expert
+inline constexpr int kMaxTopk = 16;
+inline constexpr int kMaxExperts = 8192;  // the layout kernel counts experts in shared memory
+inline constexpr int kNotifyInts = 2 + kMaxChannels + 1 + kMaxLocalExperts;
+inline constexpr int kNormalThreads = 512;
+
+// Written by the device into mapped pinned host memory: the first failure of an operation. code != 0
+// also tells every other wait of the buffer to give up (abort).
+struct ErrorRecord {
+  int32_t code;     // ErrorKind
+  int32_t where;    // WaitSite for timeouts
+  int32_t rank;     // the rank that recorded it
+  int32_t peer;     // the peer waited for (timeouts); the token (invalid topk_idx)
+  int32_t channel;  // the channel (timeouts); the slot (invalid topk_idx)
+  int32_t reserved;
+  int64_t expected;  // the counter value waited for (timeouts); num_worst_tokens (overflow)
+  int64_t observed;  // the value seen last (timeouts); the bad value (topk_idx) or rows received (overflow)
+};
+enum ErrorKind : int32_t { kErrNone = 0, kErrTimeout = 1, kErrInvalidTopk = 2, kErrWorstOverflow = 3 };
+enum WaitSite : int32_t {
+  kSiteNotify = 1,
+  kSiteDispatchSendDone = 2,
+  kSiteDispatchSendHead = 3,
+  kSiteDispatchRecvTail = 4,
+  kSiteCombineSendDone = 5,
+  kSiteCombineSendHead = 6,
+  kSiteCombineRecvTail = 7,
+};
+const char* wait_site_name(int32_t site);
+
+// Byte offsets inside every rank's peer-visible region (identical on all ranks), and what each rank
+// needs to reach its peers. Signals are uint64: (epoch << 32) | rows for ring counters, epoch for flags.
+struct CommArgs {
+  char* peers[kMaxRanks];  // each rank's region, this rank's included
+  int rank;
+  int num_ranks;
+  int num_channels;
+  int64_t off_epoch;        // uint64: this rank's operation counter (local only)
+  int64_t off_tail;         // uint64 [R src][C]: rows the source wrote into my ring (written by the source)
+  int64_t off_head;         // uint64 [R dst][C]: rows the destination consumed from its ring (written by it)
+  int64_t off_done;         // uint64 [R dst][C]: last epoch the destination finished reading its ring
+  int64_t off_notify_flag;  // uint64 [2][R src]
+  int64_t off_notify;       // int32 [2][R src][kNotifyInts]
+  int64_t off_ring;         // ring rows [R src][C][ring_rows][row_bytes]
+  int64_t ring_bytes;       // bytes available for rings
+  int64_t signal_bytes;     // bytes [0, off_ring) zeroed by a reset
+  uint64_t timeout_ns;
+  // Device aliases of mapped host records: [0] timeouts (also the abort signal of every wait of this
+  // rank), [1] bad values (topk_idx out of range, worst-token overflow), which abort nothing.
+  ErrorRecord* error;
+};
+
+// recv_meta int32 layout, written by notify (this rank as receiver).
+struct RecvMetaLayout {
+  int num_ranks, num_channels, num_local_experts;
+  __host__ __device__ int rank_prefix(int s) const { return s; }
+  __host__ __device__ int chan_start(int s, int c) const { return num_ranks + s * (num_channels + 1) + c; }
+  __host__ __device__ int num_recv() const { return num_ranks + num_ranks * (num_channels + 1); }
+  __host__ __device__ int expert_count(int j) const { return num_recv() + 1 + j; }
+  __host__ __device__ int size() const { return expert_count(num_local_experts); }
+};
+
+struct DispatchKernelArgs {
+  const char* x;         // [T, x_row_bytes]
+  const char* x_scales;  // [T, scale_row_bytes] or null
+  const void* topk_idx;  // [T, K] or null (cached)
+  bool topk_is_int64;
+  const float* topk_weights;  // [T, K] or null
+  int num_topk;
+  int num_local_experts;
+  int64_t num_tokens;
+  int64_t x_row_bytes;
+  int64_t scale_row_bytes;
+  const int32_t* list_tok;    // [R][T]: tokens sent to each destination, in order
+  const int32_t* chan_start;  // [R][C + 1]: prefix of each channel in those lists
+  const int32_t* recv_meta;   // RecvMetaLayout
+  // outputs
+  char* out_x;
+  char* out_scales;
+  void* out_topk_idx;  // null when absent
+  float* out_topk_weights;
+  int32_t* out_src_idx;
+  int64_t num_out_rows;  // capacity of the outputs
+  bool worst_mode;       // rows past the received count get src_idx/topk_idx -1
+  int64_t ring_rows;
+  int64_t row_bytes;
+};
+
+struct CombineKernelArgs {
+  const uint16_t* x;          // bf16 [N, H]
+  const float* topk_weights;  // [N, K] or null
+  const uint16_t* bias_0;     // [T, H] or null
+  const uint16_t* bias_1;
+  int num_topk;
+  int64_t hidden;
+  int64_t num_tokens;
+  const uint8_t* is_token_in_rank;  // [T, R]
+  const int32_t* excl_pos;          // [R][T + 1]
+  const int32_t* chan_start;        // [R][C + 1]
+  const int32_t* recv_meta;
+  uint16_t* out;            // [T, H]
+  float* out_topk_weights;  // [T, K] or null
+  int64_t ring_rows;
+  int64_t row_bytes;
+};
+
+// Layout: counts and is_token_in_rank; an entry outside [-1, num_experts) is recorded in `error` and
+// treated as -1. One block.
+void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
+                   int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,
+                   uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream);
+// Per destination: the exclusive prefix of is_token_in_rank, the token lists, the channel prefixes.
+void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ranks, int num_channels,
+                 int32_t* excl_pos, int32_t* list_tok, int32_t* chan_start, cudaStream_t stream);
+void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream);
+void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
+                   int num_local_experts, int expert_alignment, int32_t* recv_meta, int32_t* recv_expert_counts,
+                   cudaStream_t stream);
+void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, cudaStream_t stream);
+void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, cudaStream_t stream);
+
+}  // namespace epx::cuda

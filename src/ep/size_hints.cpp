@@ -1,0 +1,44 @@
+// Peer-memory size hints of the normal and low-latency paths (declared in epx/buffer.h). Plain host
+// code: the formulas follow the cuda backend's layouts (src/cuda/), the host backend ignores them.
+#include <cstdint>
+
+#include "core/check.h"
+#include "epx/buffer.h"
+
+namespace epx {
+namespace {
+
+// Keep in step with src/cuda/cuda_buffer_cuda.cpp (signal area) and normal_kernels.h (limits).
+constexpr int64_t kSignalBytes = int64_t{1} << 20;
+constexpr int64_t kDefaultRingRows = 128;  // rows per (source rank, channel) ring
+constexpr int64_t kMaxTopk = 16;
+
+int64_t align16(int64_t v) { return (v + 15) / 16 * 16; }
+
+}  // namespace
+
+int64_t normal_buffer_size_hint(int64_t hidden, int num_ranks, int num_sms) {
+  EPX_CHECK_ARG(hidden >= 1, "hidden must be >= 1, got {}", hidden);
+  EPX_CHECK_ARG(num_ranks >= 1, "num_ranks must be >= 1, got {}", num_ranks);
+  EPX_CHECK_ARG(num_sms >= 1, "num_sms must be >= 1, got {}", num_sms);
+  const int64_t num_channels = num_sms / 2 > 0 ? num_sms / 2 : 1;
+  // The largest row: bf16 data, fp32 scales per 128 channels, top-k ids and weights, source index.
+  const int64_t row_bytes = align16(hidden * 2 + (hidden + 127) / 128 * 4 + 8 * kMaxTopk + 4);
+  return kSignalBytes + int64_t{num_ranks} * num_channels * kDefaultRingRows * row_bytes;
+}
+
+int64_t low_latency_buffer_size_hint(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks, int64_t num_experts) {
+  EPX_CHECK_ARG(max_tokens_per_rank >= 1, "max_tokens_per_rank must be >= 1, got {}", max_tokens_per_rank);
+  EPX_CHECK_ARG(hidden >= 1, "hidden must be >= 1, got {}", hidden);
+  EPX_CHECK_ARG(num_ranks >= 1, "num_ranks must be >= 1, got {}", num_ranks);
+  EPX_CHECK_ARG(num_experts >= 1, "num_experts must be >= 1, got {}", num_experts);
+  // Per buffer set: dispatch receive slots [E_local, R, M] per rank = num_experts * M rows of a bf16
+  // message with a 16-byte header, the combine's slots likewise, plus a send staging of M rows and a
+  // count per expert. Two sets alternate.
+  const int64_t msg_bytes = align16(hidden * 2 + 16);
+  const int64_t slots = num_experts * max_tokens_per_rank;
+  const int64_t per_set = 2 * slots * msg_bytes + max_tokens_per_rank * msg_bytes + num_experts * 16;
+  return 2 * per_set;
+}
+
+}  // namespace epx

@@ -1,0 +1,761 @@
+// GPU tests of the normal dispatch/combine against the host backend (the oracle).
+//
+// Routing: every case draws fresh random top-k choices (distinct experts per token, a fraction of
+// slots -1) for every rank; experts are split evenly over ranks. Each case runs the same inputs through
+// host buffers (ranks as threads on the CPU) and cuda buffers (one thread per rank; ranks may share a
+// GPU), with every cuda output allocation poisoned first, and compares every element: data movement
+// bit-exact, combine sums within fp32-ordering tolerance. The random seed is printed.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <latch>
+#include <random>
+#include <thread>
+
+#include "core/cuda_alloc.h"
+#include "epx/buffer.h"
+#include "epx/cuda.h"
+#include "epx/error.h"
+#include "epx/quant.h"
+#include "epx/routing.h"
+
+namespace epx {
+namespace {
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+uint64_t fresh_seed() {
+  static std::atomic<uint64_t> counter{0};
+  return std::random_device{}() * 1000003ull + counter++;
+}
+
+// Short enough that a broken protocol fails the test quickly, long enough for compute-sanitizer.
+CudaGroupOptions test_options() {
+  CudaGroupOptions o;
+  o.timeout_ms = 20'000;
+  return o;
+}
+
+int num_gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+// Fills every allocation with 0xAB bytes so that an element the kernels forget to write shows up.
+class PoisonAllocator final : public Allocator {
+ public:
+  std::shared_ptr<void> allocate(size_t bytes, Device device, Stream stream) override {
+    if (!device.is_cuda()) return default_allocator()->allocate(bytes, device, stream);
+    auto p = detail::cuda_allocate(bytes, device, stream);
+    cudaMemsetAsync(p.get(), 0xAB, bytes, stream);
+    return p;
+  }
+};
+
+struct Case {
+  std::vector<int> devices;     // one entry per rank
+  std::vector<int64_t> tokens;  // T per rank
+  int64_t hidden = 2048;
+  int num_topk = 8;
+  int64_t num_experts = 64;
+  double p_masked = 0.1;
+  bool fp8 = false;
+  ScaleFormat scale_format = ScaleFormat::kFloat32;
+  bool topk_int32 = false;
+  bool weights = true;
+  bool biases = false;
+  int expert_alignment = 1;
+  int64_t num_worst_tokens = 0;
+  int num_sms = 24;
+};
+
+struct RankInput {
+  std::vector<uint8_t> x;  // bf16 or fp8 bytes [T, H]
+  std::vector<uint8_t> scales;
+  std::vector<int64_t> topk64;
+  std::vector<int32_t> topk32;
+  std::vector<float> weights;
+  std::vector<uint16_t> bias_0, bias_1;
+};
+
+struct RankOutput {
+  int64_t num_rows = 0;
+  int64_t num_recv = 0;
+  std::vector<uint8_t> x, scales;
+  std::vector<int64_t> topk;  // widened
+  std::vector<float> weights;
+  std::vector<int32_t> src_idx;
+  std::vector<int32_t> per_expert_host, per_expert_device;
+  std::vector<uint16_t> combined;
+  std::vector<float> combined_weights;
+};
+
+std::vector<RankInput> make_inputs(const Case& c, uint64_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<RankInput> in(c.devices.size());
+  std::uniform_real_distribution<float> val(-4.f, 4.f);
+  std::uniform_int_distribution<int64_t> expert(0, c.num_experts - 1);
+  std::bernoulli_distribution masked(c.p_masked);
+  std::uniform_real_distribution<float> wdist(0.f, 1.f);
+  for (size_t r = 0; r < in.size(); ++r) {
+    const int64_t T = c.tokens[r], H = c.hidden, K = c.num_topk;
+    std::vector<uint16_t> bf(T * H);
+    for (auto& v : bf) v = float_to_bf16(val(rng));
+    if (c.fp8) {
+      in[r].x.resize(T * H);
+      const size_t sbytes = c.scale_format == ScaleFormat::kFloat32 ? 4 : 1;
+      in[r].scales.resize(T * (H / 128) * sbytes);
+      quantize_fp8_host(
+          TensorView::of(bf.data(), DType::kBFloat16, {T, H}),
+          TensorView::of(in[r].x.data(), DType::kFloat8E4M3, {T, H}),
+          TensorView::of(in[r].scales.data(), c.scale_format == ScaleFormat::kFloat32 ? DType::kFloat32 : DType::kUInt8,
+                         {T, H / 128}),
+          c.scale_format);
+    } else {
+      in[r].x.resize(T * H * 2);
+      std::memcpy(in[r].x.data(), bf.data(), in[r].x.size());
+    }
+    in[r].topk64.resize(T * K);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int k = 0; k < K; ++k) {
+        int64_t e;
+        bool fresh;
+        do {
+          e = expert(rng);
+          fresh = true;
+          for (int j = 0; j < k; ++j) fresh = fresh && in[r].topk64[t * K + j] != e;
+        } while (!fresh && K <= c.num_experts);
+        in[r].topk64[t * K + k] = e;
+      }
+      for (int k = 0; k < K; ++k) {
+        if (masked(rng)) in[r].topk64[t * K + k] = -1;
+      }
+    }
+    in[r].topk32.assign(in[r].topk64.begin(), in[r].topk64.end());
+    in[r].weights.resize(T * K);
+    for (auto& w : in[r].weights) w = wdist(rng);
+    if (c.biases) {
+      in[r].bias_0.resize(T * H);
+      in[r].bias_1.resize(T * H);
+      for (auto& v : in[r].bias_0) v = float_to_bf16(val(rng));
+      for (auto& v : in[r].bias_1) v = float_to_bf16(val(rng));
+    }
+  }
+  return in;
+}
+
+DType x_dtype(const Case& c) { return c.fp8 ? DType::kFloat8E4M3 : DType::kBFloat16; }
+DType scale_dtype(const Case& c) { return c.scale_format == ScaleFormat::kFloat32 ? DType::kFloat32 : DType::kUInt8; }
+
+// Holds device copies of one rank's inputs.
+struct DeviceInput {
+  Tensor x, scales, topk, weights, bias_0, bias_1;
+};
+
+Tensor upload(const void* data, size_t bytes, DType dtype, std::vector<int64_t> shape, Device device, Stream stream) {
+  Tensor t = Tensor::empty(dtype, shape, device, nullptr, stream);
+  if (bytes > 0) cudaMemcpyAsync(t.data(), data, bytes, cudaMemcpyHostToDevice, stream);
+  return t;
+}
+
+template <typename T>
+std::vector<T> download(const Tensor& t, Stream stream) {
+  std::vector<T> out(t.defined() ? t.nbytes() / sizeof(T) : 0);
+  if (!out.empty()) cudaMemcpyAsync(out.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost, stream);
+  return out;
+}
+
+std::vector<int64_t> widen_topk(const Tensor& t, const std::vector<uint8_t>& bytes) {
+  std::vector<int64_t> out;
+  if (!t.defined()) return out;
+  const int64_t n = t.numel();
+  out.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = t.dtype() == DType::kInt64 ? reinterpret_cast<const int64_t*>(bytes.data())[i]
+                                        : reinterpret_cast<const int32_t*>(bytes.data())[i];
+  }
+  return out;
+}
+
+// Runs dispatch + combine (identity experts: combine input = recv_x when bf16) on the given groups.
+// With `host` the tensors are CPU views of the inputs.
+std::vector<RankOutput> run_case(const Case& c, const std::vector<RankInput>& in,
+                                 const std::vector<std::shared_ptr<Group>>& groups, bool host) {
+  const int R = static_cast<int>(groups.size());
+  std::vector<RankOutput> out(R);
+  auto allocator = std::make_shared<PoisonAllocator>();
+  run_host_ranks(groups, [&](int r, Group& g) {
+    const Device dev = g.device();
+    Stream stream = nullptr;
+    if (!host) {
+      cudaSetDevice(dev.index);
+      cudaStreamCreateWithFlags(reinterpret_cast<cudaStream_t*>(&stream), cudaStreamNonBlocking);
+    }
+    BufferOptions options;
+    options.num_sms = c.num_sms;
+    options.allocator = allocator;
+    auto buffer = Buffer::create(groups[r], options);
+    const int64_t T = c.tokens[r], H = c.hidden, K = c.num_topk;
+    const RankInput& ri = in[r];
+    DeviceInput d;
+    auto view_or_upload = [&](const void* p, size_t bytes, DType dtype, std::vector<int64_t> shape) -> Tensor {
+      if (host) return Tensor::wrap(TensorView::of(const_cast<void*>(p), dtype, shape), nullptr);
+      return upload(p, bytes, dtype, shape, dev, stream);
+    };
+    d.x = view_or_upload(ri.x.data(), ri.x.size(), x_dtype(c), {T, H});
+    if (c.fp8) d.scales = view_or_upload(ri.scales.data(), ri.scales.size(), scale_dtype(c), {T, H / 128});
+    if (c.topk_int32) {
+      d.topk = view_or_upload(ri.topk32.data(), ri.topk32.size() * 4, DType::kInt32, {T, K});
+    } else {
+      d.topk = view_or_upload(ri.topk64.data(), ri.topk64.size() * 8, DType::kInt64, {T, K});
+    }
+    if (c.weights) d.weights = view_or_upload(ri.weights.data(), ri.weights.size() * 4, DType::kFloat32, {T, K});
+    if (c.biases) {
+      d.bias_0 = view_or_upload(ri.bias_0.data(), ri.bias_0.size() * 2, DType::kBFloat16, {T, H});
+      d.bias_1 = view_or_upload(ri.bias_1.data(), ri.bias_1.size() * 2, DType::kBFloat16, {T, H});
+    }
+    DispatchArgs a;
+    a.x = d.x;
+    if (c.fp8) a.x_scales = d.scales;
+    a.topk_idx = d.topk;
+    if (c.weights) a.topk_weights = d.weights;
+    a.num_experts = c.num_experts;
+    a.expert_alignment = c.expert_alignment;
+    a.num_worst_tokens = c.num_worst_tokens;
+    a.stream = stream;
+    DispatchResult res = buffer->dispatch(a);
+    CombineResult comb;
+    if (!c.fp8) {
+      CombineArgs ca;
+      ca.x = res.recv_x;
+      if (c.weights) ca.topk_weights = res.recv_topk_weights;
+      if (c.biases) {
+        ca.bias_0 = d.bias_0;
+        ca.bias_1 = d.bias_1;
+      }
+      ca.handle = res.handle;
+      ca.stream = stream;
+      comb = buffer->combine(ca);
+    }
+    RankOutput& o = out[r];
+    o.num_rows = res.recv_x.size(0);
+    o.num_recv = res.handle->num_recv_tokens();
+    o.per_expert_host = res.num_recv_tokens_per_expert;
+    if (host) {
+      auto bytes = [](const Tensor& t) {
+        const auto* p = static_cast<const uint8_t*>(t.data());
+        return t.defined() ? std::vector<uint8_t>(p, p + t.nbytes()) : std::vector<uint8_t>{};
+      };
+      o.x = bytes(res.recv_x);
+      o.scales = bytes(res.recv_x_scales);
+      o.topk = widen_topk(res.recv_topk_idx, bytes(res.recv_topk_idx));
+      if (res.recv_topk_weights.defined()) {
+        const auto* w = res.recv_topk_weights.data_as<float>();
+        o.weights.assign(w, w + res.recv_topk_weights.numel());
+      }
+      const auto* s = res.recv_src_idx.data_as<int32_t>();
+      o.src_idx.assign(s, s + res.recv_src_idx.numel());
+      const auto* e = res.recv_expert_counts.data_as<int32_t>();
+      o.per_expert_device.assign(e, e + res.recv_expert_counts.numel());
+      if (comb.x.defined()) {
+        const auto* x = comb.x.data_as<uint16_t>();
+        o.combined.assign(x, x + comb.x.numel());
+      }
+      if (comb.topk_weights.defined()) {
+        const auto* w = comb.topk_weights.data_as<float>();
+        o.combined_weights.assign(w, w + comb.topk_weights.numel());
+      }
+    } else {
+      o.x = download<uint8_t>(res.recv_x, stream);
+      o.scales = download<uint8_t>(res.recv_x_scales, stream);
+      const auto topk_bytes = download<uint8_t>(res.recv_topk_idx, stream);
+      o.weights = download<float>(res.recv_topk_weights, stream);
+      o.src_idx = download<int32_t>(res.recv_src_idx, stream);
+      o.per_expert_device = download<int32_t>(res.recv_expert_counts, stream);
+      o.combined = download<uint16_t>(comb.x, stream);
+      o.combined_weights = download<float>(comb.topk_weights, stream);
+      cudaStreamSynchronize(stream);
+      o.topk = widen_topk(res.recv_topk_idx, topk_bytes);
+    }
+    res = {};
+    comb = {};
+    d = {};
+    buffer.reset();
+    if (!host) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+  });
+  return out;
+}
+
+float bf16f(uint16_t v) { return bf16_to_float(v); }
+
+void compare(const Case& c, const std::vector<RankOutput>& want, const std::vector<RankOutput>& got) {
+  for (size_t r = 0; r < want.size(); ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const RankOutput& w = want[r];
+    const RankOutput& g = got[r];
+    ASSERT_EQ(g.num_rows, w.num_rows);
+    if (c.num_worst_tokens == 0) {
+      EXPECT_EQ(g.num_recv, w.num_recv);
+    }
+    EXPECT_EQ(g.per_expert_host, w.per_expert_host);
+    EXPECT_EQ(g.per_expert_device, w.per_expert_device);
+    // Real rows: those with a source index on the host side.
+    int64_t real = 0;
+    while (real < static_cast<int64_t>(w.src_idx.size()) && w.src_idx[real] >= 0) ++real;
+    const int64_t row_bytes = c.hidden * (c.fp8 ? 1 : 2);
+    int64_t bad_x = 0;
+    for (int64_t i = 0; i < real * row_bytes; ++i) bad_x += g.x[i] != w.x[i];
+    EXPECT_EQ(bad_x, 0) << "recv_x bytes differ";
+    if (c.fp8) {
+      const int64_t sb = static_cast<int64_t>(w.scales.size()) / std::max<int64_t>(w.num_rows, 1);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < real * sb; ++i) bad += g.scales[i] != w.scales[i];
+      EXPECT_EQ(bad, 0) << "recv_x_scales differ";
+    }
+    EXPECT_EQ(g.src_idx, w.src_idx);
+    EXPECT_EQ(g.topk, w.topk);
+    ASSERT_EQ(g.weights.size(), w.weights.size());
+    int64_t bad_w = 0;
+    for (size_t i = 0; i < w.weights.size(); ++i) bad_w += std::memcmp(&g.weights[i], &w.weights[i], 4) != 0;
+    EXPECT_EQ(bad_w, 0) << "recv_topk_weights differ";
+    ASSERT_EQ(g.combined.size(), w.combined.size());
+    int64_t bad_c = 0;
+    for (size_t i = 0; i < w.combined.size(); ++i) {
+      const float a = bf16f(g.combined[i]), b = bf16f(w.combined[i]);
+      // Sums of <= 10 bf16 terms in fp32, rounded once to bf16: one bf16 ulp of slack for ordering.
+      if (std::fabs(a - b) > 1e-2f * std::max(1.f, std::fabs(b))) ++bad_c;
+    }
+    EXPECT_EQ(bad_c, 0) << "combined x differs";
+    ASSERT_EQ(g.combined_weights.size(), w.combined_weights.size());
+    int64_t bad_cw = 0;
+    for (size_t i = 0; i < w.combined_weights.size(); ++i) {
+      bad_cw += std::fabs(g.combined_weights[i] - w.combined_weights[i]) > 1e-5f;
+    }
+    EXPECT_EQ(bad_cw, 0) << "combined topk_weights differ";
+  }
+}
+
+void run_and_compare(const Case& c) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto in = make_inputs(c, seed);
+  const auto want = run_case(c, in, create_host_groups(static_cast<int>(c.devices.size())), true);
+  const auto got = run_case(c, in, create_cuda_groups(c.devices, test_options()), false);
+  compare(c, want, got);
+}
+
+std::vector<int> two_ranks() { return num_gpus() >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0, 0}; }
+std::vector<int> four_ranks() { return num_gpus() >= 2 ? std::vector<int>{0, 1, 0, 1} : std::vector<int>{0, 0, 0, 0}; }
+
+class NormalGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (num_gpus() == 0) GTEST_SKIP() << "no GPU";
+  }
+};
+
+TEST_F(NormalGpuTest, Ep2Bf16DeepSeekShape) {
+  Case c;
+  c.devices = two_ranks();
+  c.tokens = {4096, 4096};
+  c.hidden = 7168;
+  c.num_topk = 8;
+  c.num_experts = 256;
+  run_and_compare(c);
+}
+
+TEST_F(NormalGpuTest, Ep2SmallShapesAndInt32Topk) {
+  for (int64_t t : {0, 1, 127}) {
+    Case c;
+    c.devices = two_ranks();
+    c.tokens = {t, t};
+    c.hidden = 2048;
+    c.num_topk = 1 + static_cast<int>(t % 9);
+    c.num_experts = 8;
+    c.topk_int32 = true;
+    SCOPED_TRACE("tokens " + std::to_string(t));
+    run_and_compare(c);
+  }
+}
+
+TEST_F(NormalGpuTest, Ep2IdleRankBiasesAlignment) {
+  Case c;
+  c.devices = two_ranks();
+  c.tokens = {8192, 0};
+  c.hidden = 5120;
+  c.num_topk = 9;
+  c.num_experts = 288;
+  c.biases = true;
+  c.expert_alignment = 128;
+  c.p_masked = 0.3;
+  run_and_compare(c);
+}
+
+TEST_F(NormalGpuTest, Ep2WideHiddenNoWeightsFewSms) {
+  Case c;
+  c.devices = two_ranks();
+  c.tokens = {4096, 1000};
+  c.hidden = 8192;
+  c.num_topk = 4;
+  c.num_experts = 64;
+  c.weights = false;
+  c.num_sms = 8;
+  run_and_compare(c);
+}
+
+TEST_F(NormalGpuTest, Ep2Fp8Scales) {
+  for (ScaleFormat f : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {
+    Case c;
+    c.devices = two_ranks();
+    c.tokens = {4096, 127};
+    c.hidden = f == ScaleFormat::kFloat32 ? 7168 : 4096;
+    c.num_topk = 8;
+    c.num_experts = 256;
+    c.fp8 = true;
+    c.scale_format = f;
+    run_and_compare(c);
+  }
+}
+
+TEST_F(NormalGpuTest, Ep2WorstTokens) {
+  Case c;
+  c.devices = two_ranks();
+  c.tokens = {300, 200};
+  c.hidden = 2048;
+  c.num_topk = 6;
+  c.num_experts = 64;
+  c.num_worst_tokens = 600;
+  c.biases = true;
+  run_and_compare(c);
+}
+
+TEST_F(NormalGpuTest, FourRanksOnTwoGpus) {
+  Case c;
+  c.devices = four_ranks();
+  c.tokens = {512, 0, 300, 1};
+  c.hidden = 2048;
+  c.num_topk = 8;
+  c.num_experts = 64;
+  c.biases = true;
+  c.expert_alignment = 4;
+  run_and_compare(c);
+}
+
+TEST_F(NormalGpuTest, FourRanksBigger) {
+  Case c;
+  c.devices = four_ranks();
+  c.tokens = {4096, 4096, 4096, 4096};
+  c.hidden = 7168;
+  c.num_topk = 8;
+  c.num_experts = 256;
+  c.num_sms = 16;
+  run_and_compare(c);
+}
+
+// Cached dispatch: new data along the routes of an earlier dispatch, no topk, no notify.
+TEST_F(NormalGpuTest, CachedDispatchMovesNewData) {
+  const auto devices = two_ranks();
+  const int64_t T = 1024, H = 4096, K = 8, E = 64;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Case c;
+  c.devices = devices;
+  c.tokens = {T, T};
+  c.hidden = H;
+  c.num_topk = K;
+  c.num_experts = E;
+  const auto in = make_inputs(c, seed);
+  const auto in2 = make_inputs(c, seed + 7);  // new x; routes from `in`
+  auto groups = create_cuda_groups(devices, test_options());
+  std::vector<int64_t> bad(2, -1);
+  run_host_ranks(groups, [&](int r, Group& g) {
+    cudaSetDevice(g.device().index);
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    BufferOptions options;
+    options.allocator = std::make_shared<PoisonAllocator>();
+    auto buffer = Buffer::create(groups[r], options);
+    Tensor x = upload(in[r].x.data(), in[r].x.size(), DType::kBFloat16, {T, H}, g.device(), stream);
+    Tensor x2 = upload(in2[r].x.data(), in2[r].x.size(), DType::kBFloat16, {T, H}, g.device(), stream);
+    Tensor topk = upload(in[r].topk64.data(), in[r].topk64.size() * 8, DType::kInt64, {T, K}, g.device(), stream);
+    DispatchArgs a;
+    a.x = x;
+    a.topk_idx = topk;
+    a.num_experts = E;
+    a.stream = stream;
+    DispatchResult first = buffer->dispatch(a);
+    DispatchArgs b;
+    b.x = x2;
+    b.handle = first.handle;
+    b.stream = stream;
+    DispatchResult second = buffer->dispatch(b);
+    EXPECT_FALSE(second.recv_topk_idx.defined());
+    EXPECT_EQ(second.num_recv_tokens_per_expert, first.num_recv_tokens_per_expert);
+    const auto src = download<int32_t>(second.recv_src_idx, stream);
+    const auto got = download<uint16_t>(second.recv_x, stream);
+    const auto src1 = download<int32_t>(first.recv_src_idx, stream);
+    cudaStreamSynchronize(stream);
+    EXPECT_EQ(src, src1);
+    // Row i came from rank s = the source block it lies in; check against in2's rows.
+    const HostLayout l0 =
+        compute_layout_host(TensorView::of(const_cast<int64_t*>(in[0].topk64.data()), DType::kInt64, {T, K}), E, 2);
+    int64_t from0 = 0;
+    for (int64_t t = 0; t < T; ++t) from0 += l0.is_token_in_rank[t * 2 + r];
+    int64_t mismatches = 0;
+    for (size_t i = 0; i < src.size(); ++i) {
+      const int s = static_cast<int64_t>(i) < from0 ? 0 : 1;
+      const auto* want = reinterpret_cast<const uint16_t*>(in2[s].x.data()) + src[i] * H;
+      mismatches += std::memcmp(got.data() + i * H, want, H * 2) != 0;
+    }
+    bad[r] = mismatches;
+    first = {};
+    second = {};
+    buffer.reset();
+    cudaStreamDestroy(stream);
+  });
+  EXPECT_EQ(bad[0], 0);
+  EXPECT_EQ(bad[1], 0);
+}
+
+// Worst-token mode captured in a CUDA graph, replayed with new data in the same input buffers.
+TEST_F(NormalGpuTest, GraphCaptureReplayWithNewData) {
+  const auto devices = two_ranks();
+  Case c;
+  c.devices = devices;
+  c.tokens = {512, 512};
+  c.hidden = 2048;
+  c.num_topk = 8;
+  c.num_experts = 64;
+  c.num_worst_tokens = 1024;
+  c.biases = true;
+  auto groups = create_cuda_groups(devices);
+  std::vector<std::unique_ptr<Buffer>> buffers(2);
+  std::vector<cudaStream_t> streams(2);
+  std::vector<DeviceInput> inputs(2);
+  std::vector<DispatchResult> dres(2);
+  std::vector<CombineResult> cres(2);
+  std::vector<cudaGraphExec_t> execs(2);
+  std::vector<cudaGraph_t> graphs(2);
+  run_host_ranks(groups, [&](int r, Group& g) {
+    cudaSetDevice(g.device().index);
+    cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking);
+    BufferOptions options;
+    options.allocator = std::make_shared<PoisonAllocator>();
+    buffers[r] = Buffer::create(groups[r], options);
+    auto& d = inputs[r];
+    d.x = Tensor::empty(DType::kBFloat16, {512, 2048}, g.device(), nullptr, streams[r]);
+    d.topk = Tensor::empty(DType::kInt64, {512, 8}, g.device(), nullptr, streams[r]);
+    d.weights = Tensor::empty(DType::kFloat32, {512, 8}, g.device(), nullptr, streams[r]);
+    d.bias_0 = Tensor::empty(DType::kBFloat16, {512, 2048}, g.device(), nullptr, streams[r]);
+    d.bias_1 = Tensor::empty(DType::kBFloat16, {512, 2048}, g.device(), nullptr, streams[r]);
+    cudaStreamSynchronize(streams[r]);
+    ASSERT_EQ(cudaStreamBeginCapture(streams[r], cudaStreamCaptureModeRelaxed), cudaSuccess);
+    DispatchArgs a;
+    a.x = d.x;
+    a.topk_idx = d.topk;
+    a.topk_weights = d.weights;
+    a.num_experts = 64;
+    a.num_worst_tokens = 1024;
+    a.stream = streams[r];
+    dres[r] = buffers[r]->dispatch(a);
+    CombineArgs ca;
+    ca.x = dres[r].recv_x;
+    ca.topk_weights = dres[r].recv_topk_weights;
+    ca.bias_0 = d.bias_0;
+    ca.bias_1 = d.bias_1;
+    ca.handle = dres[r].handle;
+    ca.stream = streams[r];
+    cres[r] = buffers[r]->combine(ca);
+    ASSERT_EQ(cudaStreamEndCapture(streams[r], &graphs[r]), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiateWithFlags(&execs[r], graphs[r], cudaGraphInstantiateFlagAutoFreeOnLaunch),
+              cudaSuccess);
+  });
+  for (int replay = 0; replay < 3; ++replay) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE("replay " + std::to_string(replay) + " seed " + std::to_string(seed));
+    const auto in = make_inputs(c, seed);
+    const auto want = run_case(c, in, create_host_groups(2), true);
+    std::vector<RankOutput> got(2);
+    run_host_ranks(groups, [&](int r, Group& g) {
+      cudaSetDevice(g.device().index);
+      auto& d = inputs[r];
+      cudaMemcpyAsync(d.x.data(), in[r].x.data(), in[r].x.size(), cudaMemcpyHostToDevice, streams[r]);
+      cudaMemcpyAsync(d.topk.data(), in[r].topk64.data(), in[r].topk64.size() * 8, cudaMemcpyHostToDevice, streams[r]);
+      cudaMemcpyAsync(d.weights.data(), in[r].weights.data(), in[r].weights.size() * 4, cudaMemcpyHostToDevice,
+                      streams[r]);
+      cudaMemcpyAsync(d.bias_0.data(), in[r].bias_0.data(), in[r].bias_0.size() * 2, cudaMemcpyHostToDevice,
+                      streams[r]);
+      cudaMemcpyAsync(d.bias_1.data(), in[r].bias_1.data(), in[r].bias_1.size() * 2, cudaMemcpyHostToDevice,
+                      streams[r]);
+      ASSERT_EQ(cudaGraphLaunch(execs[r], streams[r]), cudaSuccess);
+      RankOutput& o = got[r];
+      o.num_rows = dres[r].recv_x.size(0);
+      o.num_recv = -1;
+      o.x = download<uint8_t>(dres[r].recv_x, streams[r]);
+      const auto topk_bytes = download<uint8_t>(dres[r].recv_topk_idx, streams[r]);
+      o.weights = download<float>(dres[r].recv_topk_weights, streams[r]);
+      o.src_idx = download<int32_t>(dres[r].recv_src_idx, streams[r]);
+      o.per_expert_device = download<int32_t>(dres[r].recv_expert_counts, streams[r]);
+      o.combined = download<uint16_t>(cres[r].x, streams[r]);
+      o.combined_weights = download<float>(cres[r].topk_weights, streams[r]);
+      ASSERT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess);
+      o.topk = widen_topk(dres[r].recv_topk_idx, topk_bytes);
+    });
+    compare(c, want, got);
+  }
+  run_host_ranks(groups, [&](int r, Group& g) {
+    cudaSetDevice(g.device().index);
+    dres[r] = {};
+    cres[r] = {};
+    inputs[r] = {};
+    cudaStreamSynchronize(streams[r]);
+    cudaGraphExecDestroy(execs[r]);
+    cudaGraphDestroy(graphs[r]);
+    buffers[r].reset();
+    cudaStreamDestroy(streams[r]);
+  });
+}
+
+// A peer that never arrives: rank 0 gets Error(kTimeout) naming the wait; afterwards both ranks use
+// the same buffers again and get correct results.
+TEST_F(NormalGpuTest, TimeoutThenRecover) {
+  const auto devices = two_ranks();
+  CudaGroupOptions options;
+  options.timeout_ms = 300;
+  auto groups = create_cuda_groups(devices, options);
+  const int64_t T = 256, H = 2048, K = 4, E = 16;
+  Case c;
+  c.devices = devices;
+  c.tokens = {T, T};
+  c.hidden = H;
+  c.num_topk = K;
+  c.num_experts = E;
+  const auto in = make_inputs(c, fresh_seed());
+  std::latch timed_out(2);
+  std::vector<int64_t> bad(2, -1);
+  std::string message;
+  run_host_ranks(groups, [&](int r, Group& g) {
+    cudaSetDevice(g.device().index);
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    auto buffer = Buffer::create(groups[r]);
+    Tensor x = upload(in[r].x.data(), in[r].x.size(), DType::kBFloat16, {T, H}, g.device(), stream);
+    Tensor topk = upload(in[r].topk64.data(), in[r].topk64.size() * 8, DType::kInt64, {T, K}, g.device(), stream);
+    DispatchArgs a;
+    a.x = x;
+    a.topk_idx = topk;
+    a.num_experts = E;
+    a.stream = stream;
+    if (r == 0) {
+      try {
+        buffer->dispatch(a);
+        ADD_FAILURE() << "expected a timeout";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+        message = e.what();
+      }
+    }
+    timed_out.arrive_and_wait();  // rank 1 "arrives" only after rank 0 gave up
+    DispatchResult res = buffer->dispatch(a);
+    CombineArgs ca;
+    ca.x = res.recv_x;
+    ca.handle = res.handle;
+    ca.stream = stream;
+    CombineResult comb = buffer->combine(ca);
+    const auto out = download<uint16_t>(comb.x, stream);
+    cudaStreamSynchronize(stream);
+    // Identity experts: each token comes back times the number of ranks it visited.
+    const HostLayout l =
+        compute_layout_host(TensorView::of(const_cast<int64_t*>(in[r].topk64.data()), DType::kInt64, {T, K}), E, 2);
+    int64_t mismatches = 0;
+    const auto* x0 = reinterpret_cast<const uint16_t*>(in[r].x.data());
+    for (int64_t t = 0; t < T; ++t) {
+      const float visits = static_cast<float>(l.is_token_in_rank[t * 2] + l.is_token_in_rank[t * 2 + 1]);
+      for (int64_t h = 0; h < H; ++h) {
+        mismatches +=
+            bf16_to_float(out[t * H + h]) != bf16_to_float(float_to_bf16(bf16_to_float(x0[t * H + h]) * visits));
+      }
+    }
+    bad[r] = mismatches;
+    res = {};
+    comb = {};
+    buffer.reset();
+    cudaStreamDestroy(stream);
+  });
+  EXPECT_NE(message.find("timed out"), std::string::npos) << message;
+  EXPECT_NE(message.find("peer rank 1"), std::string::npos) << message;
+  EXPECT_EQ(bad[0], 0);
+  EXPECT_EQ(bad[1], 0);
+}
+
+// topk_idx out of range on one rank: that rank gets kInvalidArgument, the peer completes, and the
+// buffers keep working.
+TEST_F(NormalGpuTest, InvalidTopkIsReported) {
+  const auto devices = two_ranks();
+  auto groups = create_cuda_groups(devices);
+  const int64_t T = 64, H = 1024, K = 2, E = 16;
+  std::vector<int> codes(2, 0);
+  run_host_ranks(groups, [&](int r, Group& g) {
+    cudaSetDevice(g.device().index);
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    auto buffer = Buffer::create(groups[r]);
+    std::vector<uint16_t> xh(T * H, float_to_bf16(1.f));
+    std::vector<int64_t> topk(T * K, 3);
+    for (int64_t t = 0; t < T; ++t) topk[t * K + 1] = 12;
+    if (r == 0) topk[5 * K + 1] = E;  // out of range
+    Tensor x = upload(xh.data(), xh.size() * 2, DType::kBFloat16, {T, H}, g.device(), stream);
+    Tensor tk = upload(topk.data(), topk.size() * 8, DType::kInt64, {T, K}, g.device(), stream);
+    DispatchArgs a;
+    a.x = x;
+    a.topk_idx = tk;
+    a.num_experts = E;
+    a.stream = stream;
+    try {
+      buffer->dispatch(a);
+    } catch (const Error& e) {
+      codes[r] = static_cast<int>(e.code());
+      EXPECT_NE(std::string(e.what()).find("topk_idx[5][1] = 16"), std::string::npos) << e.what();
+    }
+    if (r == 0) topk[5 * K + 1] = 12;
+    cudaMemcpyAsync(tk.data(), topk.data(), topk.size() * 8, cudaMemcpyHostToDevice, stream);
+    DispatchResult res = buffer->dispatch(a);
+    EXPECT_EQ(res.handle->num_recv_tokens(), r == 0 ? 2 * T : 2 * T);
+    res = {};
+    cudaStreamSynchronize(stream);
+    buffer.reset();
+    cudaStreamDestroy(stream);
+  });
+  EXPECT_EQ(codes[0], static_cast<int>(ErrorCode::kInvalidArgument));
+  EXPECT_EQ(codes[1], 0);
+}
+
+TEST_F(NormalGpuTest, BadArgumentsThrowBeforeAnyCollective) {
+  auto groups = create_cuda_groups({0});
+  auto buffer = Buffer::create(groups[0]);
+  cudaSetDevice(0);
+  Tensor x = Tensor::empty(DType::kBFloat16, {4, 1000}, Device::cuda(0));
+  Tensor topk = Tensor::empty(DType::kInt64, {4, 17}, Device::cuda(0));
+  DispatchArgs a;
+  a.x = x;
+  a.topk_idx = topk;
+  a.num_experts = 16;
+  try {
+    buffer->dispatch(a);
+    ADD_FAILURE() << "expected kInvalidArgument";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+  }
+  EXPECT_THROW(create_cuda_groups({0, 99}), Error);
+  EXPECT_THROW(buffer->low_latency_dispatch({}), Error);
+}
+
+}  // namespace
+}  // namespace epx
