@@ -254,7 +254,7 @@ TEST(HostBuffer, DispatchCombineMatchBruteForce) {
       c.with_weights = rng() % 4 != 0;
       const bool with_bias = rng() % 2 == 0;
       SCOPED_TRACE(describe(c));
-      const auto in = make_inputs(rng, c, std::vector<int64_t>{1, 7, 100}[rng() % 3]);
+      const auto in = make_inputs(rng, c, std::vector<int64_t>{1, 7, 100, 400}[rng() % 4]);
       const auto results = run_dispatch(buffers, [&](int r) { return dispatch_args(in[r], c); });
       for (int r = 0; r < num_ranks; ++r) check_dispatch(in, c, r, results[r], 0);
       check_identity_combine(in, c, buffers, results, rng, with_bias);

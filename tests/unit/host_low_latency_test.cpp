@@ -9,6 +9,7 @@
 // (bf16 rounds to 2^-9 relative; fp32 products and <= 16 sums add < 17 * 2^-24 of sum |w x|).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <barrier>
 #include <chrono>
 #include <cmath>
@@ -223,6 +224,7 @@ TEST(HostLowLatency, DispatchCombineMatchBruteForce) {
   for (int num_ranks : {1, 2, 3, 4, 8}) {
     auto groups = create_host_groups(num_ranks, {.timeout_ms = 20'000});
     auto buffers = make_buffers(groups);
+    const int64_t max_tokens = std::vector<int64_t>{24, 128}[rng() % 2];  // fixed per buffer
     std::vector<std::vector<int32_t>> cumulative(num_ranks);
     std::vector<std::vector<int32_t>> expected_cumulative(num_ranks);
     for (int64_t num_experts : {8, 24, 64, 288}) {
@@ -231,7 +233,9 @@ TEST(HostLowLatency, DispatchCombineMatchBruteForce) {
       c.num_ranks = num_ranks;
       c.num_experts = num_experts;
       c.hidden = 128 * (1 + rng() % 2);
-      c.num_topk = 1 + static_cast<int>(rng() % 9);
+      // Distinct experts per token, so no (expert, source) block can exceed M pairs.
+      c.num_topk = static_cast<int>(std::min<int64_t>(1 + rng() % 9, num_experts));
+      c.max_tokens = max_tokens;
       c.int32_topk = rng() % 2 == 0;
       SCOPED_TRACE("experts " + std::to_string(num_experts) + " top-" + std::to_string(c.num_topk));
       auto in = make_inputs(rng, c);
