@@ -1,0 +1,493 @@
+// DP attention collectives on the host backend (ranks as threads): gather / scatter in both padding
+// modes with idle ranks and attention-TP replicas, and the per-step batch-metadata sync.
+//
+// Data: DP rank d's leader holds rows value(d, t, h) drawn from a per-(seed, d) generator; non-leader
+// replicas hold poison (1e6) so a row that came from them shows. Every output element is checked.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "epx/dp.h"
+#include "epx/error.h"
+#include "epx/quant.h"
+#include "test_util.h"
+
+namespace epx {
+namespace {
+
+constexpr int64_t kHidden = 48;
+constexpr float kPoison = 1e6f;
+
+struct Case {
+  int world;
+  int attn_dp;
+};
+
+// The rows of DP rank d, as fp32 (bf16-representable, so both dtypes carry them exactly).
+std::vector<float> dp_rows(uint64_t seed, int d, int64_t count) {
+  std::mt19937 rng(static_cast<uint32_t>(seed * 131 + d));
+  const auto bits = testing::random_bf16(rng, static_cast<size_t>(count * kHidden));
+  std::vector<float> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) out[i] = bf16_to_float(bits[i]);
+  return out;
+}
+
+// A host buffer of `rows` x kHidden in `dtype`, filled from fp32 values (or `fill` past values.size()).
+struct HostBuf {
+  DType dtype;
+  std::vector<float> f32;
+  std::vector<uint16_t> bf16;
+  int64_t rows;
+
+  HostBuf(DType dtype, int64_t rows, const std::vector<float>& values, float fill) : dtype(dtype), rows(rows) {
+    const size_t n = static_cast<size_t>(rows * kHidden);
+    if (dtype == DType::kFloat32) {
+      f32.assign(n, fill);
+      std::copy(values.begin(), values.end(), f32.begin());
+    } else {
+      bf16.assign(n, float_to_bf16(fill));
+      for (size_t i = 0; i < values.size(); ++i) bf16[i] = float_to_bf16(values[i]);
+    }
+  }
+  TensorView view() {
+    void* p = dtype == DType::kFloat32 ? static_cast<void*>(f32.data()) : static_cast<void*>(bf16.data());
+    return TensorView::of(rows == 0 ? nullptr : p, dtype, {rows, kHidden});
+  }
+  float at(int64_t i) const { return dtype == DType::kFloat32 ? f32[i] : bf16_to_float(bf16[i]); }
+};
+
+TEST(DpGather, BothModesIdleRanksAndTpReplicasMatchConcatenation) {
+  std::mt19937 rng(5);
+  int num_checked = 0;
+  for (const Case c : {Case{1, 1}, Case{3, 3}, Case{4, 4}, Case{4, 2}, Case{8, 4}, Case{6, 2}}) {
+    const auto layout = ParallelLayout::create({.world_size = c.world, .attn_dp_size = c.attn_dp});
+    auto groups = create_host_groups(c.world, {.timeout_ms = 20'000});
+    for (int iter = 0; iter < 4; ++iter) {
+      std::vector<int64_t> counts(c.attn_dp);
+      for (auto& n : counts) n = rng() % 3 == 0 ? 0 : static_cast<int64_t>(rng() % 40);  // some DP ranks idle
+      for (DpPaddingMode mode : {DpPaddingMode::kMaxLen, DpPaddingMode::kSumLen}) {
+        for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+          const uint64_t seed = rng();
+          const DpGatherPlan plan = plan_dp_gather(counts, mode, layout.attn_tp_size());
+          std::atomic<int> checked{0};
+          run_host_ranks(groups, [&](int rank, Group& group) {
+            const int d = layout.coords(rank).attn_dp_rank;
+            const int64_t extra = rank % 3;  // CUDA-graph style padding rows beyond the count
+            const auto rows = dp_rows(seed, d, counts[d]);
+            HostBuf local(dtype, counts[d] + extra, layout.is_dp_leader(rank) ? rows : std::vector<float>{}, kPoison);
+            HostBuf global(dtype, plan.buffer_len, {}, -7.f);  // poisoned: every row must be written
+            dp_gather(group, layout, plan, local.view(), global.view());
+            std::vector<float> expected(static_cast<size_t>(plan.buffer_len * kHidden), 0.f);
+            for (int e = 0; e < c.attn_dp; ++e) {
+              const auto src = dp_rows(seed, e, counts[e]);
+              std::copy(src.begin(), src.end(), expected.begin() + plan.offsets[e] * kHidden);
+            }
+            for (size_t i = 0; i < expected.size(); ++i) {
+              if (global.at(static_cast<int64_t>(i)) != expected[i]) {
+                ADD_FAILURE() << "rank " << rank << " " << to_string(mode) << " " << to_string(dtype) << " element "
+                              << i << ": " << global.at(static_cast<int64_t>(i)) << " != " << expected[i];
+                return;
+              }
+            }
+            // Scatter (slice) is the inverse: this rank's rows back, padding rows zeroed.
+            HostBuf back(dtype, counts[d] + extra, {}, kPoison);
+            dp_scatter(group, layout, plan, global.view(), back.view(), DpScatterKind::kSlice);
+            for (int64_t i = 0; i < back.rows * kHidden; ++i) {
+              const float want = i < counts[d] * kHidden ? rows[i] : 0.f;
+              if (back.at(i) != want) {
+                ADD_FAILURE() << "rank " << rank << " scatter element " << i << ": " << back.at(i) << " != " << want;
+                return;
+              }
+            }
+            ++checked;
+          });
+          ASSERT_EQ(checked.load(), c.world);
+          ++num_checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(num_checked, 6 * 4 * 2 * 2);
+}
+
+TEST(DpGather, SumLenWritesNegativeZeroAsPositiveZero) {
+  // An all-reduce of 0 + (-0) gives +0; MAX_LEN copies bits.
+  const auto layout = ParallelLayout::pure_dp(2);
+  auto groups = create_host_groups(2);
+  const std::vector<int64_t> counts{1, 1};
+  for (DpPaddingMode mode : {DpPaddingMode::kMaxLen, DpPaddingMode::kSumLen}) {
+    const auto plan = plan_dp_gather(counts, mode);
+    run_host_ranks(groups, [&](int rank, Group& group) {
+      std::vector<float> local(kHidden, -0.f), global(2 * kHidden, 1.f);
+      dp_gather(group, layout, plan, TensorView::of(local.data(), DType::kFloat32, {1, kHidden}),
+                TensorView::of(global.data(), DType::kFloat32, {2, kHidden}));
+      for (float v : global) {
+        EXPECT_EQ(v, 0.f);
+        EXPECT_EQ(std::signbit(v), mode == DpPaddingMode::kMaxLen);
+      }
+    });
+  }
+}
+
+TEST(DpScatter, ReduceScatterSumsEveryRanksPartialBuffer) {
+  std::mt19937 rng(9);
+  for (const Case c : {Case{2, 2}, Case{4, 4}, Case{4, 2}, Case{5, 5}}) {
+    const auto layout = ParallelLayout::create({.world_size = c.world, .attn_dp_size = c.attn_dp});
+    auto groups = create_host_groups(c.world);
+    for (DpPaddingMode mode : {DpPaddingMode::kMaxLen, DpPaddingMode::kSumLen}) {
+      for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+        std::vector<int64_t> counts(c.attn_dp);
+        for (auto& n : counts) n = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % 30);
+        const auto plan = plan_dp_gather(counts, mode, layout.attn_tp_size());
+        const uint64_t seed = rng();
+        // Rank r's partial global buffer: random bf16-representable values.
+        auto partial = [&](int r) {
+          std::mt19937 g(static_cast<uint32_t>(seed + 1000 * r));
+          const auto bits = testing::random_bf16(g, static_cast<size_t>(plan.buffer_len * kHidden));
+          std::vector<float> v(bits.size());
+          for (size_t i = 0; i < bits.size(); ++i) v[i] = bf16_to_float(bits[i]);
+          return v;
+        };
+        run_host_ranks(groups, [&](int rank, Group& group) {
+          const int d = layout.coords(rank).attn_dp_rank;
+          HostBuf global(dtype, plan.buffer_len, partial(rank), 0.f);
+          HostBuf local(dtype, counts[d] + 2, {}, kPoison);
+          dp_scatter(group, layout, plan, global.view(), local.view(), DpScatterKind::kReduceScatter);
+          std::vector<float> sum(static_cast<size_t>(counts[d] * kHidden), 0.f);
+          for (int r = 0; r < c.world; ++r) {
+            const auto p = partial(r);
+            for (size_t i = 0; i < sum.size(); ++i) sum[i] += p[plan.offsets[d] * kHidden + i];
+          }
+          for (int64_t i = 0; i < local.rows * kHidden; ++i) {
+            float want = 0.f;
+            if (i < counts[d] * kHidden)
+              want = dtype == DType::kFloat32 ? sum[i] : bf16_to_float(float_to_bf16(sum[i]));
+            ASSERT_EQ(local.at(i), want) << "rank " << rank << " element " << i;
+          }
+        });
+      }
+    }
+  }
+}
+
+TEST(DpGather, RejectsBadArgumentsOnEveryRank) {
+  const auto layout = ParallelLayout::pure_dp(2);
+  auto groups = create_host_groups(2, {.timeout_ms = 5'000});
+  const std::vector<int64_t> counts{3, 2};
+  const auto plan = plan_dp_gather(counts, DpPaddingMode::kSumLen);
+  std::vector<float> local(3 * kHidden), global(5 * kHidden);
+  auto lv = TensorView::of(local.data(), DType::kFloat32, {3, kHidden});
+  auto gv = TensorView::of(global.data(), DType::kFloat32, {5, kHidden});
+  Group& g0 = *groups[0];
+  auto expect_code = [](const std::function<void()>& fn, ErrorCode code, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error, expected " << needle;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  // Checked on the calling rank before any communication.
+  expect_code(
+      [&] {
+        dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kFloat32, {2, kHidden}), gv);
+      },
+      ErrorCode::kInvalidArgument, "at least plan.num_tokens[0] = 3 rows");
+  expect_code(
+      [&] {
+        dp_gather(g0, layout, plan, lv, TensorView::of(global.data(), DType::kFloat32, {4, kHidden}));
+      },
+      ErrorCode::kInvalidArgument, "global dim 0 must be 5");
+  expect_code(
+      [&] {
+        dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kBFloat16, {3, kHidden}), gv);
+      },
+      ErrorCode::kInvalidArgument, "same dtype");
+  expect_code(
+      [&] {
+        dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kInt32, {3, kHidden}), gv);
+      },
+      ErrorCode::kInvalidArgument, "local must be bf16 or fp32");
+  expect_code([&] { dp_gather(g0, ParallelLayout::pure_dp(4), plan, lv, gv); }, ErrorCode::kInvalidArgument,
+              "layout.world_size() 4 must equal group.num_ranks() 2");
+  DpGatherPlan edited = plan;
+  edited.offsets[1] = 2;
+  expect_code([&] { dp_gather(g0, layout, edited, lv, gv); }, ErrorCode::kInvalidArgument,
+              "plan.offsets[1] must be 3 for SUM_LEN, got 2");
+  edited = plan;
+  edited.buffer_len = 7;
+  expect_code(
+      [&] {
+        dp_gather(g0, layout, edited, lv, TensorView::of(global.data(), DType::kFloat32, {7, 1}));
+      },
+      ErrorCode::kInvalidArgument, "plan.buffer_len must be 5");
+  const auto cp = ParallelLayout::create({.world_size = 2, .attn_cp_size = 2});
+  const auto plan1 = plan_dp_gather(std::vector<int64_t>{3}, DpPaddingMode::kMaxLen);
+  expect_code(
+      [&] {
+        dp_gather(g0, cp, plan1, lv, TensorView::of(global.data(), DType::kFloat32, {3, kHidden}));
+      },
+      ErrorCode::kUnsupported, "attn_cp_size 2");
+
+  // Ranks that disagree on the plan all fail, none hangs.
+  std::atomic<int> num_failed{0};
+  const auto other = plan_dp_gather(std::vector<int64_t>{3, 1}, DpPaddingMode::kSumLen);
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    std::vector<float> l(3 * kHidden), gl(5 * kHidden);
+    const auto& p = rank == 0 ? plan : other;
+    try {
+      dp_gather(group, layout, p, TensorView::of(l.data(), DType::kFloat32, {3, kHidden}),
+                TensorView::of(gl.data(), DType::kFloat32, {p.buffer_len, kHidden}));
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("rank 1 passed a different plan than rank 0"), std::string::npos)
+          << e.what();
+      ++num_failed;
+    }
+  });
+  EXPECT_EQ(num_failed.load(), 2);
+}
+
+// ---- batch-metadata sync -----------------------------------------------------------------------------
+
+BatchMetadata random_record(std::mt19937& rng) {
+  static const ForwardMode kModes[] = {ForwardMode::kExtend, ForwardMode::kDecode, ForwardMode::kMixed,
+                                       ForwardMode::kTargetVerify, ForwardMode::kDraftExtend};
+  BatchMetadata m;
+  m.forward_mode = rng() % 4 == 0 ? kModes[rng() % 5] : (rng() % 2 ? ForwardMode::kDecode : ForwardMode::kIdle);
+  m.num_tokens = m.forward_mode == ForwardMode::kIdle ? 0 : static_cast<int64_t>(rng() % 500);
+  m.num_tokens_for_logprob = static_cast<int64_t>(rng() % (m.num_tokens + 1));
+  m.can_run_decode_graph = rng() % 5 != 0;
+  m.is_extend_in_batch = m.forward_mode == ForwardMode::kExtend;
+  m.can_run_tbo = rng() % 6 != 0;
+  m.can_run_prefill_graph = rng() % 5 != 0;
+  m.prefill_graph_max_prefix_len = static_cast<int64_t>(rng() % 10000);
+  m.can_run_draft_graph = rng() % 5 != 0;
+  m.is_health_check = rng() % 10 == 0;
+  m.attention_pairs = static_cast<int64_t>(rng() % 100000);
+  return m;
+}
+
+// The reductions written out independently of the library's loop.
+void expect_reduced(const std::vector<BatchMetadata>& recs, const GlobalBatchInfo& g) {
+  std::vector<int64_t> tokens, logprob, pairs;
+  std::vector<ForwardMode> busy;
+  for (const auto& m : recs) {
+    tokens.push_back(m.num_tokens);
+    logprob.push_back(m.num_tokens_for_logprob);
+    pairs.push_back(m.attention_pairs);
+    if (m.forward_mode != ForwardMode::kIdle) busy.push_back(m.forward_mode);
+  }
+  auto all = [&](auto field) { return std::all_of(recs.begin(), recs.end(), field); };
+  auto any = [&](auto field) { return std::any_of(recs.begin(), recs.end(), field); };
+  EXPECT_EQ(g.num_tokens, tokens);
+  EXPECT_EQ(g.num_tokens_for_logprob, logprob);
+  EXPECT_EQ(g.attention_pairs, pairs);
+  EXPECT_EQ(g.can_run_decode_graph, all([](const BatchMetadata& m) { return m.can_run_decode_graph; }));
+  EXPECT_EQ(g.can_run_prefill_graph, all([](const BatchMetadata& m) { return m.can_run_prefill_graph; }));
+  EXPECT_EQ(g.can_run_draft_graph, all([](const BatchMetadata& m) { return m.can_run_draft_graph; }));
+  EXPECT_EQ(g.is_extend_in_batch, any([](const BatchMetadata& m) { return m.is_extend_in_batch; }));
+  EXPECT_EQ(g.is_health_check, any([](const BatchMetadata& m) { return m.is_health_check; }));
+  EXPECT_EQ(g.any_tokens, any([](const BatchMetadata& m) { return m.num_tokens > 0; }));
+  int64_t max_prefix = 0;
+  for (const auto& m : recs) max_prefix = std::max(max_prefix, m.prefill_graph_max_prefix_len);
+  EXPECT_EQ(g.prefill_graph_max_prefix_len, max_prefix);
+  const bool agree = !busy.empty() && std::count(busy.begin(), busy.end(), busy[0]) == std::ssize(busy);
+  if (busy.empty()) {
+    EXPECT_EQ(g.forward_mode, ForwardMode::kIdle);
+  } else if (agree) {
+    EXPECT_EQ(g.forward_mode, busy[0]);
+  } else {
+    EXPECT_FALSE(g.forward_mode.has_value());
+  }
+  EXPECT_EQ(g.can_run_tbo, agree && all([](const BatchMetadata& m) { return m.can_run_tbo; }));
+}
+
+TEST(BatchMetadata, HandWorkedReduction) {
+  BatchMetadata a;
+  a.forward_mode = ForwardMode::kDecode;
+  a.num_tokens = 10;
+  a.num_tokens_for_logprob = 4;
+  a.attention_pairs = 640;
+  a.prefill_graph_max_prefix_len = 100;
+  BatchMetadata c = a;
+  c.num_tokens = 7;
+  c.can_run_decode_graph = false;  // one veto
+  c.prefill_graph_max_prefix_len = 300;
+  const std::vector<BatchMetadata> recs{a, BatchMetadata::idle(), c};
+  const GlobalBatchInfo g = reduce_batch_metadata(recs);
+  EXPECT_EQ(g.num_tokens, (std::vector<int64_t>{10, 0, 7}));
+  EXPECT_EQ(g.num_tokens_for_logprob, (std::vector<int64_t>{4, 0, 4}));
+  EXPECT_EQ(g.attention_pairs, (std::vector<int64_t>{640, 0, 640}));
+  EXPECT_FALSE(g.can_run_decode_graph);
+  EXPECT_TRUE(g.can_run_prefill_graph);
+  EXPECT_EQ(g.prefill_graph_max_prefix_len, 300);
+  EXPECT_EQ(g.forward_mode, ForwardMode::kDecode);  // the idle rank does not count
+  EXPECT_TRUE(g.can_run_tbo);
+  EXPECT_TRUE(g.any_tokens);
+
+  BatchMetadata e = a;
+  e.forward_mode = ForwardMode::kExtend;
+  e.is_extend_in_batch = true;
+  const GlobalBatchInfo mixed = reduce_batch_metadata(std::vector<BatchMetadata>{a, e});
+  EXPECT_FALSE(mixed.forward_mode.has_value());  // disagreement: no global mode, no TBO
+  EXPECT_FALSE(mixed.can_run_tbo);
+  EXPECT_TRUE(mixed.is_extend_in_batch);
+
+  const GlobalBatchInfo idle = reduce_batch_metadata(std::vector<BatchMetadata>{BatchMetadata::idle(), {}});
+  EXPECT_EQ(idle.forward_mode, ForwardMode::kIdle);
+  EXPECT_FALSE(idle.can_run_tbo);
+  EXPECT_FALSE(idle.any_tokens);
+  EXPECT_TRUE(idle.can_run_decode_graph);  // the fallback record votes 1
+}
+
+TEST(BatchMetadata, RandomReductions) {
+  std::mt19937 rng(3);
+  for (int iter = 0; iter < 500; ++iter) {
+    std::vector<BatchMetadata> recs(1 + rng() % 8);
+    for (auto& r : recs) r = random_record(rng);
+    expect_reduced(recs, reduce_batch_metadata(recs));
+  }
+}
+
+TEST(BatchMetadata, SyncAgreesOnEveryRankAndRunsIdleBatches) {
+  std::mt19937 rng(21);
+  for (const Case c : {Case{4, 4}, Case{6, 3}, Case{8, 2}}) {
+    const auto layout = ParallelLayout::create({.world_size = c.world, .attn_dp_size = c.attn_dp});
+    auto groups = create_host_groups(c.world, {.timeout_ms = 20'000});
+    constexpr int kSteps = 25;
+    // Per step and DP rank: a record or none (no batch). Non-leaders pass a different record that must
+    // be ignored.
+    std::vector<std::vector<std::optional<BatchMetadata>>> plan(kSteps);
+    for (auto& step : plan) {
+      step.resize(c.attn_dp);
+      const bool all_idle = rng() % 5 == 0;
+      for (auto& r : step) {
+        if (!all_idle && rng() % 3 != 0) r = random_record(rng);
+      }
+    }
+    run_host_ranks(groups, [&](int rank, Group& group) {
+      BatchMetadataSync sync(group, layout);
+      const int d = layout.coords(rank).attn_dp_rank;
+      std::mt19937 local_rng(static_cast<uint32_t>(rank));
+      for (int s = 0; s < kSteps; ++s) {
+        std::optional<BatchMetadata> mine = plan[s][d];
+        if (!layout.is_dp_leader(rank) && mine) mine = random_record(local_rng);
+        const BatchSyncResult res = sync.sync(mine);
+        std::vector<BatchMetadata> recs;
+        for (const auto& r : plan[s]) recs.push_back(r.value_or(BatchMetadata::idle()));
+        expect_reduced(recs, res.global);
+        const bool has_batch = mine && mine->forward_mode != ForwardMode::kIdle;
+        EXPECT_EQ(res.run_idle_batch, !has_batch && res.global.any_tokens) << "rank " << rank << " step " << s;
+        EXPECT_EQ(res.runs_batch, has_batch || res.global.any_tokens);
+        EXPECT_GE(res.step_wait_s, 0.0);
+      }
+    });
+  }
+}
+
+TEST(BatchMetadata, OneDpRankSkipsTheExchange) {
+  // attn_dp 1 over 2 ranks: rank 1 never calls; rank 0 would time out (200 ms) if it communicated.
+  const auto layout = ParallelLayout::create({.world_size = 2, .attn_dp_size = 1});
+  auto groups = create_host_groups(2, {.timeout_ms = 200});
+  BatchMetadataSync sync(*groups[0], layout);
+  BatchMetadata m;
+  m.forward_mode = ForwardMode::kExtend;
+  m.num_tokens = 99;
+  m.is_extend_in_batch = true;
+  const auto res = sync.sync(m);
+  EXPECT_EQ(res.global.num_tokens, std::vector<int64_t>{99});
+  EXPECT_EQ(res.global.forward_mode, ForwardMode::kExtend);
+  EXPECT_TRUE(res.runs_batch);
+  EXPECT_FALSE(res.run_idle_batch);
+  EXPECT_EQ(res.step_wait_s, 0.0);
+  const auto idle = sync.sync(std::nullopt);
+  EXPECT_FALSE(idle.runs_batch);
+  EXPECT_FALSE(idle.global.any_tokens);
+}
+
+TEST(BatchMetadata, WaitingTimeIsCarriedUntilABatchRuns) {
+  const auto layout = ParallelLayout::pure_dp(2);
+  auto groups = create_host_groups(2, {.timeout_ms = 20'000});
+  using namespace std::chrono_literals;
+  std::vector<BatchSyncResult> r0(3);
+  double carried_after_step0 = 0.0;
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    BatchMetadataSync sync(group, layout);
+    BatchMetadata busy;
+    busy.forward_mode = ForwardMode::kDecode;
+    busy.num_tokens = 8;
+    // Step 0: nobody has a batch; rank 1 arrives 80 ms late.
+    if (rank == 1) std::this_thread::sleep_for(80ms);
+    auto a = sync.sync(std::nullopt);
+    if (rank == 0) {
+      r0[0] = a;
+      carried_after_step0 = sync.carried_wait_s();
+    }
+    // Step 1: rank 0 has a batch; rank 1 arrives 50 ms late and runs an idle batch.
+    if (rank == 1) std::this_thread::sleep_for(50ms);
+    auto b = sync.sync(rank == 0 ? std::optional<BatchMetadata>(busy) : std::nullopt);
+    if (rank == 0) r0[1] = b;
+    if (rank == 1) {
+      EXPECT_TRUE(b.run_idle_batch);
+      EXPECT_TRUE(b.runs_batch);
+    }
+    // Step 2: both busy, no delay.
+    auto c = sync.sync(busy);
+    if (rank == 0) {
+      r0[2] = c;
+      EXPECT_EQ(sync.carried_wait_s(), 0.0);
+    }
+  });
+  EXPECT_FALSE(r0[0].runs_batch);
+  EXPECT_GE(r0[0].step_wait_s, 0.070);
+  EXPECT_EQ(r0[0].wait_s, 0.0);  // carried, not attributed
+  EXPECT_DOUBLE_EQ(carried_after_step0, r0[0].step_wait_s);
+  EXPECT_TRUE(r0[1].runs_batch);
+  EXPECT_GE(r0[1].step_wait_s, 0.040);
+  EXPECT_DOUBLE_EQ(r0[1].wait_s, r0[0].step_wait_s + r0[1].step_wait_s);  // >= 110 ms
+  EXPECT_LT(r0[2].wait_s, 0.040);
+}
+
+TEST(BatchMetadata, RejectsBadRecords) {
+  const auto layout = ParallelLayout::pure_dp(2);
+  auto groups = create_host_groups(2, {.timeout_ms = 200});
+  BatchMetadataSync sync(*groups[0], layout);
+  BatchMetadata m;
+  m.num_tokens = 5;  // IDLE with tokens
+  try {
+    sync.sync(m);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("an IDLE record must have num_tokens 0, got 5"), std::string::npos);
+  }
+  m.forward_mode = ForwardMode::kDecode;
+  m.num_tokens = -1;
+  EXPECT_THROW(sync.sync(m), Error);
+  m.num_tokens = 1;
+  m.attention_pairs = -3;
+  EXPECT_THROW(reduce_batch_metadata(std::vector<BatchMetadata>{m}), Error);
+  EXPECT_THROW(reduce_batch_metadata(std::vector<BatchMetadata>{}), Error);
+  EXPECT_THROW(BatchMetadataSync(*groups[0], ParallelLayout::pure_dp(3)), Error);
+  // A peer that never arrives: a timeout error, not a hang.
+  m.attention_pairs = 0;
+  try {
+    sync.sync(m);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace epx
