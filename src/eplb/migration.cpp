@@ -1,6 +1,7 @@
 // Migration-aware rebalancing (see rebalance_migration_aware in epx/eplb/placement.h).
 #include <algorithm>
 #include <limits>
+#include <numeric>
 
 #include "core/check.h"
 #include "eplb/placement_detail.h"
@@ -107,6 +108,96 @@ double candidate_balancedness(const double* w, const std::vector<int32_t>& phy2l
   return detail::layer_balancedness(w, lay.num_logical, phy2log.data(), lay.num_physical, lay.num_gpus);
 }
 
+// Local search from the current layer: swaps (2 moves) and replica conversions (1 move) around the most
+// loaded GPU, each chosen to lower the layer's max GPU load the most, until `target` balancedness is
+// reached. Swaps across nodes only exchange single-replica experts and conversions stay inside the node
+// that already hosts the expert, so an expert's replicas never spread over nodes. Returns the
+// balancedness reached.
+double local_search(const double* w, const detail::Layout& lay, int num_nodes_real, double target,
+                    std::vector<int32_t>& mix) {
+  const int P = lay.num_physical, spg = lay.slots_per_gpu, R = lay.num_gpus;
+  const int gpn = R / num_nodes_real;
+  std::vector<int32_t> cnt(lay.num_logical, 0);
+  for (int32_t e : mix) ++cnt[e];
+  std::vector<double> loads(R, 0.0);
+  auto recompute = [&] {
+    std::fill(loads.begin(), loads.end(), 0.0);
+    for (int s = 0; s < P; ++s) loads[s / spg] += w[mix[s]] / cnt[mix[s]];
+  };
+  recompute();
+  auto bal = [&] {
+    double sum = 0, mx = 0;
+    for (double v : loads) sum += v, mx = std::max(mx, v);
+    return mx <= 0 ? 1.0 : (sum / R) / mx;
+  };
+  std::vector<double> trial_loads(R);
+  for (int iter = 0; iter < 4 * P && bal() < target; ++iter) {
+    const int g = static_cast<int>(std::max_element(loads.begin(), loads.end()) - loads.begin());
+    // Max over GPUs other than g and h, from the three largest loads.
+    std::vector<int> top(R);
+    std::iota(top.begin(), top.end(), 0);
+    std::partial_sort(top.begin(), top.begin() + std::min(R, 3), top.end(),
+                      [&](int a, int b) { return loads[a] > loads[b]; });
+    auto max_without = [&](int a, int b) {
+      for (int k = 0; k < std::min(R, 3); ++k) {
+        if (top[k] != a && top[k] != b) return loads[top[k]];
+      }
+      return 0.0;
+    };
+    double best_max = loads[g];
+    int kind = -1, best_a = -1, best_b = -1;
+    for (int a = g * spg; a < (g + 1) * spg; ++a) {
+      const double la = w[mix[a]] / cnt[mix[a]];
+      for (int b = 0; b < P; ++b) {
+        const int h = b / spg;
+        if (h == g) continue;
+        if (h / gpn != g / gpn && (cnt[mix[a]] > 1 || cnt[mix[b]] > 1)) continue;
+        const double d = la - w[mix[b]] / cnt[mix[b]];
+        if (d <= 0) continue;
+        const double m = std::max({loads[g] - d, loads[h] + d, max_without(g, h)});
+        if (m < best_max) best_max = m, kind = 0, best_a = a, best_b = b;
+      }
+    }
+    // Conversions: a slot on g whose expert has another replica becomes a replica of the node's most loaded
+    // (per replica) expert; or a spare replica in g's node becomes one of g's hottest expert.
+    const int n0 = (g / gpn) * gpn * spg, n1 = n0 + gpn * spg;
+    auto try_convert = [&](int slot, int32_t to) {
+      const int32_t from = mix[slot];
+      if (from == to || cnt[from] < 2) return;
+      --cnt[from], ++cnt[to], mix[slot] = to;
+      std::fill(trial_loads.begin(), trial_loads.end(), 0.0);
+      for (int s = 0; s < P; ++s) trial_loads[s / spg] += w[mix[s]] / cnt[mix[s]];
+      ++cnt[from], --cnt[to], mix[slot] = from;
+      const double m = *std::max_element(trial_loads.begin(), trial_loads.end());
+      if (m < best_max) best_max = m, kind = 1, best_a = slot, best_b = to;
+    };
+    int32_t needy = -1, hot = mix[g * spg];
+    for (int s = n0; s < n1; ++s) {
+      if (needy < 0 || w[mix[s]] / cnt[mix[s]] > w[needy] / cnt[needy]) needy = mix[s];
+    }
+    for (int s = g * spg; s < (g + 1) * spg; ++s) {
+      if (w[mix[s]] / cnt[mix[s]] > w[hot] / cnt[hot]) hot = mix[s];
+      try_convert(s, needy);
+    }
+    int spare = -1;
+    for (int s = n0; s < n1; ++s) {
+      if (s / spg != g && cnt[mix[s]] >= 2 && mix[s] != hot &&
+          (spare < 0 || w[mix[s]] / (cnt[mix[s]] - 1) < w[mix[spare]] / (cnt[mix[spare]] - 1))) {
+        spare = s;
+      }
+    }
+    if (spare >= 0) try_convert(spare, hot);
+    if (kind < 0) break;
+    if (kind == 0) {
+      std::swap(mix[best_a], mix[best_b]);
+    } else {
+      --cnt[mix[best_a]], ++cnt[best_b], mix[best_a] = best_b;
+    }
+    recompute();
+  }
+  return bal();
+}
+
 }  // namespace
 
 MigrationResult rebalance_migration_aware(const std::vector<std::vector<double>>& weight, const PlacementShape& shape,
@@ -190,6 +281,13 @@ MigrationResult rebalance_migration_aware(const std::vector<std::vector<double>>
       cur_bal = best_bal;
     }
     if (cur_bal < target) mix = target_layer;
+    // The local search often reaches the target with fewer moves than adopting whole GPUs.
+    std::vector<int32_t> searched(cur, cur + P);
+    if (local_search(w, lay, shape.num_nodes, target, searched) >= target) {
+      int64_t moves_mix = 0, moves_searched = 0;
+      for (int s = 0; s < P; ++s) moves_mix += mix[s] != cur[s], moves_searched += searched[s] != cur[s];
+      if (moves_searched < moves_mix) mix = std::move(searched);
+    }
     std::copy(mix.begin(), mix.end(), out.begin() + static_cast<int64_t>(l) * P);
   }
   result.placement = placement_from_phy2log(out, num_layers, num_logical, P);

@@ -41,6 +41,7 @@ LoadRecorder::LoadRecorder(int num_layers, int num_logical, int num_physical, in
                 num_physical, num_gpus);
   EPX_CHECK_ARG(options.buffer_steps >= 1, "buffer_steps must be >= 1, got {}", options.buffer_steps);
   open_.counts.assign(static_cast<size_t>(num_layers) * num_physical, 0);
+  buffer_sum_.assign(open_.counts.size(), 0);
 }
 
 void LoadRecorder::check_location(const ExpertLocation& location) const {
@@ -103,9 +104,12 @@ void LoadRecorder::end_step() {
   open_.index = num_steps_++;
   Step next;
   next.counts.assign(open_.counts.size(), 0);
+  for (size_t i = 0; i < buffer_sum_.size(); ++i) buffer_sum_[i] += open_.counts[i];
   if (static_cast<int>(ring_.size()) < options_.buffer_steps) {
     ring_.push_back(std::move(open_));
   } else {
+    const auto& evicted = ring_[ring_head_].counts;
+    for (size_t i = 0; i < buffer_sum_.size(); ++i) buffer_sum_[i] -= evicted[i];
     ring_[ring_head_] = std::move(open_);
     ring_head_ = (ring_head_ + 1) % options_.buffer_steps;
   }
@@ -115,6 +119,7 @@ void LoadRecorder::end_step() {
 void LoadRecorder::clear() {
   ring_.clear();
   ring_head_ = 0;
+  std::fill(buffer_sum_.begin(), buffer_sum_.end(), 0);
   open_ = Step{};
   open_.counts.assign(static_cast<size_t>(num_layers_) * num_physical_, 0);
 }
@@ -130,6 +135,8 @@ std::vector<const LoadRecorder::Step*> LoadRecorder::window_steps(int window) co
 }
 
 std::vector<int64_t> LoadRecorder::physical_loads(int window) const {
+  EPX_CHECK_ARG(window >= 1, "window must be >= 1 step, got {}", window);
+  if (window >= steps_in_buffer()) return buffer_sum_;
   std::vector<int64_t> out(static_cast<size_t>(num_layers_) * num_physical_, 0);
   for (const Step* step : window_steps(window)) {
     for (size_t i = 0; i < out.size(); ++i) out[i] += step->counts[i];

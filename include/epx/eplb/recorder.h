@@ -49,7 +49,8 @@ class LoadRecorder {
   int steps_in_buffer() const { return static_cast<int>(ring_.size()); }
   RecordMode mode() const { return options_.mode; }
 
-  // Sums over the last min(window, steps_in_buffer()) closed steps; window >= 1.
+  // Sums over the last min(window, steps_in_buffer()) closed steps; window >= 1. O(1) per element when the
+  // window covers the whole buffer (a running sum), else O(window).
   std::vector<int64_t> physical_loads(int window) const;  // [num_layers * num_physical]
   // Physical counts mapped to logical experts with the placement each step was recorded under.
   std::vector<int64_t> logical_loads(int window) const;  // [num_layers * num_logical]
@@ -90,8 +91,9 @@ class LoadRecorder {
   int num_layers_, num_logical_, num_physical_, num_gpus_;
   RecorderOptions options_;
   Step open_;
-  std::vector<Step> ring_;  // oldest first after rotation; see ring_head_
-  int ring_head_ = 0;       // index of the oldest step once the ring is full
+  std::vector<Step> ring_;           // oldest first after rotation; see ring_head_
+  int ring_head_ = 0;                // index of the oldest step once the ring is full
+  std::vector<int64_t> buffer_sum_;  // [num_layers * num_physical] counts summed over the ring
   int64_t num_steps_ = 0;
 };
 
