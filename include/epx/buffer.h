@@ -63,9 +63,10 @@ struct DispatchArgs {
   int64_t num_experts = 0;  // ignored in cached mode
   // Optional: the layout of this topk_idx from get_dispatch_layout (computed when absent).
   const Layout* layout = nullptr;
-  // Cached mode: reuse a previous dispatch's routes (same T); topk_idx/topk_weights must be absent.
+  // Cached mode: reuse a previous dispatch's routes (same T); topk_idx/topk_weights/layout must be absent.
   std::shared_ptr<const DispatchHandle> handle;
-  // Round each per-local-expert receive count up to a multiple of this (>= 1).
+  // Round each per-local-expert receive count up to a multiple of this (>= 1). Ignored in cached mode,
+  // which reports the counts of the dispatch that made the handle.
   int expert_alignment = 1;
   // > 0: outputs have exactly this many rows and the call does no host sync (CUDA-graph capturable on
   // the cuda backend). Must be >= the rows actually received, else kInvalidArgument (host) or a
@@ -76,7 +77,9 @@ struct DispatchArgs {
 
 struct DispatchResult {
   // Rows are ordered by source rank, then by source token index. Rows past the received count (worst-
-  // token mode) have recv_src_idx = -1 and recv_topk_idx = -1; their data is unspecified.
+  // token mode) have recv_src_idx = -1 and recv_topk_idx = -1; their data is unspecified (the host
+  // backend writes zeros there, and 0 weights). Cached mode: recv_topk_idx / recv_topk_weights are
+  // absent. recv_topk_weights is absent when topk_weights is.
   Tensor recv_x;             // [N, H], the dtype of x
   Tensor recv_x_scales;      // [N, H / 128], the dtype of x_scales; only with fp8 x
   Tensor recv_topk_idx;      // [N, K], the dtype of topk_idx: local expert id, or -1 if not local
@@ -101,6 +104,9 @@ struct CombineArgs {
 struct CombineResult {
   // out[t] = bf16( sum over the ranks r that token t was sent to of x_r[row of t on r]
   //                + bias_0[t] + bias_1[t] ), accumulated in fp32. A token sent nowhere gets the biases.
+  // Host order (exact reference; other backends match it within fp32 reordering): start at 0, add the
+  // rows by ascending r, then bias_0, then bias_1, then round once to bf16. topk_weights: the same
+  // ascending-r fp32 sum, so each weight comes back exactly (it is non-zero on one rank only).
   Tensor x;             // [T, H] bf16
   Tensor topk_weights;  // [T, K] fp32, the same sum of topk_weights rows; only if given
 };
@@ -130,19 +136,23 @@ struct LowLatencyDispatchArgs {
 struct LowLatencyDispatchResult {
   // Outputs live in the buffer (no allocation): valid until the second-next low-latency call of the
   // same kind, since two buffer sets alternate. Slot order within (local expert e, source rank s):
-  // the pairs from s that chose e, by ascending source token index; s's block starts at s * M.
+  // the pairs from s that chose e, by ascending source token index (then ascending k, should a token
+  // choose e twice); s's block starts at s * M. Each (expert, source rank) block holds at most M pairs
+  // (host: more is kInvalidArgument). A masked source has an empty block. recv_x in unused slots is
+  // unspecified. With return_recv_hook, call the hook before the second-next dispatch of this buffer,
+  // from the thread that drives it, and before destroying the buffer; calling it again does nothing.
   Tensor recv_x;             // [E_local, R * M, H]: bf16, or fp8 e4m3 with use_fp8
   Tensor recv_x_scales;      // [E_local, R * M, H / 128]: fp32 or uint8 (UE8M0); only with use_fp8
   Tensor recv_count;         // int32 [E_local]: pairs received per local expert
   Tensor recv_src_info;      // int32 [E_local, R * M]: source token index, -1 in unused slots
-  Tensor recv_layout_range;  // int64 [E_local, R]: (begin << 32) | count of each source rank's block
+  Tensor recv_layout_range;  // int64 [E_local, R]: (begin << 32) | count; begin = s * M even if count = 0
   std::shared_ptr<const LowLatencyHandle> handle;
   std::function<void()> recv_hook;  // set iff return_recv_hook
 };
 
 struct LowLatencyCombineArgs {
-  TensorView x;             // [E_local, R * M, H] bf16: expert outputs in the slots of recv_x
-  TensorView topk_idx;      // [T, K], the same as the dispatch's
+  TensorView x;             // [E_local, R * M, H] bf16 (H of the dispatch): expert outputs in recv_x's slots
+  TensorView topk_idx;      // [T, K], the same as the dispatch's (host: a difference is kInvalidArgument)
   TensorView topk_weights;  // [T, K] fp32
   std::shared_ptr<const LowLatencyHandle> handle;
   bool return_recv_hook = false;
@@ -153,6 +163,8 @@ struct LowLatencyCombineArgs {
 struct LowLatencyCombineResult {
   // out[t] = bf16( sum over k with topk_idx[t][k] >= 0 and its rank not masked of
   //                topk_weights[t][k] * x[expert][slot of (t, k)] ), accumulated in fp32.
+  // Host order: start at 0, for k ascending add the fp32 product w * x (no fused multiply-add), round
+  // once to bf16. A token with no unmasked expert gets zeros.
   Tensor x;                         // [T, H] bf16
   std::function<void()> recv_hook;  // set iff return_recv_hook
 };
@@ -182,7 +194,10 @@ class Buffer {
 
   // Rank mask (low-latency path). A masked rank is skipped: nothing is sent to it or awaited from it,
   // and its tokens come back as zeros. A rank that does not answer within the group's timeout is
-  // masked automatically. mask_rank/clear_rank_mask are local to this rank's buffer.
+  // masked automatically. mask_rank/clear_rank_mask are local to this rank's buffer; a rank that
+  // learns a peer has masked it masks that peer in return (the peer sends it nothing), so masks
+  // become symmetric after one call. mask_rank(own rank) or a rank outside [0, R) is kInvalidArgument.
+  // Normal dispatch/combine ignore the mask: a missing rank there is Error(kTimeout).
   virtual void mask_rank(int rank) = 0;
   virtual std::vector<bool> rank_mask() const = 0;  // [num_ranks], true = masked
   virtual void clear_rank_mask() = 0;
