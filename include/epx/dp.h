@@ -127,9 +127,10 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 // attn_cp_size > 1 is not supported yet (kUnsupported).
 
 // global [plan.buffer_len, hidden] on every rank receives every DP rank's first num_tokens[d] rows of its
-// leader's `local` at offsets[d]; all other rows are zero. SUM_LEN rows are computed as 0 + x (an
-// all-reduce in which only the leader contributes non-zero rows), so -0 reads back as +0; MAX_LEN rows
-// are copied bit-exactly.
+// leader's `local` at offsets[d]; all other rows are zero. SUM_LEN rows are 0 + x in the dtype (an
+// all-reduce in which only the leader contributes non-zero rows): bit-exact except that -0 reads back as
+// +0 and a signaling NaN is quieted. MAX_LEN rows are copied bit-exactly.
+// `local` and `global` must not overlap.
 void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
                const TensorView& global, Stream stream = nullptr);
 

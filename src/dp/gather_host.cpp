@@ -1,5 +1,6 @@
 // dp_gather / dp_scatter on the host backend: ranks are threads, so every rank reads the published
 // buffers of its peers directly between HostGroup::exchange and release.
+#include <bit>
 #include <cstring>
 #include <vector>
 
@@ -46,30 +47,18 @@ std::string find_mismatch(const std::vector<const void*>& ptrs) {
 }
 
 // out = 0 + x in the element type: what an all-reduce computes when one rank contributes x and the
-// others zeros.
-template <typename T>
-T add_to_zero(T x);
-template <>
-float add_to_zero(float x) {
-  return 0.f + x;
-}
-template <>
-uint16_t add_to_zero(uint16_t x) {
-  return float_to_bf16(0.f + bf16_to_float(x));
-}
-
-float to_float(float x) { return x; }
-float to_float(uint16_t x) { return bf16_to_float(x); }
-template <typename T>
-T from_float(float x);
-template <>
-float from_float(float x) {
+// others zeros. For bf16 this is x with -0 turned into +0 and NaNs quieted, done on the bits.
+inline float add_to_zero(float x) { return 0.f + x; }
+inline uint16_t add_to_zero(uint16_t x) {
+  if (x == 0x8000u) return 0;
+  if ((x & 0x7fffu) > 0x7f80u) return static_cast<uint16_t>(x | 0x0040u);
   return x;
 }
-template <>
-uint16_t from_float(float x) {
-  return float_to_bf16(x);
-}
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+inline void from_float(float x, float& out) { out = x; }
+inline void from_float(float x, uint16_t& out) { out = float_to_bf16(x); }
 
 template <typename T>
 void gather_rows(const ParallelLayout& layout, const DpGatherPlan& plan, const std::vector<const void*>& ptrs,
@@ -90,15 +79,12 @@ void gather_rows(const ParallelLayout& layout, const DpGatherPlan& plan, const s
 
 template <typename T>
 void reduce_rows(const std::vector<const void*>& ptrs, int64_t first_row, int64_t num_rows, T* local, int64_t hidden) {
-  std::vector<float> acc(static_cast<size_t>(hidden));
-  for (int64_t t = 0; t < num_rows; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (const void* p : ptrs) {
-      const T* src = static_cast<const T*>(static_cast<const Contribution*>(p)->data) + (first_row + t) * hidden;
-      for (int64_t h = 0; h < hidden; ++h) acc[h] += to_float(src[h]);
-    }
-    for (int64_t h = 0; h < hidden; ++h) local[t * hidden + h] = from_float<T>(acc[h]);
+  std::vector<float> acc(static_cast<size_t>(num_rows * hidden), 0.f);
+  for (const void* p : ptrs) {  // rank order: the documented summation order
+    const T* src = static_cast<const T*>(static_cast<const Contribution*>(p)->data) + first_row * hidden;
+    for (size_t i = 0; i < acc.size(); ++i) acc[i] += to_float(src[i]);
   }
+  for (size_t i = 0; i < acc.size(); ++i) from_float(acc[i], local[i]);
 }
 
 }  // namespace

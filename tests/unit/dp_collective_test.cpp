@@ -137,6 +137,29 @@ TEST(DpGather, SumLenWritesNegativeZeroAsPositiveZero) {
   }
 }
 
+TEST(DpGather, SumLenBf16BitsMatchZeroPlusX) {
+  // bf16 rows: -0 -> +0, a signaling NaN is quieted, everything else keeps its bits (as 0.f + x would).
+  const auto layout = ParallelLayout::pure_dp(2);
+  auto groups = create_host_groups(2);
+  const std::vector<int64_t> counts{1, 0};
+  const auto plan = plan_dp_gather(counts, DpPaddingMode::kSumLen);
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    std::vector<uint16_t> local(kHidden, 0x3f80), global(kHidden, 0xffff);
+    local[0] = 0x8000;  // -0
+    local[1] = 0x7f81;  // signaling NaN
+    local[2] = 0xffc3;  // quiet NaN
+    local[3] = 0xff80;  // -inf
+    local[4] = 0x0001;  // smallest subnormal
+    dp_gather(group, layout, plan, TensorView::of(local.data(), DType::kBFloat16, {rank == 0 ? 1 : 0, kHidden}),
+              TensorView::of(global.data(), DType::kBFloat16, {1, kHidden}));
+    for (int64_t h = 0; h < kHidden; ++h) {
+      EXPECT_EQ(global[h], float_to_bf16(0.f + bf16_to_float(local[h]))) << "rank " << rank << " h " << h;
+    }
+    EXPECT_EQ(global[0], 0x0000);
+    EXPECT_EQ(global[1], 0x7fc1);
+  });
+}
+
 TEST(DpScatter, ReduceScatterSumsEveryRanksPartialBuffer) {
   std::mt19937 rng(9);
   for (const Case c : {Case{2, 2}, Case{4, 4}, Case{4, 2}, Case{5, 5}}) {
