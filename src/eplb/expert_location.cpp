@@ -222,7 +222,16 @@ void choose_replicas(const ExpertLocation& location, int layer, std::span<const 
             break;
           }
         }
-        if (chosen < 0) chosen = reps[(expert_key + static_cast<uint64_t>(gpu)) % n];
+        if (chosen < 0) {
+          // Number the GPUs without a replica 0, 1, ... so that they divide evenly over the replicas.
+          uint64_t ordinal = static_cast<uint64_t>(gpu);
+          int last_gpu = -1;
+          for (int32_t s : reps) {
+            if (s / spg < gpu && s / spg != last_gpu) --ordinal;
+            last_gpu = s / spg;
+          }
+          chosen = reps[(expert_key + ordinal) % n];
+        }
       }
     } else {
       uint64_t key = mix(expert_key ^ mix(token * 64 + k));

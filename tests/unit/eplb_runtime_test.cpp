@@ -1,0 +1,244 @@
+// EPLB at run time: ExpertLocation (trivial start, validation, JSON round trip, set_layer), replica choice
+// (static locality and fairness, dynamic uniformity, rank invariance), the load recorder (hand-computed
+// utilization, windows, ring eviction, logical mapping across a placement change, per_pass/per_token) and
+// the rebalance manager (N >= buffer check, threshold skip, chunked application, placement from loads).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+
+#include "epx/eplb/expert_location.h"
+#include "epx/eplb/manager.h"
+#include "epx/eplb/recorder.h"
+#include "epx/eplb/synthetic.h"
+#include "epx/error.h"
+
+namespace epx::eplb {
+namespace {
+
+void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    FAIL() << "expected an error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(EplbLocation, TrivialJsonAndValidation) {
+  const auto loc = ExpertLocation::trivial(2, 4, 6, 3, 1);
+  EXPECT_EQ(loc.slots_per_gpu(), 2);
+  const auto row = loc.phy2log(1);
+  EXPECT_EQ(std::vector<int32_t>(row.begin(), row.end()), (std::vector<int32_t>{0, 1, 2, 3, 0, 1}));
+  const auto reps = loc.replicas(0, 1);
+  EXPECT_EQ(std::vector<int32_t>(reps.begin(), reps.end()), (std::vector<int32_t>{1, 5}));
+  EXPECT_EQ(loc.replica_count(0, 3), 1);
+  EXPECT_EQ(loc.max_replicas(), 2);
+  const auto back = ExpertLocation::from_json(loc.to_json());
+  EXPECT_TRUE(back == loc);
+
+  auto copy = loc;
+  const std::vector<int32_t> next = {3, 2, 1, 0, 3, 3};
+  copy.set_layer(0, next);
+  EXPECT_EQ(copy.replica_count(0, 3), 3);
+  EXPECT_EQ(loc.replica_count(0, 3), 1);  // the original is untouched
+  expect_invalid(
+      [&] {
+        copy.set_layer(0, std::vector<int32_t>{0, 0, 1, 1, 2, 2});
+      },
+      "logical expert 3 has no replica in layer 0");
+  EXPECT_EQ(copy.replica_count(0, 3), 3);  // unchanged after a failed set_layer
+  expect_invalid([] { ExpertLocation(1, 4, 6, 4, 1, {0, 1, 2, 3, 0, 1}); }, "divisible by num_gpus (4)");
+  expect_invalid([] { ExpertLocation(1, 4, 4, 2, 1, {0, 1, 2, 4}); }, "phy2log[0][3] must be in [0, 4)");
+  expect_invalid([] { ExpertLocation::from_json("{\"num_layers\": 1}"); }, "'num_logical'");
+  expect_invalid([] { ExpertLocation::from_json("nope"); }, "does not parse");
+}
+
+TEST(EplbLocation, StaticChoicePrefersLocalAndSpreadsFairly) {
+  // 2 layers, 4 experts, 8 slots on 8 GPUs (one slot each): layer 0 expert 0 on slots 0, 3, 6.
+  const std::vector<int32_t> map = {0, 1, 2, 0, 3, 1, 0, 2, 0, 1, 2, 3, 0, 1, 2, 3};
+  const ExpertLocation loc(2, 4, 8, 8, 2, map);
+  std::vector<int64_t> topk = {0, 1, -1, 0};
+  std::vector<int64_t> out(4);
+  choose_replicas(loc, 0, topk, 2, out, 3, {ReplicaChoice::kStatic, 5, false});
+  EXPECT_EQ(out[0], 3);  // local replica on GPU 3
+  EXPECT_EQ(out[2], -1);
+  EXPECT_EQ(out[3], 3);
+  // Non-local sources: GPUs 1, 2, 4, 5, 7 spread over the 3 replicas of expert 0 within 1 of each other.
+  std::map<int64_t, int> per_replica;
+  for (int gpu : {1, 2, 4, 5, 7}) {
+    std::vector<int64_t> one = {0}, got(1);
+    choose_replicas(loc, 0, one, 1, got, gpu, {ReplicaChoice::kStatic, 5, false});
+    ++per_replica[got[0]];
+  }
+  int lo = 100, hi = 0;
+  for (int64_t s : {0, 3, 6}) lo = std::min(lo, per_replica[s]), hi = std::max(hi, per_replica[s]);
+  EXPECT_LE(hi - lo, 1);
+}
+
+TEST(EplbLocation, DynamicUniformAndRankInvariant) {
+  const std::vector<int32_t> map = {0, 1, 0, 2, 0, 3, 0, 1};  // expert 0: 4 replicas
+  const ExpertLocation loc(1, 4, 8, 4, 1, map);
+  const int T = 40000;
+  std::vector<int64_t> topk(T, 0), out(T), out2(T);
+  choose_replicas(loc, 0, topk, 1, out, 0, {ReplicaChoice::kDynamic, 9, false});
+  std::map<int64_t, int> hist;
+  for (int64_t s : out) ++hist[s];
+  ASSERT_EQ(hist.size(), 4u);
+  for (auto [slot, n] : hist) {
+    EXPECT_EQ(map[slot], 0);
+    EXPECT_NEAR(n, T / 4, 5 * std::sqrt(T * 0.25 * 0.75)) << "slot " << slot;
+  }
+  for (ReplicaChoice mode : {ReplicaChoice::kStatic, ReplicaChoice::kDynamic}) {
+    choose_replicas(loc, 0, topk, 1, out, 0, {mode, 9, true}, 100);
+    choose_replicas(loc, 0, topk, 1, out2, 3, {mode, 9, true}, 100);
+    EXPECT_EQ(out, out2) << to_string(mode);
+  }
+  // Rank-invariant static round-robins tokens: exactly T/4 each.
+  choose_replicas(loc, 0, topk, 1, out, 0, {ReplicaChoice::kStatic, 9, true});
+  hist.clear();
+  for (int64_t s : out) ++hist[s];
+  for (auto [slot, n] : hist) EXPECT_EQ(n, T / 4);
+  std::vector<int64_t> bad = {4}, bad_out(1);
+  expect_invalid([&] { choose_replicas(loc, 0, bad, 1, bad_out, 0, {}); }, "topk_logical[0] must be in [-1, 4)");
+  expect_invalid([&] { choose_replicas(loc, 0, topk, 1, out, 4, {}); }, "gpu must be in [0, 4)");
+}
+
+TEST(EplbRecorder, UtilizationWindowsAndLogicalMapping) {
+  // 1 layer, 2 experts, 4 slots on 2 GPUs.
+  const ExpertLocation a(1, 2, 4, 2, 1, {0, 1, 0, 1});
+  const ExpertLocation b(1, 2, 4, 2, 1, {0, 0, 1, 1});
+  LoadRecorder rec(1, 2, 4, 2, {3, RecordMode::kStat});
+  rec.record_pass(a, std::vector<int64_t>{1, 2, 3, 4});
+  rec.end_step();
+  // GPU loads 3 and 7: (5 + 1e-5) / (7 + 1e-5)
+  EXPECT_NEAR(rec.utilization(10), (5 + 1e-5) / (7 + 1e-5), 1e-12);
+  rec.record_pass(b, std::vector<int64_t>{5, 0, 0, 1});
+  rec.end_step();
+  EXPECT_EQ(rec.logical_loads(10), (std::vector<int64_t>{1 + 3 + 5, 2 + 4 + 1}));
+  EXPECT_EQ(rec.logical_loads(1), (std::vector<int64_t>{5, 1}));
+  EXPECT_EQ(rec.physical_loads(10), (std::vector<int64_t>{6, 2, 3, 5}));
+  rec.record_pass(b, std::vector<int64_t>{1, 1, 1, 1});
+  rec.end_step();
+  rec.record_pass(b, std::vector<int64_t>{0, 0, 0, 2});
+  rec.end_step();  // evicts step 0
+  EXPECT_EQ(rec.steps_in_buffer(), 3);
+  EXPECT_EQ(rec.num_steps(), 4);
+  EXPECT_EQ(rec.physical_loads(100), (std::vector<int64_t>{6, 1, 1, 4}));
+  EXPECT_EQ(rec.physical_loads(2), (std::vector<int64_t>{1, 1, 1, 3}));
+  EXPECT_EQ(rec.logical_loads(3), (std::vector<int64_t>{7, 5}));
+  EXPECT_NEAR(rec.utilization(3), (6 + 1e-5) / (7 + 1e-5), 1e-12);
+  EXPECT_TRUE(rec.passes().empty());
+  expect_invalid([&] { rec.record_pass(a, std::vector<int64_t>{1, 2}); }, "must have num_layers * num_physical = 4");
+  expect_invalid([&] { rec.record_pass(a, std::vector<int64_t>{-1, 0, 0, 0}); }, "physical_counts[0]");
+  expect_invalid([&] { rec.utilization(0); }, "window must be >= 1");
+  expect_invalid([] { LoadRecorder(1, 2, 4, 2, {0}); }, "buffer_steps must be >= 1");
+}
+
+TEST(EplbRecorder, PerPassAndPerToken) {
+  const ExpertLocation a(1, 2, 4, 2, 1, {0, 1, 0, 1});
+  LoadRecorder pp(1, 2, 4, 2, {2, RecordMode::kPerPass});
+  pp.record_pass(a, std::vector<int64_t>{1, 0, 0, 0});
+  pp.record_pass(a, std::vector<int64_t>{0, 2, 0, 0});
+  pp.end_step();
+  const auto passes = pp.passes();
+  ASSERT_EQ(passes.size(), 2u);
+  EXPECT_EQ(passes[1].counts, (std::vector<int32_t>{0, 2, 0, 0}));
+  EXPECT_EQ(pp.physical_loads(1), (std::vector<int64_t>{1, 2, 0, 0}));
+
+  LoadRecorder pt(1, 2, 4, 2, {2, RecordMode::kPerToken});
+  pt.record_tokens(a, 0, std::vector<int64_t>{0, 3, -1, 3});
+  pt.end_step();
+  EXPECT_EQ(pt.physical_loads(1), (std::vector<int64_t>{1, 0, 0, 2}));
+  ASSERT_EQ(pt.tokens().size(), 1u);
+  EXPECT_EQ(pt.tokens()[0].topk_physical, (std::vector<int32_t>{0, 3, -1, 3}));
+  expect_invalid([&] { pt.record_pass(a, std::vector<int64_t>{0, 0, 0, 0}); }, "not allowed in per_token");
+}
+
+TEST(EplbManager, RebalancesInChunksFromRecordedLoads) {
+  const int L = 6, E = 16, P = 20, R = 4;
+  const auto initial = ExpertLocation::trivial(L, E, P, R, 2);
+  ManagerOptions too_often;
+  too_often.rebalance_every_steps = 5;
+  expect_invalid([&] { RebalanceManager(initial, {10}, too_often); },
+                 "rebalance_every_steps (5) must be >= the recorder buffer size (10 steps)");
+  ManagerOptions opt;
+  opt.num_groups = 4;
+  opt.rebalance_every_steps = 10;
+  opt.utilization_threshold = 0.99;
+  opt.layers_per_step = 4;
+  opt.migration_aware = false;
+  RebalanceManager m(initial, {10}, opt);
+  const auto weight = zipf_loads(L, E, 1.2, 1000, 3);
+  std::vector<int64_t> counts(static_cast<size_t>(L) * P);
+  auto fill = [&] {  // the expected load, split evenly over the current replicas
+    for (int l = 0; l < L; ++l) {
+      for (int e = 0; e < E; ++e) {
+        const auto reps = m.location().replicas(l, e);
+        for (int32_t s : reps) counts[l * P + s] = std::llround(weight[l][e]) / static_cast<int64_t>(reps.size());
+      }
+    }
+  };
+  for (int step = 0; step < 9; ++step) {
+    fill();
+    const auto r = m.step(counts);
+    EXPECT_FALSE(r.rebalance_computed);
+    EXPECT_TRUE(r.updates.empty());
+  }
+  fill();
+  const double before = m.recorder().utilization(10);
+  auto r = m.step(counts);
+  ASSERT_TRUE(r.rebalance_computed);
+  EXPECT_EQ(r.updates.size(), 4u);  // K = 4 layers now, the rest next step
+  EXPECT_EQ(m.num_pending_layers(), L - 4);
+  for (const auto& u : r.updates) {
+    const auto now = m.location().phy2log(u.layer);
+    EXPECT_EQ(std::vector<int32_t>(now.begin(), now.end()), u.new_phy2log);
+  }
+  fill();
+  r = m.step(counts);
+  EXPECT_EQ(r.updates.size(), 2u);
+  EXPECT_EQ(m.num_pending_layers(), 0);
+  // The applied placement is the policy's placement of the recorded logical loads.
+  std::vector<std::vector<double>> recorded(L, std::vector<double>(E));
+  {
+    LoadRecorder probe(L, E, P, R, {10});
+    const auto trivial = ExpertLocation::trivial(L, E, P, R, 2);
+    for (int step = 0; step < 10; ++step) {
+      std::vector<int64_t> c(static_cast<size_t>(L) * P);
+      for (int l = 0; l < L; ++l) {
+        for (int e = 0; e < E; ++e) {
+          const auto reps = trivial.replicas(l, e);
+          for (int32_t s : reps) c[l * P + s] = std::llround(weight[l][e]) / static_cast<int64_t>(reps.size());
+        }
+      }
+      probe.record_pass(trivial, c);
+      probe.end_step();
+    }
+    const auto loads = probe.logical_loads(10);
+    for (int l = 0; l < L; ++l) {
+      for (int e = 0; e < E; ++e) recorded[l][e] = static_cast<double>(loads[l * E + e]);
+    }
+  }
+  EXPECT_EQ(*m.location().phy2log_table(), rebalance(recorded, {P, 4, 2, R}).phy2log);
+  for (int step = 0; step < 10; ++step) {
+    fill();
+    m.step(counts);
+  }
+  EXPECT_GT(m.recorder().utilization(10), before + 0.1);
+  // Balanced now: the next due rebalance is skipped with a threshold below the utilization.
+  ManagerOptions lax = opt;
+  lax.utilization_threshold = 0.0;
+  RebalanceManager skip(initial, {10}, lax);
+  for (int step = 0; step < 10; ++step) {
+    fill();
+    r = skip.step(counts);
+  }
+  EXPECT_TRUE(r.rebalance_skipped);
+  EXPECT_FALSE(r.rebalance_computed);
+}
+
+}  // namespace
+}  // namespace epx::eplb
