@@ -1,0 +1,146 @@
+// `epx eplb` through the built CLI (EPX_CLI_PATH): JSON and CSV inputs, the printed JSON against the
+// library, --current with moved_experts, simulate's summary, and exit code 2 with one stderr line for bad
+// input.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "epx/eplb/placement.h"
+#include "epx/eplb/synthetic.h"
+
+namespace epx::eplb {
+namespace {
+
+struct CliRun {
+  int code;
+  std::string out, err;
+};
+
+std::filesystem::path temp_dir() {
+  auto dir = std::filesystem::temp_directory_path() / ("epx_eplb_cli_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string slurp(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+CliRun run(const std::string& args) {
+  const auto dir = temp_dir();
+  const auto out = dir / "stdout", err = dir / "stderr";
+  const std::string cmd = std::string(EPX_CLI_PATH) + " " + args + " >" + out.string() + " 2>" + err.string();
+  const int status = std::system(cmd.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+
+std::string write(const std::string& name, const std::string& text) {
+  const auto p = temp_dir() / name;
+  std::ofstream(p) << text;
+  return p.string();
+}
+
+TEST(EplbCli, PlanJsonMatchesLibrary) {
+  const auto w = zipf_loads(3, 16, 1.0, 1000, 4);
+  nlohmann::json j;
+  j["weights"] = w;
+  const std::string file = write("w.json", j.dump());
+  for (const char* policy : {"deepseek", "default"}) {
+    const CliRun r =
+        run("eplb plan --weights " + file + " --replicas 24 --groups 4 --nodes 2 --gpus 4 --policy " + policy);
+    ASSERT_EQ(r.code, 0) << r.err;
+    const auto out = nlohmann::json::parse(r.out);
+    const Placement p = rebalance(w, {24, 4, 2, 4}, policy_from_string(policy));
+    std::vector<int32_t> flat;
+    for (const auto& row : out["phy2log"]) {
+      for (int32_t v : row) flat.push_back(v);
+    }
+    EXPECT_EQ(flat, p.phy2log);
+    ASSERT_EQ(out["log2phy"].size(), 3u);
+    EXPECT_EQ(out["log2phy"][0].size(), 16u);
+    EXPECT_EQ(out["log2phy"][0][0].size(), static_cast<size_t>(p.max_replicas));
+    EXPECT_EQ(out["logcnt"][2][5].get<int>(), p.logcnt[2 * 16 + 5]);
+    EXPECT_NEAR(out["balancedness_after"].get<double>(), balancedness(w, p.phy2log, 24, 4), 1e-12);
+    EXPECT_NEAR(out["balancedness_before"].get<double>(), balancedness(w, trivial_phy2log(3, 16, 24), 24, 4), 1e-12);
+    EXPECT_FALSE(out.contains("moved_experts"));
+  }
+}
+
+TEST(EplbCli, PlanCsvAndCurrent) {
+  const std::string csv = write("w.csv", "40,10,20,30\n1, 2, 3, 4\n");
+  CliRun r = run("eplb plan --weights " + csv + " --replicas 6 --groups 1 --nodes 1 --gpus 2 --policy deepseek");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto out = nlohmann::json::parse(r.out);
+  EXPECT_EQ(out["phy2log"][0], nlohmann::json::parse("[0, 0, 1, 2, 3, 3]"));
+  const std::string cur = write("cur.json", "{\"phy2log\": [[0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 0, 1]]}");
+  r = run("eplb plan --weights " + csv + " --replicas 6 --groups 1 --nodes 1 --gpus 2 --current " + cur);
+  ASSERT_EQ(r.code, 0) << r.err;
+  out = nlohmann::json::parse(r.out);
+  EXPECT_EQ(out["mode"], "migration_aware");
+  // Layer 0 is already perfectly balanced under the current placement: it stays.
+  EXPECT_EQ(out["phy2log"][0], nlohmann::json::parse("[0, 0, 1, 2, 3, 3]"));
+  std::vector<int32_t> before = {0, 0, 1, 2, 3, 3, 0, 1, 2, 3, 0, 1}, after;
+  for (const auto& row : out["phy2log"]) {
+    for (int32_t v : row) after.push_back(v);
+  }
+  EXPECT_EQ(out["moved_experts"].get<int64_t>(), count_moved_experts(before, after));
+}
+
+TEST(EplbCli, BadInputExitsTwo) {
+  const std::string ok = write("ok.csv", "1,2,3,4\n");
+  const std::string neg = write("neg.csv", "1,2,-3,4\n");
+  const std::string ragged = write("ragged.json", "{\"weights\": [[1,2,3,4],[1,2]]}");
+  const std::string junk = write("junk.csv", "1,2,x,4\n");
+  const std::string empty = write("empty.csv", "");
+  const struct {
+    std::string args, needle;
+  } cases[] = {
+      {"--weights " + neg + " --replicas 4 --groups 1 --nodes 1 --gpus 1", "weight[0][2] must be finite and >= 0"},
+      {"--weights " + ragged + " --replicas 4 --groups 1 --nodes 1 --gpus 1", "ragged"},
+      {"--weights " + junk + " --replicas 4 --groups 1 --nodes 1 --gpus 1", "line 1 column 3"},
+      {"--weights " + empty + " --replicas 4 --groups 1 --nodes 1 --gpus 1", "holds no layers"},
+      {"--weights " + ok + " --replicas 3 --groups 1 --nodes 1 --gpus 1", "must be >= the 4 logical experts"},
+      {"--weights " + ok + " --replicas 6 --groups 1 --nodes 1 --gpus 4", "divisible by num_gpus (4)"},
+      {"--weights " + ok + " --replicas 4 --groups 1 --nodes 1 --gpus 1 --policy fancy", "'fancy'"},
+      {"--weights /nonexistent/w.csv --replicas 4 --groups 1 --nodes 1 --gpus 1", "cannot read"},
+  };
+  for (const auto& c : cases) {
+    const CliRun r = run("eplb plan " + c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.needle), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
+TEST(EplbCli, SimulateImprovesUtilization) {
+  const CliRun r =
+      run("eplb simulate --layers 4 --experts 32 --replicas 40 --groups 4 --nodes 2 --gpus 8 --exponent 1.0 --steps 60 "
+          "--buffer 20 --every 20 --layers-per-step 2 --report-every 20 --expert-bytes 1000");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto out = nlohmann::json::parse(r.out);
+  EXPECT_EQ(out["timeline"].size(), 3u);
+  EXPECT_GE(out["rebalances_computed"].get<int>(), 1);
+  EXPECT_GT(out["mean_utilization_rebalanced"].get<double>(), out["mean_utilization_static"].get<double>() + 0.05);
+  EXPECT_GT(out["moved_experts"].get<int64_t>(), 0);
+  EXPECT_DOUBLE_EQ(out["moved_bytes"].get<double>(), 1000.0 * out["moved_experts"].get<double>());
+  const CliRun bad = run("eplb simulate --buffer 50 --every 10 --steps 5");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("rebalance_every_steps (10) must be >= the recorder buffer size (50 steps)"),
+            std::string::npos)
+      << bad.err;
+}
+
+}  // namespace
+}  // namespace epx::eplb
