@@ -191,8 +191,7 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
       const auto* p = peers[s] = static_cast<const DispatchPost*>(ptrs[s]);
       EPX_CHECK_ARG(p->shape.is_cached == shape.is_cached && p->shape.hidden == hidden && p->x_dtype == args.x.dtype &&
                         (!shape.is_fp8 || p->scales_dtype == mine.scales_dtype) && p->num_experts == num_experts &&
-                        p->shape.num_topk == shape.num_topk &&
-                        p->has_weights == mine.has_weights &&
+                        p->shape.num_topk == shape.num_topk && p->has_weights == mine.has_weights &&
                         (shape.is_cached || p->topk_idx.dtype == args.topk_idx.dtype),
                     "dispatch arguments differ between rank {} and rank {} (cached mode, x hidden/dtype, x_scales "
                     "dtype, num_experts, topk_idx shape/dtype and topk_weights presence must agree)",
@@ -328,8 +327,7 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
     std::vector<const CombinePost*> peers(num_ranks_);
     for (int r = 0; r < num_ranks_; ++r) {
       const auto* p = peers[r] = static_cast<const CombinePost*>(ptrs[r]);
-      EPX_CHECK_ARG(p->hidden == hidden && p->has_weights == mine.has_weights &&
-                        p->num_topk == mine.num_topk,
+      EPX_CHECK_ARG(p->hidden == hidden && p->has_weights == mine.has_weights && p->num_topk == mine.num_topk,
                     "combine arguments differ between rank {} and rank {} (x hidden size, topk_weights presence and "
                     "width must agree)",
                     r, rank_);
@@ -352,10 +350,10 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
       for (int r = 0; r < num_ranks_; ++r) {
         if (rows[r] < 0) continue;
         const uint16_t* src = peers[r]->x + static_cast<int64_t>(rows[r]) * hidden;
-        for (int64_t h = 0; h < hidden; ++h) acc[h] += bf16_to_float(src[h]);
+        for (int64_t h = 0; h < hidden; ++h) acc[h] += widen_bf16(src[h]);
       }
-      for (int64_t h = 0; h < hidden && bias_0 != nullptr; ++h) acc[h] += bf16_to_float(bias_0[t * hidden + h]);
-      for (int64_t h = 0; h < hidden && bias_1 != nullptr; ++h) acc[h] += bf16_to_float(bias_1[t * hidden + h]);
+      for (int64_t h = 0; h < hidden && bias_0 != nullptr; ++h) acc[h] += widen_bf16(bias_0[t * hidden + h]);
+      for (int64_t h = 0; h < hidden && bias_1 != nullptr; ++h) acc[h] += widen_bf16(bias_1[t * hidden + h]);
       for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
       for (int64_t k = 0; out_w != nullptr && k < num_topk; ++k) {
         float w = 0.f;

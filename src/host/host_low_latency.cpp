@@ -385,7 +385,7 @@ void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& 
       const uint16_t* row = p->rows.data() + (p->block_offset[block] + idx) * hidden;
       const float w = state->topk_weights[t * num_topk + k];
       for (int64_t h = 0; h < hidden; ++h) {
-        const float product = w * bf16_to_float(row[h]);
+        const float product = w * widen_bf16(row[h]);
         acc[h] += product;
       }
     }
