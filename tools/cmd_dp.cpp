@@ -64,12 +64,13 @@ void add_padding_mode(CLI::App& dp) {
   auto* cmd = dp.add_subcommand("padding-mode", "Choose MAX_LEN or SUM_LEN for one step and print the gather plan");
   auto tokens = std::make_shared<std::string>();
   auto attn_tp = std::make_shared<std::string>("1");
-  cmd->add_option("--tokens", *tokens, "Tokens of each DP rank, comma-separated (e.g. 3000,200)")->required();
+  auto* tokens_opt = cmd->add_option("--tokens", *tokens, "Tokens of each DP rank, comma-separated (e.g. 3000,200)");
   auto* extend = cmd->add_flag("--extend")->description("Some DP rank runs an extend (prefill) batch");
   auto* graph = cmd->add_flag("--graph")->description("The step replays a CUDA graph");
   auto* symmetric = cmd->add_flag("--symmetric-a2a")->description("The all-to-all backend needs equal shapes");
   cmd->add_option("--attn-tp", *attn_tp, "Attention-TP ranks per DP rank (MAX_LEN slots round up to it; default 1)");
   cmd->callback([=] {
+    if (tokens_opt->count() == 0) throw BadInput("dp padding-mode needs --tokens N,N,...");
     const auto counts = parse_list(*tokens, "--tokens");
     for (size_t d = 0; d < counts.size(); ++d) {
       if (counts[d] < 0) throw BadInput(fmt::format("--tokens: count {} of DP rank {} is negative", counts[d], d));
@@ -96,12 +97,13 @@ void add_groups(CLI::App& dp) {
     std::string world, attn_dp = "1", attn_cp = "1", moe_ep = "0", moe_dp = "1";
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("--world", args->world, "Ranks (tp)")->required();
+  auto* world = cmd->add_option("--world", args->world, "Ranks (tp)");
   cmd->add_option("--attn-dp", args->attn_dp, "Attention DP ranks (default 1)");
   cmd->add_option("--attn-cp", args->attn_cp, "Attention CP ranks (default 1)");
   cmd->add_option("--moe-ep", args->moe_ep, "MoE EP ranks (default: world / moe-dp)");
   cmd->add_option("--moe-dp", args->moe_dp, "MoE DP ranks (default 1)");
   cmd->callback([=] {
+    if (world->count() == 0) throw BadInput("dp groups needs --world N");
     auto size = [](const std::string& text, const char* option) {
       const int64_t v = parse_int(text, option);
       if (v < 0 || v > 1024) throw BadInput(fmt::format("{} must be in [0, 1024], got {}", option, v));

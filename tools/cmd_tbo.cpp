@@ -42,12 +42,13 @@ void add_split(CLI::App& tbo) {
   };
   auto args = std::make_shared<Args>();
   auto* extend = cmd->add_option("--extend", args->extend, "Extend lengths of the sequences, comma-separated");
-  auto* decode = cmd->add_option("--decode", args->decode, "Decode/verify batch of N tokens")->excludes(extend);
+  auto* decode = cmd->add_option("--decode", args->decode, "Decode/verify batch of N tokens");
   auto* tps = cmd->add_option("--tokens-per-seq", args->tokens_per_seq, "Tokens per sequence (with --decode)");
   auto* threshold =
       cmd->add_option("--threshold", args->threshold, "Two-chunk threshold in [0, 0.5] (with --extend; default 0.48)");
   cmd->callback([=] {
     TboSplit split;
+    if (extend->count() > 0 && decode->count() > 0) throw BadInput("give --extend or --decode, not both");
     if (extend->count() > 0) {
       if (tps->count() > 0) throw BadInput("--tokens-per-seq goes with --decode, not --extend");
       std::vector<int64_t> lens;

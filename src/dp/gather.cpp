@@ -14,7 +14,8 @@ namespace {
 constexpr int64_t kMaxBufferRows = int64_t{1} << 40;
 
 void check_counts(std::span<const int64_t> num_tokens, const char* what) {
-  EPX_CHECK_ARG(!num_tokens.empty(), "{}: num_tokens_per_dp_rank must name at least one DP rank", what);
+  EPX_CHECK_ARG(!num_tokens.empty() && num_tokens.size() <= 1024,
+                "{}: num_tokens_per_dp_rank must name 1 to 1024 DP ranks, got {}", what, num_tokens.size());
   for (size_t d = 0; d < num_tokens.size(); ++d) {
     EPX_CHECK_ARG(num_tokens[d] >= 0 && num_tokens[d] <= kMaxBufferRows,
                   "{}: num_tokens_per_dp_rank[{}] must be in [0, 2^40], got {}", what, d, num_tokens[d]);

@@ -205,7 +205,8 @@ TEST(GatherPlan, RejectsBadCounts) {
         plan_dp_gather(std::vector<int64_t>{4, -1}, DpPaddingMode::kSumLen);
       },
       "num_tokens_per_dp_rank[1] must be in [0, 2^40], got -1");
-  expect_invalid([] { plan_dp_gather(std::vector<int64_t>{}, DpPaddingMode::kSumLen); }, "at least one DP rank");
+  expect_invalid([] { plan_dp_gather(std::vector<int64_t>{}, DpPaddingMode::kSumLen); },
+                 "must name 1 to 1024 DP ranks, got 0");
   expect_invalid([] { plan_dp_gather(std::vector<int64_t>{1}, DpPaddingMode::kMaxLen, 0); },
                  "attn_tp_size must be in [1, 1024]");
   expect_invalid([] { choose_padding_mode(std::vector<int64_t>{-5}); }, "got -5");
@@ -268,6 +269,8 @@ TEST(DpCli, BadInputExitsTwoWithOneLine) {
   expect_bad_input("dp padding-mode --tokens 3000,,5", "not an integer");
   expect_bad_input("dp padding-mode --tokens 1,2 --attn-tp 0", "--attn-tp must be in [1, 1024]");
   expect_bad_input("dp groups --world 8 --attn-dp 3", "divisible");
+  expect_bad_input("dp padding-mode", "needs --tokens");
+  expect_bad_input("dp groups", "needs --world");
 }
 
 TEST(DpCli, Groups) {

@@ -286,6 +286,7 @@ TEST(TboCli, BadInputExitsTwoWithOneLine) {
   expect_bad_input("tbo split --decode 15 --tokens-per-seq 2", "multiple");
   expect_bad_input("tbo split --decode 16", "needs --tokens-per-seq");
   expect_bad_input("tbo split", "needs --extend");
+  expect_bad_input("tbo split --extend 5,5 --decode 4 --tokens-per-seq 1", "not both");
 }
 
 }  // namespace
