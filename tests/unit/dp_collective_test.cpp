@@ -280,6 +280,56 @@ TEST(DpGather, RejectsBadArgumentsOnEveryRank) {
   EXPECT_EQ(num_failed.load(), 2);
 }
 
+TEST(DpStep, SyncPlanGatherMoeReduceScatter) {
+  // A whole DP-attention step on 4 ranks = 2 DP ranks x attention TP 2: agree on the counts, choose the
+  // mode, gather, let every rank compute a partial MoE output (its weight (rank + 1) times the global
+  // batch), reduce-scatter back. Each token must come back as x * (1 + 2 + 3 + 4). Values are small
+  // integers, so fp32 sums are exact.
+  const auto layout = ParallelLayout::create({.world_size = 4, .attn_dp_size = 2});
+  auto groups = create_host_groups(4, {.timeout_ms = 20'000});
+  std::mt19937 rng(33);
+  constexpr int kSteps = 12;
+  std::vector<std::vector<int64_t>> counts(kSteps, std::vector<int64_t>(2));
+  std::vector<bool> extend(kSteps);
+  for (int s = 0; s < kSteps; ++s) {
+    for (auto& n : counts[s]) n = rng() % 3 == 0 ? 0 : static_cast<int64_t>(rng() % 50);
+    extend[s] = rng() % 2;
+  }
+  std::atomic<int> num_modes[2] = {0, 0};
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    BatchMetadataSync sync(group, layout);
+    const int d = layout.coords(rank).attn_dp_rank;
+    for (int s = 0; s < kSteps; ++s) {
+      std::optional<BatchMetadata> mine;
+      if (counts[s][d] > 0) {
+        mine = BatchMetadata{};
+        mine->num_tokens = counts[s][d];
+        mine->forward_mode = extend[s] ? ForwardMode::kExtend : ForwardMode::kDecode;
+        mine->is_extend_in_batch = extend[s];
+      }
+      const BatchSyncResult r = sync.sync(mine);
+      ASSERT_EQ(r.global.num_tokens, counts[s]);
+      if (!r.runs_batch) continue;  // nobody has tokens: no gather this step
+      const DpPaddingMode mode =
+          choose_padding_mode(r.global.num_tokens, {.is_extend_in_batch = r.global.is_extend_in_batch});
+      if (rank == 0) ++num_modes[static_cast<int>(mode)];
+      const DpGatherPlan plan = plan_dp_gather(r.global.num_tokens, mode, layout.attn_tp_size());
+      std::vector<float> x(static_cast<size_t>(counts[s][d] * kHidden));
+      for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7 + s * 3 + d * 11) % 17) - 8.f;
+      std::vector<float> global(static_cast<size_t>(plan.buffer_len * kHidden), -1.f);
+      const auto gv = TensorView::of(global.data(), DType::kFloat32, {plan.buffer_len, kHidden});
+      dp_gather(group, layout, plan, TensorView::of(x.data(), DType::kFloat32, {counts[s][d], kHidden}), gv);
+      for (float& v : global) v *= static_cast<float>(rank + 1);
+      std::vector<float> out(x.size(), 99.f);
+      dp_scatter(group, layout, plan, gv, TensorView::of(out.data(), DType::kFloat32, {counts[s][d], kHidden}),
+                 DpScatterKind::kReduceScatter);
+      for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(out[i], 10.f * x[i]) << "rank " << rank << " step " << s;
+    }
+  });
+  EXPECT_GT(num_modes[0].load(), 0);  // MAX_LEN steps
+  EXPECT_GT(num_modes[1].load(), 0);  // SUM_LEN steps
+}
+
 // ---- batch-metadata sync -----------------------------------------------------------------------------
 
 BatchMetadata random_record(std::mt19937& rng) {
