@@ -279,8 +279,9 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
       res = {};
       comb = {};
       layout = {};
-      cudaStreamSynchronize(stream);
+      xs[0] = xs[1] = x8 = sc = topk = w = Tensor();  // they free on `stream`: before destroying it
       buffer.reset();
+      cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
     });
     auto worst = [&](const std::vector<std::vector<double>>& v) {

@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -204,11 +207,18 @@ void CudaBuffer::open_peers() {
                 "cuda:{} (rank {}) has no peer access to cuda:{} (rank {}): the cuda backend needs NVLink or PCIe "
                 "peer-to-peer between all GPUs of a group",
                 device_, rank_, all[r].device, r);
-      const cudaError_t err = cudaDeviceEnablePeerAccess(all[r].device, 0);
-      if (err == cudaErrorPeerAccessAlreadyEnabled) {
-        cudaGetLastError();
-      } else {
-        check_cuda(err, "cudaDeviceEnablePeerAccess");
+      // NOTE: enabling is per device pair and process-wide; remember it so that no rank provokes
+      // cudaErrorPeerAccessAlreadyEnabled (which compute-sanitizer reports).
+      static std::mutex mutex;
+      static std::set<std::pair<int, int>> enabled;
+      std::lock_guard lock(mutex);
+      if (enabled.insert({device_, all[r].device}).second) {
+        const cudaError_t err = cudaDeviceEnablePeerAccess(all[r].device, 0);
+        if (err == cudaErrorPeerAccessAlreadyEnabled) {
+          cudaGetLastError();
+        } else {
+          check_cuda(err, "cudaDeviceEnablePeerAccess");
+        }
       }
     }
     return;

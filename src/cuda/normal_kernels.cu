@@ -118,19 +118,21 @@ __device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t 
   for (; i < n; i += 32) d[i] = __ldg(s + i);
 }
 
-// Same, but the source is a ring written by another GPU: plain (coherent) loads, no __ldg.
+// Same, but the source is a ring that another GPU writes into our memory: loads bypass L1 (.cg), which
+// could hold a stale copy of a reused slot; L2 is the point of coherence for our own memory.
 __device__ __forceinline__ void warp_copy16_coherent(char* dst, const char* src, int64_t bytes, int lane) {
   const int64_t n = bytes / 16;
   auto* d = reinterpret_cast<int4*>(dst);
-  const auto* s = reinterpret_cast<const volatile int4*>(src);
-  for (int64_t i = lane; i < n; i += 32) {
-    int4 v;
-    v.x = s[i].x;
-    v.y = s[i].y;
-    v.z = s[i].z;
-    v.w = s[i].w;
-    d[i] = v;
+  const auto* s = reinterpret_cast<const int4*>(src);
+  int64_t i = lane;
+  for (; i + 96 < n; i += 128) {
+    const int4 a = __ldcg(s + i), b = __ldcg(s + i + 32), c = __ldcg(s + i + 64), e = __ldcg(s + i + 96);
+    d[i] = a;
+    d[i + 32] = b;
+    d[i + 64] = c;
+    d[i + 96] = e;
   }
+  for (; i < n; i += 32) d[i] = __ldcg(s + i);
 }
 
 __device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int64_t bytes, int lane) {
@@ -314,7 +316,7 @@ __device__ void send_rows(const CommArgs& comm, int dst, int channel, int64_t nu
   named_barrier(1 + group_id, group_threads);
   if (s_abort[group_id]) return;
   char* ring = comm.peers[dst] + comm.off_ring + (static_cast<int64_t>(me) * C + channel) * ring_rows * row_bytes;
-  const int64_t batch = ring_rows / 2 < 32 ? (ring_rows / 2 > 0 ? ring_rows / 2 : 1) : 32;
+  const int64_t batch = ring_rows / 4 < 64 ? (ring_rows / 4 > 0 ? ring_rows / 4 : 1) : 64;
   for (int64_t sent = 0; sent < num_rows; sent += batch) {
     const int64_t n = num_rows - sent < batch ? num_rows - sent : batch;
     if (leader) {
@@ -471,6 +473,7 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
   __shared__ bool s_stall_abort;
   __shared__ int64_t s_tail[kMaxRanks];
   __shared__ int64_t s_consumed[kMaxRanks];
+  __shared__ int s_first_missing;
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
@@ -503,7 +506,8 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
   }
 
   // Receiver: tokens of this channel in order; a token is ready once every rank it went to delivered
-  // its row. Readiness is monotone in the token index, so the ready tokens form a prefix.
+  // its row. Only the prefix before the first token that is not ready is processed (a later token may
+  // be ready while an earlier one still waits for another rank).
   const int64_t T = a.num_tokens;
   const int64_t t_begin = T * channel / C, t_end = T * (channel + 1) / C;
   if (threadIdx.x < R) s_consumed[threadIdx.x] = 0;
@@ -515,19 +519,19 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
       const uint64_t v = ld_acquire_sys(sig(comm, me, comm.off_tail, threadIdx.x * C + channel));
       s_tail[threadIdx.x] = v >= tag ? static_cast<int64_t>(v - tag) : 0;
     }
+    if (threadIdx.x == 0) s_first_missing = kNormalThreads;
     __syncthreads();
     const int64_t t = cursor + threadIdx.x;
-    int ready = 0;
-    if (t < t_end) {
-      ready = 1;
-      for (int r = 0; r < R; ++r) {
-        if (a.is_token_in_rank[t * R + r]) {
-          const int64_t li = a.excl_pos[r * (T + 1) + t] - a.chan_start[r * (C + 1) + channel];
-          if (li >= s_tail[r]) ready = 0;
-        }
+    bool ready = t < t_end;
+    for (int r = 0; r < R && ready; ++r) {
+      if (a.is_token_in_rank[t * R + r]) {
+        const int64_t li = a.excl_pos[r * (T + 1) + t] - a.chan_start[r * (C + 1) + channel];
+        if (li >= s_tail[r]) ready = false;
       }
     }
-    const int num_ready = __syncthreads_count(ready);
+    if (!ready) atomicMin(&s_first_missing, static_cast<int>(threadIdx.x));
+    __syncthreads();
+    const int num_ready = s_first_missing;
     if (num_ready == 0) {
       if (threadIdx.x == 0) {
         if (aborted(comm)) {
@@ -568,9 +572,9 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
       for (int64_t v = lane; v < H / 8; v += 32) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int j = 0; j < num_src; ++j) {
-          const volatile int4* src = reinterpret_cast<const volatile int4*>(rows[j]) + v;
-          const uint32_t w[4] = {static_cast<uint32_t>(src->x), static_cast<uint32_t>(src->y),
-                                 static_cast<uint32_t>(src->z), static_cast<uint32_t>(src->w)};
+          const int4 in = __ldcg(reinterpret_cast<const int4*>(rows[j]) + v);
+          const uint32_t w[4] = {static_cast<uint32_t>(in.x), static_cast<uint32_t>(in.y), static_cast<uint32_t>(in.z),
+                                 static_cast<uint32_t>(in.w)};
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             acc[2 * q] += bf16_lo(w[q]);

@@ -10,7 +10,7 @@ namespace {
 
 // Keep in step with src/cuda/cuda_buffer_cuda.cpp (signal area) and normal_kernels.h (limits).
 constexpr int64_t kSignalBytes = int64_t{1} << 20;
-constexpr int64_t kDefaultRingRows = 128;  // rows per (source rank, channel) ring
+constexpr int64_t kDefaultRingRows = 256;  // rows per (source rank, channel) ring
 constexpr int64_t kMaxTopk = 16;
 
 int64_t align16(int64_t v) { return (v + 15) / 16 * 16; }

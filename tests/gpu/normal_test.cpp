@@ -330,7 +330,14 @@ void compare(const Case& c, const std::vector<RankOutput>& want, const std::vect
     for (size_t i = 0; i < w.combined.size(); ++i) {
       const float a = bf16f(g.combined[i]), b = bf16f(w.combined[i]);
       // Sums of <= 10 bf16 terms in fp32, rounded once to bf16: one bf16 ulp of slack for ordering.
-      if (std::fabs(a - b) > 1e-2f * std::max(1.f, std::fabs(b))) ++bad_c;
+      if (std::fabs(a - b) > 1e-2f * std::max(1.f, std::fabs(b))) {
+        if (bad_c < 4) {
+          const int64_t t = static_cast<int64_t>(i) / c.hidden;
+          ADD_FAILURE() << "combined[" << t << "][" << i % c.hidden << "] = " << a << ", host " << b << " (T "
+                        << c.tokens[r] << ", channel of 12: " << t * 12 / std::max<int64_t>(c.tokens[r], 1) << ")";
+        }
+        ++bad_c;
+      }
     }
     EXPECT_EQ(bad_c, 0) << "combined x differs";
     ASSERT_EQ(g.combined_weights.size(), w.combined_weights.size());
@@ -517,7 +524,11 @@ TEST_F(NormalGpuTest, CachedDispatchMovesNewData) {
     bad[r] = mismatches;
     first = {};
     second = {};
+    x = {};
+    x2 = {};
+    topk = {};  // NOTE: tensors free on their allocation stream: release them before destroying it
     buffer.reset();
+    cudaStreamSynchronize(stream);
     cudaStreamDestroy(stream);
   });
   EXPECT_EQ(bad[0], 0);
@@ -686,7 +697,10 @@ TEST_F(NormalGpuTest, TimeoutThenRecover) {
     bad[r] = mismatches;
     res = {};
     comb = {};
+    x = {};
+    topk = {};
     buffer.reset();
+    cudaStreamSynchronize(stream);
     cudaStreamDestroy(stream);
   });
   EXPECT_NE(message.find("timed out"), std::string::npos) << message;
@@ -729,8 +743,10 @@ TEST_F(NormalGpuTest, InvalidTopkIsReported) {
     DispatchResult res = buffer->dispatch(a);
     EXPECT_EQ(res.handle->num_recv_tokens(), r == 0 ? 2 * T : 2 * T);
     res = {};
-    cudaStreamSynchronize(stream);
+    x = {};
+    tk = {};
     buffer.reset();
+    cudaStreamSynchronize(stream);
     cudaStreamDestroy(stream);
   });
   EXPECT_EQ(codes[0], static_cast<int>(ErrorCode::kInvalidArgument));
