@@ -45,11 +45,13 @@ for t in "$BIN"/epx_gpu_*; do
   [ $rc -eq 0 ] || status=1
 done
 
+# NOTE: 2-rank cases only: the sanitizers serialize kernels, so two ranks that share a GPU (and wait on
+# each other) cannot make progress under them.
 if [ $QUICK -eq 0 ] && command -v compute-sanitizer >/dev/null && [ -x "$BIN/epx_gpu_normal_test" ]; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool (small case)" >>"$LOG"
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/epx_gpu_normal_test" \
-      --gtest_filter='NormalGpuTest.Ep2SmallShapesAndInt32Topk:NormalGpuTest.FourRanksOnTwoGpus' >>"$LOG" 2>&1
+      --gtest_filter='NormalGpuTest.Ep2SmallShapesAndInt32Topk:NormalGpuTest.Ep2WorstTokens' >>"$LOG" 2>&1
     rc=$?
     NAMES+=("sanitizer-$tool")
     RESULTS+=("rc=$rc")

@@ -101,38 +101,41 @@ __device__ __forceinline__ uint64_t read_epoch(const CommArgs& comm) {
   return *reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_epoch);
 }
 
-// Copies `bytes` (multiple of 16, both 16-byte aligned) with one warp.
-__device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
+// Copies `bytes` (multiple of 16, both 16-byte aligned) with one warp; 8 loads in flight per lane.
+template <bool kCoherent>
+__device__ __forceinline__ int4 load16(const int4* p) {
+  if constexpr (kCoherent) {
+    return __ldcg(p);
+  } else {
+    return __ldg(p);
+  }
+}
+
+template <bool kCoherent>
+__device__ __forceinline__ void warp_copy16_impl(char* dst, const char* src, int64_t bytes, int lane) {
+  constexpr int kUnroll = 8;
   const int64_t n = bytes / 16;
   auto* d = reinterpret_cast<int4*>(dst);
   const auto* s = reinterpret_cast<const int4*>(src);
   int64_t i = lane;
-#pragma unroll 4
-  for (; i + 96 < n; i += 128) {
-    const int4 a = __ldg(s + i), b = __ldg(s + i + 32), c = __ldg(s + i + 64), e = __ldg(s + i + 96);
-    d[i] = a;
-    d[i + 32] = b;
-    d[i + 64] = c;
-    d[i + 96] = e;
+  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load16<kCoherent>(s + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) d[i + 32 * u] = v[u];
   }
-  for (; i < n; i += 32) d[i] = __ldg(s + i);
+  for (; i < n; i += 32) d[i] = load16<kCoherent>(s + i);
+}
+
+__device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
+  warp_copy16_impl<false>(dst, src, bytes, lane);
 }
 
 // Same, but the source is a ring that another GPU writes into our memory: loads bypass L1 (.cg), which
 // could hold a stale copy of a reused slot; L2 is the point of coherence for our own memory.
 __device__ __forceinline__ void warp_copy16_coherent(char* dst, const char* src, int64_t bytes, int lane) {
-  const int64_t n = bytes / 16;
-  auto* d = reinterpret_cast<int4*>(dst);
-  const auto* s = reinterpret_cast<const int4*>(src);
-  int64_t i = lane;
-  for (; i + 96 < n; i += 128) {
-    const int4 a = __ldcg(s + i), b = __ldcg(s + i + 32), c = __ldcg(s + i + 64), e = __ldcg(s + i + 96);
-    d[i] = a;
-    d[i + 32] = b;
-    d[i + 64] = c;
-    d[i + 96] = e;
-  }
-  for (; i < n; i += 32) d[i] = __ldcg(s + i);
+  warp_copy16_impl<true>(dst, src, bytes, lane);
 }
 
 __device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int64_t bytes, int lane) {

@@ -14,7 +14,7 @@ inline constexpr int kMaxLocalExperts = 1024;  // notify carries one count per l
 inline constexpr int kMaxTopk = 16;
 inline constexpr int kMaxExperts = 8192;  // the layout kernel counts experts in shared memory
 inline constexpr int kNotifyInts = 2 + kMaxChannels + 1 + kMaxLocalExperts;
-inline constexpr int kNormalThreads = 512;
+inline constexpr int kNormalThreads = 768;  // 24 warps: split evenly over 2, 4 or 8 peers
 
 // Written by the device into mapped pinned host memory: the first failure of an operation. code != 0
 // also tells every other wait of the buffer to give up (abort).
