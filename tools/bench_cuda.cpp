@@ -147,6 +147,14 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
     if (config.progress) std::fprintf(stderr, "[epx bench] cuda backend, %d ranks: %s\n", R, what.c_str());
   };
 
+  // NOTE: the default pool returns freed memory to the driver at every synchronization (threshold 0),
+  // so each iteration would map its outputs afresh; a serving process keeps its pool warm instead.
+  for (int d = 0; d < num_gpus; ++d) {
+    cudaMemPool_t pool;
+    cuda_ok(cudaDeviceGetDefaultMemPool(&pool, d), "cudaDeviceGetDefaultMemPool");
+    uint64_t threshold = UINT64_MAX;
+    cuda_ok(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), "cudaMemPoolSetAttribute");
+  }
   cudaDeviceProp prop{};
   cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   progress("floor (copy engines)");
@@ -390,7 +398,8 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
                         {"iters", config.num_iters},
                         {"seed", config.seed},
                         {"timing", "CUDA events per rank, slowest rank, median"},
-                        {"x_rotation", "2 copies of x alternate (each larger than L2 at the default shape)"}};
+                        {"x_rotation", "2 copies of x alternate (each larger than L2 at the default shape)"},
+                        {"mem_pool_release_threshold", "UINT64_MAX (outputs come from a warm cudaMallocAsync pool)"}};
   report["floor"] = {{"copy_engine_peer_one_way_gbps", floor.peer_one_way_gbps},
                      {"copy_engine_peer_both_ways_gbps_each", floor.peer_both_ways_gbps},
                      {"local_copy_gbps", floor.local_gbps}};
