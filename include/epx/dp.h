@@ -95,7 +95,7 @@ struct PaddingModeOptions {
   bool symmetric_a2a = false;       // the all-to-all backend needs the same shape on every rank
 };
 
-// The mode of one step from the per-DP-rank token counts (every count >= 0, at least one rank).
+// The mode of one step from the per-DP-rank token counts (every count >= 0, 1 to 1024 DP ranks).
 // Rules, first match wins: symmetric_a2a -> MAX_LEN; in_cuda_graph -> MAX_LEN; extend with more than
 // one DP rank -> SUM_LEN; MAX_LEN iff 2 * sum >= max * num_dp_ranks; else SUM_LEN.
 DpPaddingMode choose_padding_mode(std::span<const int64_t> num_tokens_per_dp_rank,
@@ -113,8 +113,8 @@ struct DpGatherPlan {
 // MAX_LEN: slot_len = max count rounded up to a multiple of attn_tp_size (the NCCL path splits a slot
 // over the attention-TP ranks), offsets[d] = d * slot_len, buffer_len = slot_len * num_dp_ranks.
 // SUM_LEN: offsets are the exclusive prefix sums, buffer_len = the sum. Rows not covered by any DP
-// rank (MAX_LEN padding) are zero after a gather. Throws kInvalidArgument for negative counts, no
-// ranks, attn_tp_size < 1 or a buffer over 2^40 rows.
+// rank (MAX_LEN padding) are zero after a gather. Throws kInvalidArgument for negative counts, not 1 to
+// 1024 DP ranks, attn_tp_size outside [1, 1024] or a buffer over 2^40 rows.
 DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpPaddingMode mode, int attn_tp_size = 1);
 
 // ---- gather / scatter (collective over the whole group) ----------------------------------------------
