@@ -572,36 +572,50 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
                             ((static_cast<int64_t>(r) * C + channel) * a.ring_rows + li % a.ring_rows) * a.row_bytes;
         }
       }
-      for (int64_t v = lane; v < H / 8; v += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int j = 0; j < num_src; ++j) {
-          const int4 in = __ldcg(reinterpret_cast<const int4*>(rows[j]) + v);
-          const uint32_t w[4] = {static_cast<uint32_t>(in.x), static_cast<uint32_t>(in.y), static_cast<uint32_t>(in.z),
-                                 static_cast<uint32_t>(in.w)};
+      // kUnroll chunks per lane per step, so each source row has kUnroll loads in flight.
+      constexpr int kUnroll = 4;
+      const int64_t num_chunks = H / 8;
+      const uint16_t* biases[2] = {a.bias_0, a.bias_1};
+      for (int64_t v0 = lane; v0 < num_chunks; v0 += 32 * kUnroll) {
+        float acc[kUnroll][8];
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            acc[2 * q] += bf16_lo(w[q]);
-            acc[2 * q + 1] += bf16_hi(w[q]);
-          }
+        for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
         }
-        const uint16_t* biases[2] = {a.bias_0, a.bias_1};
+        auto accumulate = [&](const int4* base, bool coherent) {
+          int4 in[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = v0 + 32 * u;
+            in[u] = v < num_chunks ? (coherent ? __ldcg(base + v) : __ldg(base + v)) : make_int4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const uint32_t w[4] = {static_cast<uint32_t>(in[u].x), static_cast<uint32_t>(in[u].y),
+                                   static_cast<uint32_t>(in[u].z), static_cast<uint32_t>(in[u].w)};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              acc[u][2 * q] += bf16_lo(w[q]);
+              acc[u][2 * q + 1] += bf16_hi(w[q]);
+            }
+          }
+        };
+        for (int j = 0; j < num_src; ++j) accumulate(reinterpret_cast<const int4*>(rows[j]), true);
         for (const uint16_t* bias : biases) {
-          if (bias == nullptr) continue;
-          const int4 b = __ldg(reinterpret_cast<const int4*>(bias + tt * H) + v);
-          const uint32_t w[4] = {static_cast<uint32_t>(b.x), static_cast<uint32_t>(b.y), static_cast<uint32_t>(b.z),
-                                 static_cast<uint32_t>(b.w)};
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            acc[2 * q] += bf16_lo(w[q]);
-            acc[2 * q + 1] += bf16_hi(w[q]);
-          }
+          if (bias != nullptr) accumulate(reinterpret_cast<const int4*>(bias + tt * H), false);
         }
-        int4 o;
-        o.x = static_cast<int>(to_bf16(acc[0]) | (to_bf16(acc[1]) << 16));
-        o.y = static_cast<int>(to_bf16(acc[2]) | (to_bf16(acc[3]) << 16));
-        o.z = static_cast<int>(to_bf16(acc[4]) | (to_bf16(acc[5]) << 16));
-        o.w = static_cast<int>(to_bf16(acc[6]) | (to_bf16(acc[7]) << 16));
-        reinterpret_cast<int4*>(a.out + tt * H)[v] = o;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t v = v0 + 32 * u;
+          if (v >= num_chunks) continue;
+          int4 o;
+          o.x = static_cast<int>(to_bf16(acc[u][0]) | (to_bf16(acc[u][1]) << 16));
+          o.y = static_cast<int>(to_bf16(acc[u][2]) | (to_bf16(acc[u][3]) << 16));
+          o.z = static_cast<int>(to_bf16(acc[u][4]) | (to_bf16(acc[u][5]) << 16));
+          o.w = static_cast<int>(to_bf16(acc[u][6]) | (to_bf16(acc[u][7]) << 16));
+          reinterpret_cast<int4*>(a.out + tt * H)[v] = o;
+        }
       }
       if (a.out_topk_weights != nullptr && lane < K) {
         float sum = 0.f;

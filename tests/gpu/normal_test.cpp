@@ -6,10 +6,13 @@
 // GPU), with every cuda output allocation poisoned first, and compares every element: data movement
 // bit-exact, combine sums within fp32-ordering tolerance. The random seed is printed.
 #include <cuda_runtime.h>
+#include <execinfo.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <latch>
 #include <random>
@@ -24,6 +27,20 @@
 
 namespace epx {
 namespace {
+
+// A crash prints its stack (addresses resolve with addr2line on the unstripped binary).
+void print_stack_and_die(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+const bool kCrashHandler = [] {
+  std::signal(SIGSEGV, print_stack_and_die);
+  std::signal(SIGABRT, print_stack_and_die);
+  return true;
+}();
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
@@ -524,6 +541,8 @@ TEST_F(NormalGpuTest, CachedDispatchMovesNewData) {
     bad[r] = mismatches;
     first = {};
     second = {};
+    a = {};
+    b = {};  // holds the handle, whose tensors free on `stream`
     x = {};
     x2 = {};
     topk = {};  // NOTE: tensors free on their allocation stream: release them before destroying it
@@ -699,6 +718,7 @@ TEST_F(NormalGpuTest, TimeoutThenRecover) {
     bad[r] = mismatches;
     res = {};
     comb = {};
+    ca = {};  // holds the handle, whose tensors free on `stream`
     x = {};
     topk = {};
     buffer.reset();
