@@ -608,5 +608,34 @@ TEST(HostBuffer, LayoutMatchesRouting) {
   EXPECT_EQ(std::memcmp(layout.is_token_in_rank.data(), expected.is_token_in_rank.data(), 33 * 4), 0);
 }
 
+TEST(HostBuffer, DispatchWithPrecomputedLayout) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Case c;
+  c.num_ranks = 3;
+  c.num_experts = 24;
+  c.num_topk = 4;
+  auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
+  auto buffers = make_buffers(groups);
+  const auto in = make_inputs(rng, c, 60);
+  std::vector<Layout> layouts(c.num_ranks);
+  for (int r = 0; r < c.num_ranks; ++r)
+    layouts[r] = buffers[r]->get_dispatch_layout(topk_view(in[r], c), c.num_experts);
+  const auto res = run_dispatch(buffers, [&](int r) {
+    auto a = dispatch_args(in[r], c);
+    a.layout = &layouts[r];
+    return a;
+  });
+  for (int r = 0; r < c.num_ranks; ++r) check_dispatch(in, c, r, res[r], 0);
+  // A layout that does not belong to topk_idx is refused on every rank before they meet.
+  for (auto& l : layouts) l.num_tokens_per_expert.data_as<int32_t>()[0] += 1;
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    auto a = dispatch_args(in[r], c);
+    a.layout = &layouts[r];
+    expect_invalid([&] { buffers[r]->dispatch(a); }, "layout does not match");
+  });
+}
+
 }  // namespace
 }  // namespace epx
