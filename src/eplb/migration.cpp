@@ -198,60 +198,6 @@ double local_search(const double* w, const detail::Layout& lay, int num_nodes_re
   return bal();
 }
 
-// Starts from the (renamed) fresh layer and reverts single slots to their current expert, most balanced
-// first, while the layer stays at or above `target`: every move that does not buy balance is undone.
-std::vector<int32_t> revert_search(const double* w, const detail::Layout& lay, double target,
-                                   const std::vector<int32_t>& fresh, const int32_t* cur) {
-  const int P = lay.num_physical, spg = lay.slots_per_gpu, R = lay.num_gpus;
-  const int slots_per_node = lay.physical_per_node;
-  std::vector<int32_t> out(fresh);
-  std::vector<std::vector<int>> slots_of(lay.num_logical);
-  for (int s = 0; s < P; ++s) slots_of[out[s]].push_back(s);
-  std::vector<double> loads(R, 0.0);
-  double total = 0;
-  for (int s = 0; s < P; ++s) {
-    const double v = w[out[s]] / slots_of[out[s]].size();
-    loads[s / spg] += v;
-    total += v;
-  }
-  if (total <= 0) return out;
-  const double max_allowed = (total / R) / target;
-  std::vector<double> trial(R);
-  for (;;) {
-    int best_s = -1;
-    double best_max = max_allowed;
-    for (int s = 0; s < P; ++s) {
-      const int32_t e = out[s], f = cur[s];
-      if (e == f || slots_of[e].size() < 2) continue;
-      // Node locality: f may only gain a replica in the node that already hosts it.
-      bool same_node = true;
-      for (int t : slots_of[f]) same_node = same_node && t / slots_per_node == s / slots_per_node;
-      if (!same_node) continue;
-      trial = loads;
-      const double ce = static_cast<double>(slots_of[e].size()), cf = static_cast<double>(slots_of[f].size());
-      for (int t : slots_of[e]) trial[t / spg] += (t == s ? 0.0 : w[e] / (ce - 1)) - w[e] / ce;
-      for (int t : slots_of[f]) trial[t / spg] += w[f] / (cf + 1) - w[f] / cf;
-      trial[s / spg] += w[f] / (cf + 1);
-      const double m = *std::max_element(trial.begin(), trial.end());
-      if (m <= best_max) {
-        best_max = m;
-        best_s = s;
-      }
-    }
-    if (best_s < 0) break;
-    const int32_t e = out[best_s], f = cur[best_s];
-    const double ce = static_cast<double>(slots_of[e].size()), cf = static_cast<double>(slots_of[f].size());
-    for (int t : slots_of[e]) loads[t / spg] += (t == best_s ? 0.0 : w[e] / (ce - 1)) - w[e] / ce;
-    for (int t : slots_of[f]) loads[t / spg] += w[f] / (cf + 1) - w[f] / cf;
-    loads[best_s / spg] += w[f] / (cf + 1);
-    auto& list = slots_of[e];
-    list.erase(std::find(list.begin(), list.end(), best_s));
-    slots_of[f].push_back(best_s);
-    out[best_s] = f;
-  }
-  return out;
-}
-
 }  // namespace
 
 MigrationResult rebalance_migration_aware(const std::vector<std::vector<double>>& weight, const PlacementShape& shape,
@@ -341,12 +287,6 @@ MigrationResult rebalance_migration_aware(const std::vector<std::vector<double>>
       int64_t moves_mix = 0, moves_searched = 0;
       for (int s = 0; s < P; ++s) moves_mix += mix[s] != cur[s], moves_searched += searched[s] != cur[s];
       if (moves_searched < moves_mix) mix = std::move(searched);
-    }
-    std::vector<int32_t> reverted = revert_search(w, lay, target, target_layer, cur);
-    if (candidate_balancedness(w, reverted, lay, cnt) >= target) {
-      int64_t moves_mix = 0, moves_reverted = 0;
-      for (int s = 0; s < P; ++s) moves_mix += mix[s] != cur[s], moves_reverted += reverted[s] != cur[s];
-      if (moves_reverted < moves_mix) mix = std::move(reverted);
     }
     std::copy(mix.begin(), mix.end(), out.begin() + static_cast<int64_t>(l) * P);
   }

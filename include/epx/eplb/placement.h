@@ -79,12 +79,14 @@ struct MigrationResult {
   double fresh_balancedness = 0;    // balancedness of that fresh placement under `weight`
 };
 
-// Migration-aware rebalancing: computes a fresh kDefault placement, renames its nodes, GPUs and slots to
-// overlap `current` as much as possible (free: balance is unchanged), then per layer starts from
-// `current` and adopts the fresh placement one GPU at a time (the GPU that buys the most balance first)
-// until the layer is within max_balance_loss of the fresh one. Layers that are already within the bound
-// keep `current` unchanged. `current_phy2log` is [num_layers * num_physical] with every logical expert
-// present in each layer. Throws Error(kInvalidArgument) for shape mismatches and the errors of rebalance().
+// Migration-aware rebalancing: computes a fresh kDefault placement and renames its nodes, GPUs and slots
+// to overlap `current` as much as possible (free: balance is unchanged). Per layer it then keeps the
+// result with the fewest moved slots among two searches from `current` that stay within
+// max_balance_loss of the fresh layer: local swaps / replica conversions around the most loaded GPU, and
+// adopting the fresh layer one GPU at a time. If none reaches the bound, the renamed fresh
+// layer is used. Layers already within the bound keep `current` unchanged. `current_phy2log` is
+// [num_layers * num_physical] with every logical expert present in each layer. Throws
+// Error(kInvalidArgument) for shape mismatches and the errors of rebalance().
 MigrationResult rebalance_migration_aware(const std::vector<std::vector<double>>& weight, const PlacementShape& shape,
                                           const std::vector<int32_t>& current_phy2log,
                                           const MigrationOptions& options = {});
