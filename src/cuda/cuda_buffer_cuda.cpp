@@ -299,8 +299,14 @@ void CudaBuffer::begin_collective(Stream stream) {
 Layout CudaBuffer::compute_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) {
   const int64_t T = topk_idx.shape[0];
   Layout layout;
-  layout.num_tokens_per_rank = empty(DType::kInt32, {num_ranks_}, stream);
-  layout.num_tokens_per_expert = empty(DType::kInt32, {num_experts}, stream);
+  // Both count arrays in one allocation, so one memset zeroes them for the kernel's atomics.
+  const Tensor counts = empty(DType::kInt32, {num_ranks_ + num_experts}, stream);
+  check_cuda(cudaMemsetAsync(counts.data(), 0, counts.nbytes(), stream), "cudaMemsetAsync (layout counts)");
+  auto storage = std::make_shared<Tensor>(counts);
+  layout.num_tokens_per_rank =
+      Tensor::wrap(TensorView::of(counts.data_as<int32_t>(), DType::kInt32, {num_ranks_}, group_->device()), storage);
+  layout.num_tokens_per_expert = Tensor::wrap(
+      TensorView::of(counts.data_as<int32_t>() + num_ranks_, DType::kInt32, {num_experts}, group_->device()), storage);
   layout.is_token_in_rank = empty(DType::kBool, {T, num_ranks_}, stream);
   launch_layout(topk_idx.data, topk_idx.dtype == DType::kInt64, T, static_cast<int>(topk_idx.shape[1]), num_experts,
                 num_ranks_, layout.num_tokens_per_rank.data_as<int32_t>(),

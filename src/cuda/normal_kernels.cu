@@ -149,38 +149,49 @@ __device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int6
 
 // ---- layout ----------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(1024)
+// Many blocks, one token per thread (its K loads in flight together); counts go to shared memory,
+// then one global atomic per non-zero count. The outputs were zeroed on the stream before.
+__global__ void __launch_bounds__(kLayoutThreads)
     layout_kernel(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
                   int num_ranks, int32_t* per_rank, int32_t* per_expert, uint8_t* in_rank, ErrorRecord* error,
                   int rank) {
-  __shared__ int32_t s_expert[kMaxExperts];
+  extern __shared__ int32_t s_expert[];  // [num_experts]
   __shared__ int32_t s_rank[kMaxRanks];
   for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) s_expert[i] = 0;
   if (threadIdx.x < kMaxRanks) s_rank[threadIdx.x] = 0;
   __syncthreads();
   const int64_t per = num_experts / num_ranks;
-  for (int64_t t = threadIdx.x; t < num_tokens; t += blockDim.x) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < num_tokens) {
+    int64_t e[kMaxTopk];
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) {
+      e[k] = -1;
+      if (k < num_topk) {
+        const int64_t i = t * num_topk + k;
+        e[k] = is_int64 ? static_cast<const int64_t*>(topk_idx)[i]
+                        : static_cast<int64_t>(static_cast<const int32_t*>(topk_idx)[i]);
+      }
+    }
     uint32_t mask = 0;
-    for (int k = 0; k < num_topk; ++k) {
-      const int64_t i = t * num_topk + k;
-      const int64_t e = is_int64 ? static_cast<const int64_t*>(topk_idx)[i]
-                                 : static_cast<int64_t>(static_cast<const int32_t*>(topk_idx)[i]);
-      if (e < -1 || e >= num_experts) {
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) {
+      if (e[k] < -1 || e[k] >= num_experts) {
         volatile ErrorRecord* rec = error;
         if (rec->code == kErrNone) {
           rec->rank = rank;
           rec->peer = static_cast<int32_t>(t);
           rec->channel = k;
-          rec->observed = e;
+          rec->observed = e[k];
           rec->expected = num_experts;
           __threadfence_system();
           rec->code = kErrInvalidTopk;
         }
         continue;
       }
-      if (e < 0) continue;
-      atomicAdd(&s_expert[e], 1);
-      mask |= 1u << static_cast<int>(e / per);
+      if (e[k] < 0) continue;
+      atomicAdd(&s_expert[e[k]], 1);
+      mask |= 1u << static_cast<int>(e[k] / per);
     }
     for (int r = 0; r < num_ranks; ++r) {
       const bool in = (mask >> r) & 1u;
@@ -189,8 +200,10 @@ __global__ void __launch_bounds__(1024)
     }
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) per_expert[i] = s_expert[i];
-  if (threadIdx.x < num_ranks) per_rank[threadIdx.x] = s_rank[threadIdx.x];
+  for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) {
+    if (s_expert[i] != 0) atomicAdd(&per_expert[i], s_expert[i]);
+  }
+  if (threadIdx.x < num_ranks && s_rank[threadIdx.x] != 0) atomicAdd(&per_rank[threadIdx.x], s_rank[threadIdx.x]);
 }
 
 // ---- scan: one block per destination ----------------------------------------------------------
@@ -644,9 +657,11 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
 
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
                    int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,
-                   uint8_t* is_token_in_rank, ErrorRecord* error, int rank, cudaStream_t stream) {
-  layout_kernel<<<1, 1024, 0, stream>>>(topk_idx, is_int64, num_tokens, num_topk, num_experts, num_ranks,
-                                        num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, error, rank);
+                   uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream) {
+  const int64_t blocks = num_tokens > 0 ? (num_tokens + kLayoutThreads - 1) / kLayoutThreads : 1;
+  layout_kernel<<<static_cast<unsigned>(blocks), kLayoutThreads, num_experts * sizeof(int32_t), stream>>>(
+      topk_idx, is_int64, num_tokens, num_topk, num_experts, num_ranks, num_tokens_per_rank, num_tokens_per_expert,
+      is_token_in_rank, value_error, rank);
 }
 
 void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ranks, int num_channels,

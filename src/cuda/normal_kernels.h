@@ -14,6 +14,7 @@ inline constexpr int kMaxLocalExperts = 1024;  // notify carries one count per l
 inline constexpr int kMaxTopk = 16;
 inline constexpr int kMaxExperts = 8192;  // the layout kernel counts experts in shared memory
 inline constexpr int kNotifyInts = 2 + kMaxChannels + 1 + kMaxLocalExperts;
+inline constexpr int kLayoutThreads = 256;
 inline constexpr int kNormalThreads = 768;  // 24 warps: split evenly over 2, 4 or 8 peers
 
 // Written by the device into mapped pinned host memory: the first failure of an operation. code != 0
@@ -117,7 +118,7 @@ struct CombineKernelArgs {
 };
 
 // Layout: counts and is_token_in_rank; an entry outside [-1, num_experts) is recorded in `error` and
-// treated as -1. One block.
+// treated as -1. The two count arrays must be zero on `stream` before (the kernel adds into them).
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
                    int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,
                    uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream);
