@@ -63,6 +63,7 @@ inline void from_float(float x, uint16_t& out) { out = float_to_bf16(x); }
 template <typename T>
 void gather_rows(const ParallelLayout& layout, const DpGatherPlan& plan, const std::vector<const void*>& ptrs,
                  T* global, int64_t hidden) {
+  if (plan.buffer_len == 0 || hidden == 0) return;  // nothing to write; global may be a null empty view
   std::memset(global, 0, static_cast<size_t>(plan.buffer_len * hidden) * sizeof(T));
   for (int d = 0; d < layout.attn_dp_size(); ++d) {
     const auto& c = *static_cast<const Contribution*>(ptrs[layout.dp_leader(d)]);
@@ -117,7 +118,7 @@ void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherP
   const size_t elem = dtype_size(local.dtype);
   auto* out = static_cast<char*>(local.data);
   // Rows past the count (CUDA-graph padding) are zeroed.
-  if (local.shape[0] > count) {
+  if (local.shape[0] > count && hidden > 0) {
     std::memset(out + count * hidden * elem, 0, static_cast<size_t>((local.shape[0] - count) * hidden) * elem);
   }
   if (kind == DpScatterKind::kSlice) {
