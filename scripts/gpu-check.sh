@@ -5,6 +5,7 @@
 # ./gpu-check-out); at most a handful of files, since the device tool brings back only 8.
 # Usage: scripts/gpu-check.sh [--quick]   (--quick: tests only, bench at 24 SMs)
 set -uo pipefail
+export EPX_LL_TIMING_JSON=${EPX_LL_TIMING_JSON:-}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-check-out}
 BIN=${EPX_GPU_BIN:-$ROOT/.carry/bin}
@@ -54,6 +55,17 @@ if [ $QUICK -eq 0 ] && command -v compute-sanitizer >/dev/null && [ -x "$BIN/epx
       --gtest_filter='NormalGpuTest.Ep2SmallShapesAndInt32Topk:NormalGpuTest.Ep2WorstTokens' >>"$LOG" 2>&1
     rc=$?
     NAMES+=("sanitizer-$tool")
+    RESULTS+=("rc=$rc")
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+if [ $QUICK -eq 0 ] && command -v compute-sanitizer >/dev/null && [ -x "$BIN/epx_gpu_low_latency_kernels_test" ]; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool (low-latency small case)" >>"$LOG"
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/epx_gpu_low_latency_kernels_test" \
+      --gtest_filter='LowLatencyKernels.SmallCase' >>"$LOG" 2>&1
+    rc=$?
+    NAMES+=("sanitizer-$tool (low-latency)")
     RESULTS+=("rc=$rc")
     [ $rc -eq 0 ] || status=1
   done

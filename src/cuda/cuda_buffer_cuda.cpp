@@ -12,7 +12,9 @@
 #include "core/check.h"
 #include "cuda/cuda_group.h"
 #include "cuda/cuda_util.h"
+#include "cuda/low_latency_engine.h"
 #include "cuda/normal_kernels.h"
+#include "cuda/peer_memory.h"
 #include "ep/backends.h"
 #include "ep/validate.h"
 
@@ -82,6 +84,10 @@ class CudaBuffer final : public Buffer {
     open_peers();
     if (cgroup_->world() != nullptr) seen_generation_ = cgroup_->world()->reset_generation.load();
     group_->barrier();
+    if (options.num_low_latency_bytes > 0) {
+      low_latency_ = std::make_unique<LowLatencyEngine>(*group_, cgroup_->single_process(), device_,
+                                                        options.num_low_latency_bytes, allocator_);
+    }
 
     comm_.rank = rank_;
     comm_.num_ranks = num_ranks_;
@@ -115,9 +121,7 @@ class CudaBuffer final : public Buffer {
       group_->barrier();
     } catch (...) {
     }
-    for (int r = 0; r < num_ranks_; ++r) {
-      if (r != rank_ && ipc_opened_[r]) cudaIpcCloseMemHandle(comm_.peers[r]);
-    }
+    close_peer_regions(peer_regions_);
     cudaFree(region_);
     cudaFreeHost(errors_);
     cudaFreeHost(meta_host_);
@@ -137,19 +141,27 @@ class CudaBuffer final : public Buffer {
   DispatchResult dispatch(const DispatchArgs& args) override;
   CombineResult combine(const CombineArgs& args) override;
 
-  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs&) override {
-    detail::raise(ErrorCode::kUnsupported, "low_latency_dispatch is not implemented yet on the cuda backend");
+  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args) override {
+    return low_latency().dispatch(args);
   }
-  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs&) override {
-    detail::raise(ErrorCode::kUnsupported, "low_latency_combine is not implemented yet on the cuda backend");
+  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args) override {
+    return low_latency().combine(args);
   }
-  void mask_rank(int) override {
-    detail::raise(ErrorCode::kUnsupported, "mask_rank (low-latency path) is not implemented yet on the cuda backend");
+  void mask_rank(int rank) override { low_latency().mask_rank(rank); }
+  std::vector<bool> rank_mask() const override {
+    return low_latency_ ? low_latency_->rank_mask() : std::vector<bool>(num_ranks_, false);
   }
-  std::vector<bool> rank_mask() const override { return std::vector<bool>(num_ranks_, false); }
-  void clear_rank_mask() override {}
+  void clear_rank_mask() override {
+    if (low_latency_) low_latency_->clear_rank_mask();
+  }
 
  private:
+  LowLatencyEngine& low_latency() const {
+    EPX_CHECK_ARG(low_latency_ != nullptr,
+                  "this buffer has no low-latency memory: create it with BufferOptions::num_low_latency_bytes = "
+                  "low_latency_buffer_size_hint(...)");
+    return *low_latency_;
+  }
   void open_peers();
   Layout compute_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream);
   Tensor empty(DType dtype, const std::vector<int64_t>& shape, Stream stream) {
@@ -178,7 +190,8 @@ class CudaBuffer final : public Buffer {
   int num_channels_ = 1;
   int64_t region_bytes_ = 0;
   void* region_ = nullptr;
-  bool ipc_opened_[kMaxRanks] = {};
+  PeerRegions peer_regions_;
+  std::unique_ptr<LowLatencyEngine> low_latency_;
   ErrorRecord* errors_ = nullptr;         // mapped host memory [2]
   ErrorRecord* errors_device_ = nullptr;  // its device alias
   int32_t* meta_host_ = nullptr;          // pinned staging of the receive counts
@@ -188,61 +201,8 @@ class CudaBuffer final : public Buffer {
 };
 
 void CudaBuffer::open_peers() {
-  DeviceGuard guard(device_);
-  void* mine = region_;
-  if (cgroup_->single_process()) {
-    struct Entry {
-      void* ptr;
-      int device;
-    };
-    Entry entry{mine, device_};
-    std::vector<Entry> all(num_ranks_);
-    group_->all_gather_bytes(&entry, all.data(), sizeof(Entry));
-    for (int r = 0; r < num_ranks_; ++r) {
-      comm_.peers[r] = static_cast<char*>(all[r].ptr);
-      if (all[r].device == device_) continue;
-      int can = 0;
-      check_cuda(cudaDeviceCanAccessPeer(&can, device_, all[r].device), "cudaDeviceCanAccessPeer");
-      EPX_CHECK(ErrorCode::kUnsupported, can != 0,
-                "cuda:{} (rank {}) has no peer access to cuda:{} (rank {}): the cuda backend needs NVLink or PCIe "
-                "peer-to-peer between all GPUs of a group",
-                device_, rank_, all[r].device, r);
-      // NOTE: enabling is per device pair and process-wide; remember it so that no rank provokes
-      // cudaErrorPeerAccessAlreadyEnabled (which compute-sanitizer reports).
-      static std::mutex mutex;
-      static std::set<std::pair<int, int>> enabled;
-      std::lock_guard lock(mutex);
-      if (enabled.insert({device_, all[r].device}).second) {
-        const cudaError_t err = cudaDeviceEnablePeerAccess(all[r].device, 0);
-        if (err == cudaErrorPeerAccessAlreadyEnabled) {
-          cudaGetLastError();
-        } else {
-          check_cuda(err, "cudaDeviceEnablePeerAccess");
-        }
-      }
-    }
-    return;
-  }
-  cudaIpcMemHandle_t handle;
-  check_cuda(cudaIpcGetMemHandle(&handle, mine), "cudaIpcGetMemHandle");
-  std::vector<cudaIpcMemHandle_t> all(num_ranks_);
-  group_->all_gather_bytes(&handle, all.data(), sizeof(handle));
-  for (int r = 0; r < num_ranks_; ++r) {
-    if (r == rank_) {
-      comm_.peers[r] = static_cast<char*>(mine);
-      continue;
-    }
-    void* ptr = nullptr;
-    const cudaError_t err = cudaIpcOpenMemHandle(&ptr, all[r], cudaIpcMemLazyEnablePeerAccess);
-    if (err == cudaErrorPeerAccessUnsupported || err == cudaErrorInvalidDevice) {
-      cudaGetLastError();
-      detail::raise(ErrorCode::kUnsupported, "rank {} (cuda:{}) cannot map rank {}'s memory: no peer access ({})",
-                    rank_, device_, r, cudaGetErrorString(err));
-    }
-    check_cuda(err, "cudaIpcOpenMemHandle");
-    comm_.peers[r] = static_cast<char*>(ptr);
-    ipc_opened_[r] = true;
-  }
+  peer_regions_ = open_peer_regions(*group_, cgroup_->single_process(), region_, device_);
+  for (int r = 0; r < num_ranks_; ++r) comm_.peers[r] = peer_regions_.ptrs[r];
 }
 
 void CudaBuffer::request_reset() {

@@ -11,8 +11,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlock = 128;  // fp8 channels per scale
 
-int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
-
 __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -361,38 +359,6 @@ void check_launch(const char* what) {
 }
 
 }  // namespace
-
-LowLatencyLayout LowLatencyLayout::make(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks,
-                                        int64_t num_experts) {
-  LowLatencyLayout l;
-  l.max_tokens_per_rank = max_tokens_per_rank;
-  l.hidden = hidden;
-  l.num_experts = num_experts;
-  l.num_ranks = num_ranks;
-  l.num_local_experts = num_experts / num_ranks;
-  const int64_t slots = l.num_local_experts * num_ranks * max_tokens_per_rank;
-  int64_t offset = 0;
-  auto take = [&](int64_t bytes) {
-    const int64_t at = offset;
-    offset = align_up(offset + bytes, 256);
-    return at;
-  };
-  // NOTE: the control block comes first, so its offset does not depend on the shapes.
-  l.control_offset = take(sizeof(LowLatencyControl));
-  for (auto& s : l.sets) {
-    s.dispatch_data = take(slots * hidden * 2);
-    s.dispatch_scales = take(slots * (hidden / kBlock) * 4);
-    s.dispatch_src_info = take(slots * 4);
-    s.dispatch_slot_k = take(slots * 4);
-    s.dispatch_signals = take(l.num_local_experts * num_ranks * 8);
-    s.recv_count = take(l.num_local_experts * 4);
-    s.layout_range = take(l.num_local_experts * num_ranks * 8);
-    s.combine_data = take(max_tokens_per_rank * kLowLatencyMaxTopk * hidden * 2);
-    s.combine_signals = take(num_experts * 8);
-  }
-  l.total_bytes = offset;
-  return l;
-}
 
 void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                       const LowLatencyDispatchLaunch& args, cudaStream_t stream) {

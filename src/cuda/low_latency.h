@@ -18,48 +18,9 @@
 
 #include <cstdint>
 
+#include "cuda/low_latency_layout.h"
+
 namespace epx::cuda {
-
-inline constexpr int kLowLatencyMaxRanks = 16;
-inline constexpr int kLowLatencyMaxTopk = 16;
-inline constexpr int kLowLatencyMaxHidden = 16384;
-inline constexpr int kLowLatencyMaxExperts = 1024;
-inline constexpr int kLowLatencyMaxTokens = 4096;
-
-// Byte offsets of one buffer set inside a rank's region.
-struct LowLatencySet {
-  int64_t dispatch_data;      // [E_local][R * M][H] bf16 or fp8
-  int64_t dispatch_scales;    // [E_local][R * M][H / 128] fp32 (or uint8 UE8M0, packed the same way)
-  int64_t dispatch_src_info;  // [E_local][R * M] int32: source token, -1 in unused slots
-  int64_t dispatch_slot_k;    // [E_local][R * M] int32: the top-k slot the pair came from
-  int64_t dispatch_signals;   // [E_local][R] uint64: (tag << 32) | count, written by source rank s
-  int64_t recv_count;         // [E_local] int32 (local only)
-  int64_t layout_range;       // [E_local][R] int64 (local only)
-  int64_t combine_data;       // [M][kLowLatencyMaxTopk][H] bf16: one row per (token, k)
-  int64_t combine_signals;    // [num_experts] uint64: tag, written by the expert's rank
-};
-
-struct LowLatencyLayout {
-  int64_t max_tokens_per_rank = 0;  // M
-  int64_t hidden = 0;               // H
-  int64_t num_experts = 0;          // E
-  int num_ranks = 0;                // R
-  int64_t num_local_experts = 0;    // E / R
-  LowLatencySet sets[2];
-  int64_t control_offset = 0;  // LowLatencyControl, local only
-  int64_t total_bytes = 0;
-
-  static LowLatencyLayout make(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks, int64_t num_experts);
-};
-
-// Device-side state of one rank, at control_offset in its region (zeroed once at allocation).
-struct LowLatencyControl {
-  unsigned long long dispatch_seq[2];
-  unsigned long long combine_seq[2];
-  unsigned int dispatch_ticket[2];
-  unsigned int combine_ticket[2];
-  int mask[kLowLatencyMaxRanks];  // 1 = masked
-};
 
 // A wait that expired, recorded by the kernel (host-mapped memory); the host reports it and masks the peer.
 struct LowLatencyDiag {

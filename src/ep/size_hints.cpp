@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "core/check.h"
+#include "cuda/low_latency_layout.h"
 #include "epx/buffer.h"
 
 namespace epx {
@@ -31,14 +32,9 @@ int64_t low_latency_buffer_size_hint(int64_t max_tokens_per_rank, int64_t hidden
   EPX_CHECK_ARG(max_tokens_per_rank >= 1, "max_tokens_per_rank must be >= 1, got {}", max_tokens_per_rank);
   EPX_CHECK_ARG(hidden >= 1, "hidden must be >= 1, got {}", hidden);
   EPX_CHECK_ARG(num_ranks >= 1, "num_ranks must be >= 1, got {}", num_ranks);
-  EPX_CHECK_ARG(num_experts >= 1, "num_experts must be >= 1, got {}", num_experts);
-  // Per buffer set: dispatch receive slots [E_local, R, M] per rank = num_experts * M rows of a bf16
-  // message with a 16-byte header, the combine's slots likewise, plus a send staging of M rows and a
-  // count per expert. Two sets alternate.
-  const int64_t msg_bytes = align16(hidden * 2 + 16);
-  const int64_t slots = num_experts * max_tokens_per_rank;
-  const int64_t per_set = 2 * slots * msg_bytes + max_tokens_per_rank * msg_bytes + num_experts * 16;
-  return 2 * per_set;
+  EPX_CHECK_ARG(num_experts >= 1 && num_experts % num_ranks == 0,
+                "num_experts must be >= 1 and divisible by num_ranks ({}), got {}", num_ranks, num_experts);
+  return cuda::LowLatencyLayout::make(max_tokens_per_rank, hidden, num_ranks, num_experts).total_bytes;
 }
 
 }  // namespace epx

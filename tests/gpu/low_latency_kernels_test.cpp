@@ -19,6 +19,8 @@
 
 #include "cuda/low_latency.h"
 #include "epx/buffer.h"
+#include "epx/cuda.h"
+#include "epx/error.h"
 #include "epx/quant.h"
 
 namespace epx::cuda {
@@ -146,6 +148,51 @@ std::vector<Expected> host_reference(const Case& c, std::vector<RankInputs>& in,
     out[r].out = copy_out<uint16_t>(buffer->low_latency_combine(b).x);
   });
   return out;
+}
+
+// One rank's outputs, copied to the host.
+struct Outputs {
+  std::vector<int32_t> count, src_info;
+  std::vector<int64_t> range;
+  std::vector<uint8_t> data, scales;
+  std::vector<uint16_t> out;
+};
+
+// Every element the contract defines: counts, ranges and src_info exactly; data and scales of the used
+// slots bit-exactly; the combined output bit-exactly. Returns the number of mismatches.
+int64_t compare_outputs(const Case& c, int r, const Outputs& o, const Expected& e) {
+  const int64_t e_local = c.num_experts / c.num_ranks, R = c.num_ranks, M = c.max_tokens, H = c.hidden;
+  const int64_t elem = c.use_fp8 ? 1 : 2;
+  int64_t bad = 0;
+  auto expect = [&](bool ok, const std::string& what) {
+    if (!ok && bad++ < 5) ADD_FAILURE() << "rank " << r << ": " << what;
+  };
+  expect(o.count == e.recv_count, "recv_count");
+  expect(o.range == e.layout_range, "layout_range");
+  expect(o.src_info == e.src_info, "src_info");
+  const int64_t scale_bytes = (H / 128) * (c.ue8m0 ? 1 : 4);
+  for (int64_t el = 0; el < e_local; ++el) {
+    for (int64_t src = 0; src < R; ++src) {
+      const int64_t n = e.layout_range[el * R + src] & 0xffffffff;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t slot = el * R * M + src * M + i;
+        expect(std::memcmp(o.data.data() + slot * H * elem, e.recv_x.data() + slot * H * elem, H * elem) == 0,
+               "recv_x slot " + std::to_string(slot));
+        if (c.use_fp8) {
+          expect(std::memcmp(o.scales.data() + slot * scale_bytes, e.recv_scales.data() + slot * scale_bytes,
+                             scale_bytes) == 0,
+                 "scales slot " + std::to_string(slot));
+        }
+      }
+    }
+  }
+  expect(o.out.size() == e.out.size(), "combine output size");
+  for (size_t i = 0; i < std::min(o.out.size(), e.out.size()); ++i) {
+    expect(o.out[i] == e.out[i], "combine out element " + std::to_string(i) + ": got " +
+                                     std::to_string(bf16_to_float(o.out[i])) + " want " +
+                                     std::to_string(bf16_to_float(e.out[i])));
+  }
+  return bad;
 }
 
 // One rank's device side.
@@ -283,47 +330,23 @@ class Rig {
     const auto& s = layout_.sets[set];
     const int64_t e_local = layout_.num_local_experts, R = c_.num_ranks, M = c_.max_tokens, H = c_.hidden;
     const int64_t slots = e_local * R * M;
-    const int64_t elem = c_.use_fp8 ? 1 : 2;
-    std::vector<int32_t> count(e_local), src_info(slots);
-    std::vector<int64_t> range(e_local * R);
-    std::vector<uint8_t> data(slots * H * elem), scales(c_.use_fp8 ? slots * (H / 128) * (c_.ue8m0 ? 1 : 4) : 0);
-    std::vector<uint16_t> out(num_tokens_[r] * H);
+    Outputs o;
+    o.count.resize(e_local);
+    o.src_info.resize(slots);
+    o.range.resize(e_local * R);
+    o.data.resize(slots * H * (c_.use_fp8 ? 1 : 2));
+    o.scales.resize(c_.use_fp8 ? slots * (H / 128) * (c_.ue8m0 ? 1 : 4) : 0);
+    o.out.resize(num_tokens_[r] * H);
     cudaSetDevice(d.device);
-    cudaMemcpy(count.data(), d.region + s.recv_count, e_local * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(src_info.data(), d.region + s.dispatch_src_info, slots * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(range.data(), d.region + s.layout_range, e_local * R * 8, cudaMemcpyDeviceToHost);
-    cudaMemcpy(data.data(), d.region + s.dispatch_data, data.size(), cudaMemcpyDeviceToHost);
-    if (!scales.empty()) cudaMemcpy(scales.data(), d.region + s.dispatch_scales, scales.size(), cudaMemcpyDeviceToHost);
-    cudaMemcpy(out.data(), d.out, out.size() * 2, cudaMemcpyDeviceToHost);
-    int64_t bad = 0;
-    auto expect = [&](bool ok, const std::string& what) {
-      if (!ok && bad++ < 5) ADD_FAILURE() << "rank " << r << ": " << what;
-    };
-    expect(count == e.recv_count, "recv_count");
-    expect(range == e.layout_range, "layout_range");
-    expect(src_info == e.src_info, "src_info");
-    const int64_t scale_bytes = (H / 128) * (c_.ue8m0 ? 1 : 4);
-    for (int64_t el = 0; el < e_local; ++el) {
-      for (int64_t src = 0; src < R; ++src) {
-        const int64_t n = e.layout_range[el * R + src] & 0xffffffff;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t slot = el * R * M + src * M + i;
-          expect(std::memcmp(data.data() + slot * H * elem, e.recv_x.data() + slot * H * elem, H * elem) == 0,
-                 "recv_x slot " + std::to_string(slot));
-          if (c_.use_fp8) {
-            expect(std::memcmp(scales.data() + slot * scale_bytes, e.recv_scales.data() + slot * scale_bytes,
-                               scale_bytes) == 0,
-                   "scales slot " + std::to_string(slot));
-          }
-        }
-      }
+    cudaMemcpy(o.count.data(), d.region + s.recv_count, e_local * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(o.src_info.data(), d.region + s.dispatch_src_info, slots * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(o.range.data(), d.region + s.layout_range, e_local * R * 8, cudaMemcpyDeviceToHost);
+    cudaMemcpy(o.data.data(), d.region + s.dispatch_data, o.data.size(), cudaMemcpyDeviceToHost);
+    if (!o.scales.empty()) {
+      cudaMemcpy(o.scales.data(), d.region + s.dispatch_scales, o.scales.size(), cudaMemcpyDeviceToHost);
     }
-    for (int64_t i = 0; i < static_cast<int64_t>(out.size()); ++i) {
-      expect(out[i] == e.out[i], "combine out element " + std::to_string(i) + ": got " +
-                                     std::to_string(bf16_to_float(out[i])) + " want " +
-                                     std::to_string(bf16_to_float(e.out[i])));
-    }
-    return bad;
+    cudaMemcpy(o.out.data(), d.out, o.out.size() * 2, cudaMemcpyDeviceToHost);
+    return compare_outputs(c_, r, o, e);
   }
 
   LowLatencyDiag diag(int r) const { return *ranks_[r].diag; }
@@ -376,6 +399,23 @@ TEST_F(LowLatencyKernels, MatchHostBackend) {
         EXPECT_EQ(rig.compare(r, set, expected[r]), 0) << "round " << round;
       }
     }
+  }
+}
+
+// A small case for compute-sanitizer (memcheck, racecheck), run by scripts/gpu-check.sh.
+TEST_F(LowLatencyKernels, SmallCase) {
+  std::mt19937 rng(3);
+  const Case c{2, 8, 8, 256, 4, 16, true, false};
+  Rig rig(c, num_gpus_);
+  const std::vector<bool> all(c.num_ranks, true);
+  for (int round = 0; round < 2; ++round) {
+    auto in = make_inputs(c, rng);
+    const auto expected = host_reference(c, in, all);
+    rig.upload(in);
+    rig.poison(round);
+    rig.enqueue_round(round, all);
+    rig.sync();
+    for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(rig.compare(r, round, expected[r]), 0);
   }
 }
 
@@ -447,6 +487,90 @@ TEST_F(LowLatencyKernels, AbsentRankTimesOutAndIsMasked) {
              cudaMemcpyDeviceToHost);
   EXPECT_EQ(mask[1], 1);
   EXPECT_EQ(rig.compare(0, 0, expected[0]), 0);
+}
+
+template <typename T>
+std::vector<T> to_host(const Tensor& t) {
+  std::vector<T> v(t.nbytes() / sizeof(T));
+  if (!v.empty()) cudaMemcpy(v.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost);
+  return v;
+}
+
+template <typename T>
+void* to_device(const std::vector<T>& v) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, std::max<size_t>(1, v.size() * sizeof(T))) != cudaSuccess) return nullptr;
+  cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return p;
+}
+
+// The same kernels through the public Buffer API on cuda groups (one thread per rank): plain calls,
+// then the hook split; the rank-mask calls.
+TEST_F(LowLatencyKernels, BufferApiWithHooks) {
+  std::mt19937 rng(31);
+  for (const Case& c : {Case{2, 128, 128, 7168, 8, 256, true, false}, Case{4, 32, 64, 2048, 9, 288, false, false}}) {
+    const std::vector<bool> all(c.num_ranks, true);
+    auto in = make_inputs(c, rng);
+    const auto expected = host_reference(c, in, all);
+    std::vector<int> devices;
+    for (int r = 0; r < c.num_ranks; ++r) devices.push_back(r % num_gpus_);
+    auto groups = create_cuda_groups(devices);
+    const int64_t e_local = c.num_experts / c.num_ranks;
+    run_host_ranks(groups, [&](int r, Group& group) {
+      cudaSetDevice(devices[r]);
+      BufferOptions options;
+      options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
+      auto buffer = Buffer::create(groups[r], options);
+      cudaStream_t stream;
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      void* x = to_device(in[r].x);
+      void* topk = to_device(in[r].topk);
+      void* weights = to_device(in[r].weights);
+      void* y = to_device(in[r].y);
+      const Device dev = Device::cuda(devices[r]);
+      for (bool hook : {false, true}) {
+        LowLatencyDispatchArgs a;
+        a.x = TensorView::of(x, DType::kBFloat16, {in[r].num_tokens, c.hidden}, dev);
+        a.topk_idx = TensorView::of(topk, DType::kInt64, {in[r].num_tokens, c.num_topk}, dev);
+        a.max_tokens_per_rank = c.max_tokens;
+        a.num_experts = c.num_experts;
+        a.use_fp8 = c.use_fp8;
+        a.return_recv_hook = hook;
+        a.stream = stream;
+        auto d = buffer->low_latency_dispatch(a);
+        EXPECT_EQ(static_cast<bool>(d.recv_hook), hook);
+        if (hook) d.recv_hook();
+        LowLatencyCombineArgs b;
+        b.x = TensorView::of(y, DType::kBFloat16, {e_local, c.num_ranks * c.max_tokens, c.hidden}, dev);
+        b.topk_idx = a.topk_idx;
+        b.topk_weights = TensorView::of(weights, DType::kFloat32, {in[r].num_tokens, c.num_topk}, dev);
+        b.handle = d.handle;
+        b.return_recv_hook = hook;
+        b.stream = stream;
+        auto out = buffer->low_latency_combine(b);
+        if (hook) out.recv_hook();
+        cudaStreamSynchronize(stream);
+        Outputs o{to_host<int32_t>(d.recv_count),
+                  to_host<int32_t>(d.recv_src_info),
+                  to_host<int64_t>(d.recv_layout_range),
+                  to_host<uint8_t>(d.recv_x),
+                  c.use_fp8 ? to_host<uint8_t>(d.recv_x_scales) : std::vector<uint8_t>{},
+                  to_host<uint16_t>(out.x)};
+        EXPECT_EQ(compare_outputs(c, r, o, expected[r]), 0) << (hook ? "hook" : "plain");
+      }
+      group.barrier();
+      const int peer = (r + 1) % c.num_ranks;
+      buffer->mask_rank(peer);
+      EXPECT_TRUE(buffer->rank_mask()[peer]);
+      buffer->clear_rank_mask();
+      EXPECT_FALSE(buffer->rank_mask()[peer]);
+      EXPECT_THROW(buffer->mask_rank(r), Error);
+      for (void* p : {x, topk, weights, y}) cudaFree(p);
+      cudaStreamSynchronize(stream);
+      buffer.reset();
+      cudaStreamDestroy(stream);
+    });
+  }
 }
 
 // Timing of EP2 (or EP1x2 on one GPU), 128 tokens, hidden 7168, top-8 of 256: fp8 dispatch, bf16 combine.
