@@ -1,9 +1,32 @@
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <set>
+#include <utility>
+
 #include "cuda/cuda_util.h"
 #include "cuda/peer_memory.h"
 
 namespace epx::cuda {
+namespace {
+
+// Peer access is per (device, peer) pair and process-wide: enable each pair once, so no call fails
+// with cudaErrorPeerAccessAlreadyEnabled (which compute-sanitizer reports as an error).
+void enable_peer_access(int device, int peer) {
+  static std::mutex mutex;
+  static std::set<std::pair<int, int>> enabled;
+  std::lock_guard lock(mutex);
+  if (!enabled.insert({device, peer}).second) return;
+  const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();  // enabled outside epx
+  } else {
+    if (err != cudaSuccess) enabled.erase({device, peer});
+    check_cuda(err, "cudaDeviceEnablePeerAccess");
+  }
+}
+
+}  // namespace
 
 PeerRegions open_peer_regions(Group& group, bool single_process, void* mine, int device) {
   DeviceGuard guard(device);
@@ -27,12 +50,7 @@ PeerRegions open_peer_regions(Group& group, bool single_process, void* mine, int
                 "cuda:{} (rank {}) has no peer access to cuda:{} (rank {}): the cuda backend needs NVLink or PCIe "
                 "peer-to-peer between all GPUs of a group",
                 device, rank, all[r].device, r);
-      const cudaError_t err = cudaDeviceEnablePeerAccess(all[r].device, 0);
-      if (err == cudaErrorPeerAccessAlreadyEnabled) {
-        cudaGetLastError();
-      } else {
-        check_cuda(err, "cudaDeviceEnablePeerAccess");
-      }
+      enable_peer_access(device, all[r].device);
     }
     return out;
   }

@@ -46,17 +46,23 @@ std::shared_ptr<LowLatencyMailbox> attach_mailbox(HostGroup& group) {
     std::lock_guard lock(ids->mutex);
     id = ids->next[group.rank()]++;
   }
-  return std::static_pointer_cast<LowLatencyMailbox>(
+  auto mailbox = std::static_pointer_cast<LowLatencyMailbox>(
       group.world_object(fmt::format("host_buffer/low_latency/{}", id), [num_ranks] {
         auto made = std::make_shared<LowLatencyMailbox>();
         made->posts.resize(num_ranks);
         return made;
       }));
+  std::lock_guard lock(mailbox->mutex);
+  ++mailbox->num_attached;
+  return mailbox;
 }
 
 void detach_mailbox(LowLatencyMailbox& mailbox, int rank) {
+  // NOTE: clearing only this rank's posts here lost them when a peer had not read them yet (a rank
+  // that finished its last combine and destroyed its buffer made the peer wait out the timeout).
   std::lock_guard lock(mailbox.mutex);
-  mailbox.posts[rank].clear();
+  if (--mailbox.num_attached > 0) return;
+  for (auto& queue : mailbox.posts) queue.clear();
 }
 
 void HostBuffer::post(std::shared_ptr<const LowLatencyPost> message) {

@@ -47,11 +47,13 @@ struct LowLatencyMailbox {
   std::mutex mutex;
   std::condition_variable cv;
   std::vector<std::deque<std::shared_ptr<const LowLatencyPost>>> posts;  // [R], oldest first
+  int num_attached = 0;                                                  // buffers of this mailbox still alive
 };
 
 // The mailbox of this rank's next low-latency buffer. Ranks pair their buffers by creation order.
 std::shared_ptr<LowLatencyMailbox> attach_mailbox(HostGroup& group);
-// Drops this rank's posts (the buffer is going away).
+// This rank's buffer is going away. Its posts stay readable (a peer may not have read its last one
+// yet); the last buffer to detach drops every post.
 void detach_mailbox(LowLatencyMailbox& mailbox, int rank);
 
 // The state of one low-latency call, shared by its handle and its receive hook.

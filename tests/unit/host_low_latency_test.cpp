@@ -592,3 +592,43 @@ TEST(HostLowLatency, RejectsBadInput) {
 
 }  // namespace
 }  // namespace epx
+
+namespace epx {
+namespace {
+
+// Regression: a rank that finished its last combine and destroyed its buffer used to drop its posts
+// before a slower peer had read them; the peer then waited out the timeout and masked it.
+TEST(HostLowLatency, BufferDestroyedRightAfterLastCombine) {
+  for (int iter = 0; iter < 30; ++iter) {
+    HostGroupOptions options;
+    options.timeout_ms = 2000;
+    auto groups = create_host_groups(2, options);
+    const int64_t num_tokens = 1, hidden = 256, num_experts = 4;
+    std::vector<std::vector<uint16_t>> x(2, std::vector<uint16_t>(num_tokens * hidden, float_to_bf16(1.f)));
+    std::vector<std::vector<int64_t>> topk = {{3}, {0}};
+    std::vector<std::vector<float>> w(2, std::vector<float>(1, 1.f));
+    std::vector<std::vector<uint16_t>> y(2, std::vector<uint16_t>(2 * 2 * 1 * hidden, float_to_bf16(1.f)));
+    run_host_ranks(groups, [&](int r, Group&) {
+      BufferOptions bo;
+      bo.num_low_latency_bytes = 1;
+      auto buffer = Buffer::create(groups[r], bo);
+      LowLatencyDispatchArgs a;
+      a.x = TensorView::of(x[r].data(), DType::kBFloat16, {num_tokens, hidden});
+      a.topk_idx = TensorView::of(topk[r].data(), DType::kInt64, {num_tokens, 1});
+      a.max_tokens_per_rank = 1;
+      a.num_experts = num_experts;
+      const auto d = buffer->low_latency_dispatch(a);
+      LowLatencyCombineArgs c;
+      c.x = TensorView::of(y[r].data(), DType::kBFloat16, {2, 2, hidden});
+      c.topk_idx = a.topk_idx;
+      c.topk_weights = TensorView::of(w[r].data(), DType::kFloat32, {num_tokens, 1});
+      c.handle = d.handle;
+      buffer->low_latency_combine(c);
+      const auto mask = buffer->rank_mask();
+      EXPECT_FALSE(mask[0] || mask[1]) << "iteration " << iter << ", rank " << r;
+    });
+  }
+}
+
+}  // namespace
+}  // namespace epx
