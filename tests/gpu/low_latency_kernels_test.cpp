@@ -92,7 +92,17 @@ std::vector<RankInputs> make_inputs(const Case& c, std::mt19937& rng) {
     v.weights.resize(v.num_tokens * c.num_topk);
     for (auto& w : v.weights) w = value(rng);
     v.y.resize(e_local * c.num_ranks * c.max_tokens * c.hidden);
-    for (auto& e : v.y) e = float_to_bf16(value(rng));
+    // NOTE: y is large (up to ~0.5 GB per rank); a hash of (seed, index) fills it far faster than
+    // mt19937 + float conversion, and still differs per element and per call.
+    const uint32_t seed = static_cast<uint32_t>(rng());
+    for (size_t i = 0; i < v.y.size(); ++i) {
+      uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+      h ^= h >> 15;
+      h *= 2246822519u;
+      h ^= h >> 13;
+      // bf16 with exponent 126..129 (|value| in [0.5, 4)) and a random sign and mantissa.
+      v.y[i] = static_cast<uint16_t>(((h >> 31) << 15) | ((126u + ((h >> 7) & 3u)) << 7) | (h & 0x7fu));
+    }
   }
   return in;
 }
