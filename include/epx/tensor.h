@@ -75,7 +75,10 @@ struct TensorView {
 };
 
 // Allocates memory for Tensors that epx returns. The default allocates host memory with operator new
-// and device memory with cudaMalloc; a framework can plug its caching allocator in here.
+// and device memory with cudaMallocAsync on the call's stream from the device's default pool (whose
+// release threshold epx raises so freed memory stays cached); the memory is freed with cudaFreeAsync on
+// that same stream, so keep the stream alive until the tensors are released. A framework can plug its
+// caching allocator in here.
 class Allocator {
  public:
   virtual ~Allocator() = default;
