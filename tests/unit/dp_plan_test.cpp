@@ -15,6 +15,7 @@
 
 #include "epx/dp.h"
 #include "epx/error.h"
+#include "test_util.h"
 
 namespace epx {
 namespace {
@@ -214,29 +215,8 @@ TEST(GatherPlan, RejectsBadCounts) {
 
 // ---- CLI ---------------------------------------------------------------------------------------------
 
-struct CliResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-CliResult run_cli(const std::string& args) {
-  const std::string err_path = ::testing::TempDir() + "/epx_dp_cli_stderr.txt";
-  const std::string cmd = std::string(EPX_CLI_PATH) + " " + args + " 2>" + err_path;
-  CliResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream f(err_path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  r.err = ss.str();
-  return r;
-}
+using epx::testing::CliResult;
+using epx::testing::run_cli;
 
 TEST(DpCli, PaddingModeJson) {
   auto r = run_cli("dp padding-mode --tokens 3000,200");

@@ -15,6 +15,7 @@
 
 #include "epx/error.h"
 #include "epx/tbo.h"
+#include "test_util.h"
 
 namespace epx {
 namespace {
@@ -232,29 +233,8 @@ TEST(TboChildren, RejectsInconsistentInput) {
 
 // ---- CLI ---------------------------------------------------------------------------------------------
 
-struct CliResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-CliResult run_cli(const std::string& args) {
-  const std::string err_path = ::testing::TempDir() + "/epx_tbo_cli_stderr.txt";
-  const std::string cmd = std::string(EPX_CLI_PATH) + " " + args + " 2>" + err_path;
-  CliResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream f(err_path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  r.err = ss.str();
-  return r;
-}
+using epx::testing::CliResult;
+using epx::testing::run_cli;
 
 TEST(TboCli, SplitJson) {
   auto r = run_cli("tbo split --extend 4096,4096,100");

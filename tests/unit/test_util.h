@@ -1,10 +1,19 @@
 // Shared helpers for the CPU unit tests: seeded random data and tensor builders.
 #pragma once
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -64,5 +73,34 @@ inline void on_ranks(int num_ranks, const std::function<void(int rank)>& fn) {
     if (e) std::rethrow_exception(e);
   }
 }
+
+#ifdef EPX_CLI_PATH
+struct CliResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs the built epx CLI with `args` (shell words). stdout and stderr go to files unique to this process
+// and call, since CTest runs test cases as parallel processes.
+inline CliResult run_cli(const std::string& args) {
+  static std::atomic<int> counter{0};
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("epx_cli_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+  std::filesystem::create_directories(dir);
+  const auto out = dir / "stdout", err = dir / "stderr";
+  const std::string cmd = std::string(EPX_CLI_PATH) + " " + args + " >" + out.string() + " 2>" + err.string();
+  const int status = std::system(cmd.c_str());
+  auto slurp = [](const std::filesystem::path& p) {
+    std::ifstream in(p);
+    std::stringstream s;
+    s << in.rdbuf();
+    return s.str();
+  };
+  CliResult r{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+  std::filesystem::remove_all(dir);
+  return r;
+}
+#endif
 
 }  // namespace epx::testing
