@@ -107,7 +107,12 @@ void HostGroup::barrier() {
 void HostGroup::all_gather_bytes(const void* send, void* recv, size_t bytes) {
   EPX_CHECK_ARG(bytes == 0 || (send != nullptr && recv != nullptr), "all_gather_bytes: null buffer for {} bytes",
                 bytes);
-  const auto ptrs = exchange(send);
+  // NOTE: publish a copy the group owns, not `send`: if this rank times out and returns, a late peer
+  // may still read what it published. Copies rotate, so a peer would have to be 4 calls late to see
+  // one reused.
+  auto& staging = gather_staging_[gather_next_++ % gather_staging_.size()];
+  staging.assign(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
+  const auto ptrs = exchange(staging.data());
   for (int r = 0; r < world_->num_ranks; ++r) {
     if (bytes > 0) std::memcpy(static_cast<char*>(recv) + r * bytes, ptrs[r], bytes);
   }

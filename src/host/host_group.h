@@ -9,6 +9,7 @@
 // of call n stay valid until this rank's release().
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -52,6 +53,8 @@ class HostGroup final : public Group {
   std::shared_ptr<HostWorld> world_;
   int rank_;
   uint64_t seq_ = 0;
+  std::array<std::vector<char>, 4> gather_staging_;  // all_gather_bytes' published copies
+  size_t gather_next_ = 0;
 };
 
 }  // namespace epx::host
