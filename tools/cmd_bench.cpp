@@ -1,4 +1,5 @@
-// `epx bench`: dispatch + combine (normal and low-latency) of a DeepSeek-V3-shaped MoE step.
+// `epx bench`: dispatch + combine of a DeepSeek-V3-shaped MoE step: normal and low-latency on the host
+// backend; the normal kernels on GPUs (the low-latency GPU timing lives in tests/gpu for now).
 // On all visible GPUs with the CUDA backend; without a GPU (or with --host) on the host backend.
 #include <fmt/format.h>
 
@@ -314,8 +315,9 @@ void print_report(const nlohmann::json& report) {
 
 void add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench",
-                                 "Run dispatch + combine (normal and low-latency) of a DeepSeek-V3-shaped "
-                                 "MoE step on all visible GPUs, or on the host backend without a GPU");
+                                 "Run dispatch + combine of a DeepSeek-V3-shaped MoE step: the normal kernels on all "
+                                 "visible GPUs (low-latency GPU timing is in the GPU tests for now), or normal and "
+                                 "low-latency on the host backend without a GPU");
   auto config = std::make_shared<BenchConfig>();
   auto json_path = std::make_shared<std::string>();
   cmd->add_option("--ranks", config->num_ranks, "Ranks (default: all visible GPUs; host backend: 4)")
@@ -329,7 +331,7 @@ void add_bench(CLI::App& app) {
   cmd->add_option("--topk", config->num_topk, "Experts per token (default 8)")->check(CLI::Range(1, 16));
   cmd->add_option("--experts", config->num_experts, "Experts (default 256)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
-  cmd->add_option("--ll-tokens", config->num_ll_tokens, "Tokens per rank, low-latency mode (default 128)")
+  cmd->add_option("--ll-tokens", config->num_ll_tokens, "Tokens per rank, low-latency mode (default 128; host backend)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   cmd->add_option("--sms", config->num_sms, "SM counts to sweep for the normal kernels (cuda; default 24)")
       ->delimiter(',');
