@@ -55,6 +55,7 @@ nlohmann::json cuda_doctor() {
   if (err != cudaSuccess) {
     cudaGetLastError();
     j["gpus"] = nlohmann::json::array();
+    j["peer"] = nlohmann::json::array();
     j["error"] = cudaGetErrorString(err);
     return j;
   }
