@@ -9,5 +9,6 @@ int main() {
   const auto layout = epx::compute_layout_host(epx::TensorView::of(topk.data(), epx::DType::kInt64, {2, 2}), 4, 2);
   std::printf("epx %s: tokens per rank %d %d\n", epx::version(), layout.num_tokens_per_rank[0],
               layout.num_tokens_per_rank[1]);
-  return layout.num_tokens_per_rank[0] == 2 && layout.num_tokens_per_rank[1] == 1 ? 0 : 1;
+  // token 0 -> experts 0 (rank 0) and 3 (rank 1); token 1 -> expert 2 (rank 1).
+  return layout.num_tokens_per_rank[0] == 1 && layout.num_tokens_per_rank[1] == 2 ? 0 : 1;
 }
