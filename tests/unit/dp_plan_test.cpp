@@ -216,6 +216,7 @@ TEST(GatherPlan, RejectsBadCounts) {
 // ---- CLI ---------------------------------------------------------------------------------------------
 
 using epx::testing::CliResult;
+using epx::testing::expect_bad_input;
 using epx::testing::run_cli;
 
 TEST(DpCli, PaddingModeJson) {
@@ -232,14 +233,6 @@ TEST(DpCli, PaddingModeJson) {
   EXPECT_EQ(r.out, "{\"mode\": \"MAX_LEN\", \"buffer_len\": 12000, \"offsets\": [0, 3000, 6000, 9000]}\n");
   r = run_cli("dp padding-mode --tokens 5,2 --attn-tp 4");
   EXPECT_EQ(r.out, "{\"mode\": \"MAX_LEN\", \"buffer_len\": 16, \"offsets\": [0, 8]}\n");
-}
-
-void expect_bad_input(const std::string& args, const std::string& needle) {
-  const auto r = run_cli(args);
-  EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out << r.err;
-  EXPECT_TRUE(r.out.empty()) << args << ": " << r.out;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << ": " << r.err;
-  EXPECT_NE(r.err.find(needle), std::string::npos) << args << ": " << r.err;
 }
 
 TEST(DpCli, BadInputExitsTwoWithOneLine) {

@@ -234,6 +234,7 @@ TEST(TboChildren, RejectsInconsistentInput) {
 // ---- CLI ---------------------------------------------------------------------------------------------
 
 using epx::testing::CliResult;
+using epx::testing::expect_bad_input;
 using epx::testing::run_cli;
 
 TEST(TboCli, SplitJson) {
@@ -247,14 +248,6 @@ TEST(TboCli, SplitJson) {
   r = run_cli("tbo split --decode 18 --tokens-per-seq 2");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "{\"split_seq_index\": 4, \"split_token_index\": 8, \"two_chunk\": false}\n");
-}
-
-void expect_bad_input(const std::string& args, const std::string& needle) {
-  const auto r = run_cli(args);
-  EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out << r.err;
-  EXPECT_TRUE(r.out.empty()) << args << ": " << r.out;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << ": " << r.err;
-  EXPECT_NE(r.err.find(needle), std::string::npos) << args << ": " << r.err;
 }
 
 TEST(TboCli, BadInputExitsTwoWithOneLine) {

@@ -1,9 +1,11 @@
 // Shared helpers for the CPU unit tests: seeded random data and tensor builders.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -100,6 +102,15 @@ inline CliResult run_cli(const std::string& args) {
   CliResult r{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
   std::filesystem::remove_all(dir);
   return r;
+}
+
+// Bad CLI input: exit code 2, nothing on stdout, exactly one line on stderr containing `needle`.
+inline void expect_bad_input(const std::string& args, const std::string& needle) {
+  const auto r = run_cli(args);
+  EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out << r.err;
+  EXPECT_TRUE(r.out.empty()) << args << ": " << r.out;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << ": " << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << args << ": " << r.err;
 }
 #endif
 
