@@ -1,9 +1,11 @@
-// Backend entry points behind dp_gather / dp_scatter (private).
+// Backend entry points behind dp_gather / dp_scatter and the batch-metadata sync (private).
 //
-// The public calls validate their arguments, then dispatch on group.backend(). A CUDA implementation
-// (NCCL all-gather / all-reduce / reduce-scatter on the group's communicator, plus a slice copy) goes to
-// src/dp/gather_cuda.cpp with these signatures and is called from the kCuda case in gather.cpp.
+// The public calls validate their arguments, then dispatch on group.backend(): the host backend here,
+// the CUDA backend (NCCL all-gather / all-reduce / reduce-scatter, plus a slice copy) in
+// src/dp/gather_cuda.cpp. Declarations only: this header needs no CUDA toolkit.
 #pragma once
+
+#include <cstddef>
 
 #include "epx/dp.h"
 
@@ -14,3 +16,17 @@ void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPl
 void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                      const TensorView& local, DpScatterKind kind);
 }  // namespace epx::host
+
+// Defined in src/dp/gather_cuda.cpp (CUDA builds only; call under #ifdef EPX_WITH_CUDA). Arguments
+// already validated on this rank. Enqueued on `stream`; the first call on a group creates its DP
+// communicator (collective, see dp/comm_cuda.h).
+namespace epx::cuda {
+void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
+                    const TensorView& global, Stream stream);
+void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
+                     const TensorView& local, DpScatterKind kind, Stream stream);
+// The batch-metadata all-gather: `bytes` from host `send` on every rank into host `recv`
+// [num_ranks * bytes], through one ncclAllGather and one device-to-host copy; blocks until done,
+// bounded by the group's timeout (kTimeout).
+void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size_t bytes);
+}  // namespace epx::cuda

@@ -126,9 +126,12 @@ void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& p
     case Backend::kHost:
       return host::dp_gather_host(group, layout, plan, local, global);
     case Backend::kCuda:
+#ifdef EPX_WITH_CUDA
+      return cuda::dp_gather_cuda(group, layout, plan, local, global, stream);
+#else
       break;
+#endif
   }
-  // NOTE: the NCCL path (src/dp/gather_cuda.cpp, see dp/backends.h) is not written yet.
   detail::raise(ErrorCode::kUnsupported, "dp_gather: the {} backend has no implementation in this build",
                 to_string(group.backend()));
 }
@@ -142,7 +145,11 @@ void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& 
     case Backend::kHost:
       return host::dp_scatter_host(group, layout, plan, global, local, kind);
     case Backend::kCuda:
+#ifdef EPX_WITH_CUDA
+      return cuda::dp_scatter_cuda(group, layout, plan, global, local, kind, stream);
+#else
       break;
+#endif
   }
   detail::raise(ErrorCode::kUnsupported, "dp_scatter: the {} backend has no implementation in this build",
                 to_string(group.backend()));

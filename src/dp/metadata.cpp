@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "dp/backends.h"
 #include "epx/dp.h"
 
 namespace epx {
@@ -136,7 +137,15 @@ BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& loca
     const Packed packed = pack(mine);
     std::vector<Packed> gathered(static_cast<size_t>(group_.num_ranks()));
     const auto start = std::chrono::steady_clock::now();
+#ifdef EPX_WITH_CUDA
+    if (group_.backend() == Backend::kCuda) {
+      cuda::dp_all_gather_records_cuda(group_, packed.data(), gathered.data(), sizeof(Packed));
+    } else {
+      group_.all_gather_bytes(packed.data(), gathered.data(), sizeof(Packed));
+    }
+#else
     group_.all_gather_bytes(packed.data(), gathered.data(), sizeof(Packed));
+#endif
     result.step_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::vector<BatchMetadata> records;
     records.reserve(num_dp);

@@ -1,0 +1,185 @@
+// dp_gather / dp_scatter and the batch-metadata all-gather on the CUDA backend: NCCL collectives on the
+// group's DP communicator (dp/comm_cuda.h), enqueued on the caller's stream.
+//
+//   gather MAX_LEN: each rank writes its share of its DP rank's padded slot straight into `global` (the
+//     slot is split over the attention-TP ranks, which hold the same batch), zeroes the padding, and an
+//     in-place ncclAllGather fills in the rest.
+//   gather SUM_LEN: `global` is zeroed, the DP leader writes 0 + x at its prefix offset, and an in-place
+//     ncclAllReduce (sum) completes it.
+//   scatter kSlice: a device copy of this DP rank's rows; no communication.
+//   scatter kReduceScatter: MAX_LEN with attn_tp 1 and a local buffer of at least slot_len rows is one
+//     ncclReduceScatter into `local`; otherwise (uneven SUM_LEN counts, attn_tp > 1) one ncclReduce per
+//     rank, rooted at that rank, over its DP rank's rows, fused in one NCCL group.
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "core/check.h"
+#include "cuda/cuda_util.h"
+#include "dp/backends.h"
+#include "dp/comm_cuda.h"
+#include "dp/gather_kernels.h"
+
+namespace epx::cuda {
+
+namespace {
+
+ncclDataType_t nccl_type(DType dtype) { return dtype == DType::kFloat32 ? ncclFloat32 : ncclBfloat16; }
+
+char* row_ptr(const TensorView& t, int64_t row) {
+  return static_cast<char*>(t.data) + row * t.shape[1] * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+// Zeroes local rows [count, rows): the CUDA-graph padding past this rank's tokens.
+void zero_tail(const TensorView& local, int64_t count, cudaStream_t stream) {
+  const int64_t rows = local.shape[0];
+  if (rows <= count || local.shape[1] == 0) return;
+  const size_t bytes = static_cast<size_t>((rows - count) * local.shape[1]) * dtype_size(local.dtype);
+  check_cuda(cudaMemsetAsync(row_ptr(local, count), 0, bytes, stream), "cudaMemsetAsync (dp_scatter padding)");
+}
+
+}  // namespace
+
+void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
+                    const TensorView& global, Stream stream) {
+  const int64_t hidden = global.shape[1];
+  if (plan.buffer_len == 0 || hidden == 0) return;  // the same plan everywhere: every rank skips
+  DpComm& dp = dp_comm(group);
+  DeviceGuard guard(dp.device);
+  const RankCoords me = layout.coords(group.rank());
+  const int64_t count = plan.num_tokens[me.attn_dp_rank];
+  const size_t elem = dtype_size(global.dtype);
+  const size_t row_bytes = static_cast<size_t>(hidden) * elem;
+  if (plan.mode == DpPaddingMode::kMaxLen) {
+    // NOTE: rank = attn_dp_rank * attn_tp + attn_tp_rank (attn_cp is 1 here), so this rank's share
+    // [attn_tp_rank * chunk, + chunk) of its slot sits at rank * chunk: exactly where an in-place
+    // all-gather expects its send buffer.
+    const int64_t chunk = plan.slot_len / layout.attn_tp_size();
+    if (chunk == 0) return;
+    const int64_t first = static_cast<int64_t>(me.attn_tp_rank) * chunk;
+    const int64_t valid = std::clamp<int64_t>(count - first, 0, chunk);
+    char* mine = row_ptr(global, plan.offsets[me.attn_dp_rank] + first);
+    if (valid > 0) {
+      check_cuda(cudaMemcpyAsync(mine, row_ptr(local, first), static_cast<size_t>(valid) * row_bytes,
+                                 cudaMemcpyDeviceToDevice, stream),
+                 "cudaMemcpyAsync (dp_gather)");
+    }
+    if (valid < chunk) {
+      check_cuda(cudaMemsetAsync(mine + valid * row_bytes, 0, static_cast<size_t>(chunk - valid) * row_bytes, stream),
+                 "cudaMemsetAsync (dp_gather padding)");
+    }
+    nccl_wait(
+        dp,
+        ncclAllGather(mine, global.data, static_cast<size_t>(chunk * hidden), nccl_type(global.dtype), dp.comm, stream),
+        "ncclAllGather (dp_gather)");
+    return;
+  }
+  check_cuda(cudaMemsetAsync(global.data, 0, static_cast<size_t>(plan.buffer_len) * row_bytes, stream),
+             "cudaMemsetAsync (dp_gather)");
+  if (layout.is_dp_leader(group.rank()) && count > 0) {
+    check_cuda(launch_add_zero_copy(local.data, row_ptr(global, plan.offsets[me.attn_dp_rank]), count * hidden,
+                                    global.dtype == DType::kBFloat16, stream),
+               "add_zero_copy (dp_gather)");
+  }
+  nccl_wait(dp,
+            ncclAllReduce(global.data, global.data, static_cast<size_t>(plan.buffer_len * hidden),
+                          nccl_type(global.dtype), ncclSum, dp.comm, stream),
+            "ncclAllReduce (dp_gather)");
+}
+
+void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
+                     const TensorView& local, DpScatterKind kind, Stream stream) {
+  const int64_t hidden = global.shape[1];
+  const RankCoords me = layout.coords(group.rank());
+  const int64_t count = plan.num_tokens[me.attn_dp_rank];
+  const size_t row_bytes = static_cast<size_t>(hidden) * dtype_size(global.dtype);
+  DeviceGuard guard(group.device().index);
+  if (kind == DpScatterKind::kSlice) {
+    if (count > 0 && hidden > 0) {
+      check_cuda(cudaMemcpyAsync(local.data, row_ptr(global, plan.offsets[me.attn_dp_rank]),
+                                 static_cast<size_t>(count) * row_bytes, cudaMemcpyDeviceToDevice, stream),
+                 "cudaMemcpyAsync (dp_scatter)");
+    }
+    zero_tail(local, count, stream);
+    return;
+  }
+  if (plan.buffer_len == 0 || hidden == 0) {  // nothing to reduce on any rank
+    zero_tail(local, count, stream);
+    return;
+  }
+  DpComm& dp = dp_comm(group);
+  const ncclDataType_t type = nccl_type(global.dtype);
+  if (plan.mode == DpPaddingMode::kMaxLen && layout.attn_tp_size() == 1 && local.shape[0] >= plan.slot_len) {
+    // NOTE: the reduce-scatter writes rows [count, slot_len) too (sums of padding): zeroed after it.
+    nccl_wait(dp,
+              ncclReduceScatter(global.data, local.data, static_cast<size_t>(plan.slot_len * hidden), type, ncclSum,
+                                dp.comm, stream),
+              "ncclReduceScatter (dp_scatter)");
+    zero_tail(local, count, stream);
+    return;
+  }
+  nccl_wait(dp, ncclGroupStart(), "ncclGroupStart (dp_scatter)");
+  ncclResult_t first_error = ncclSuccess;
+  for (int root = 0; root < group.num_ranks(); ++root) {
+    const int dp_rank = layout.coords(root).attn_dp_rank;
+    const int64_t n = plan.num_tokens[dp_rank] * hidden;
+    if (n == 0) continue;
+    // NOTE: recvbuff matters on the root only; the others pass their own local (possibly empty).
+    const ncclResult_t res = ncclReduce(row_ptr(global, plan.offsets[dp_rank]), local.data, static_cast<size_t>(n),
+                                        type, ncclSum, root, dp.comm, stream);
+    if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  nccl_wait(dp, first_error, "ncclReduce (dp_scatter)");
+  nccl_wait(dp, end, "ncclGroupEnd (dp_scatter)");
+  zero_tail(local, count, stream);
+}
+
+void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size_t bytes) {
+  DpComm& dp = dp_comm(group);
+  DeviceGuard guard(dp.device);
+  const size_t num_ranks = static_cast<size_t>(group.num_ranks());
+  if (dp.meta_record_bytes != bytes) {
+    if (dp.meta_device != nullptr) {
+      check_cuda(cudaStreamSynchronize(dp.meta_stream), "cudaStreamSynchronize");
+      cudaFree(dp.meta_device);
+      cudaFreeHost(dp.meta_host_send);
+      cudaFreeHost(dp.meta_host_recv);
+      dp.meta_device = dp.meta_host_send = dp.meta_host_recv = nullptr;
+    }
+    check_cuda(cudaMalloc(&dp.meta_device, (num_ranks + 1) * bytes), "cudaMalloc (metadata)");
+    check_cuda(cudaMallocHost(&dp.meta_host_send, bytes), "cudaMallocHost (metadata)");
+    check_cuda(cudaMallocHost(&dp.meta_host_recv, num_ranks * bytes), "cudaMallocHost (metadata)");
+    dp.meta_record_bytes = bytes;
+  }
+  std::memcpy(dp.meta_host_send, send, bytes);
+  char* dev_send = static_cast<char*>(dp.meta_device) + num_ranks * bytes;
+  check_cuda(cudaMemcpyAsync(dev_send, dp.meta_host_send, bytes, cudaMemcpyHostToDevice, dp.meta_stream),
+             "cudaMemcpyAsync (metadata)");
+  nccl_wait(dp, ncclAllGather(dev_send, dp.meta_device, bytes, ncclChar, dp.comm, dp.meta_stream),
+            "ncclAllGather (metadata)");
+  check_cuda(
+      cudaMemcpyAsync(dp.meta_host_recv, dp.meta_device, num_ranks * bytes, cudaMemcpyDeviceToHost, dp.meta_stream),
+      "cudaMemcpyAsync (metadata)");
+  // NOTE: spin on the stream instead of sleeping (a sleep costs tens of microseconds, over the step
+  // budget); bounded by the group's timeout. After a timeout the all-gather is still queued, so the
+  // DP communicator of this group is unusable.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(dp.timeout_ms);
+  while (true) {
+    const cudaError_t status = cudaStreamQuery(dp.meta_stream);
+    if (status == cudaSuccess) break;
+    if (status != cudaErrorNotReady) check_cuda(status, "batch-metadata all-gather");
+    if (std::chrono::steady_clock::now() > deadline) {
+      detail::raise(ErrorCode::kTimeout, "cuda rank {} waited {} ms in the batch-metadata all-gather for its peers",
+                    group.rank(), dp.timeout_ms);
+    }
+    std::this_thread::yield();
+  }
+  std::memcpy(recv, dp.meta_host_recv, num_ranks * bytes);
+}
+
+}  // namespace epx::cuda
