@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace epx::cli {
 
@@ -30,6 +31,9 @@ nlohmann::json run_host_bench(const BenchConfig& config);
 // Number of visible CUDA devices (0 when there is no driver or GPU).
 int cuda_device_count();
 nlohmann::json run_cuda_bench(const BenchConfig& config);
+// Low-latency phases on `devices` (one rank each, in order): {"settings", "phases", "check"}. peer_gbps: the
+// copy-engine peer bandwidth measured in the same run (the floor).
+nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<int>& devices, double peer_gbps);
 #endif
 
 }  // namespace epx::cli

@@ -1,6 +1,6 @@
 // `epx bench` on GPUs: the normal dispatch/combine of the cuda backend, timed with CUDA events, next to
 // the floor measured in the same run (copy-engine peer copy, local copy) and a baseline a user would
-// write (per-destination rows through ncclSend/ncclRecv). Low-latency phases are not measured here yet.
+// write (per-destination rows through ncclSend/ncclRecv); then the low-latency phases (bench_ll_cuda.cpp).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nccl.h>
@@ -385,6 +385,12 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
     }
   }
 
+  // Low-latency kernels (tools/bench_ll_cuda.cpp): their phases join the table, their check the checks.
+  nlohmann::json low_latency = run_cuda_ll_bench(config, devices, floor.peer_both_ways_gbps);
+  for (const auto& p : low_latency["phases"]) phases.push_back(p);
+  checks.push_back(low_latency["check"]);
+  passed = passed && low_latency["check"]["mismatches"].get<int64_t>() == 0;
+
   nlohmann::json report;
   report["backend"] = "cuda";
   report["device"] = fmt::format("{} x {} ({} SMs)", num_gpus, prop.name, prop.multiProcessorCount);
@@ -405,6 +411,7 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
                      {"local_copy_gbps", floor.local_gbps}};
   report["baseline"] = baseline;
   report["memory"] = memory;
+  report["low_latency_settings"] = low_latency["settings"];
   report["phases"] = phases;
   report["check"] = {{"passed", passed}, {"details", checks}};
   return report;

@@ -1,5 +1,5 @@
 // `epx bench`: dispatch + combine of a DeepSeek-V3-shaped MoE step: normal and low-latency on the host
-// backend; the normal kernels on GPUs (the low-latency GPU timing lives in tests/gpu for now).
+// backend, or on GPUs (bench_cuda.cpp: normal kernels, bench_ll_cuda.cpp: low-latency kernels).
 // On all visible GPUs with the CUDA backend; without a GPU (or with --host) on the host backend.
 #include <fmt/format.h>
 
@@ -305,19 +305,21 @@ namespace {
 void print_report(const nlohmann::json& report) {
   std::printf("epx bench — %s backend, %s\n", report["backend"].get<std::string>().c_str(),
               report["device"].get<std::string>().c_str());
-  std::printf("%-28s %12s %14s\n", "phase", "time (us)", "logical GB/s");
+  std::printf("%-46s %12s %14s %9s\n", "phase", "time (us)", "logical GB/s", "of floor");
   for (const auto& p : report["phases"]) {
     const std::string gbps = p.contains("logical_gbps") ? fmt::format("{:.3g}", p["logical_gbps"].get<double>()) : "-";
-    std::printf("%-28s %12.1f %14s\n", p["name"].get<std::string>().c_str(), p["time_us"].get<double>(), gbps.c_str());
+    const std::string of_floor =
+        p.contains("fraction_of_floor") ? fmt::format("{:.0f}%", 100 * p["fraction_of_floor"].get<double>()) : "-";
+    std::printf("%-46s %12.1f %14s %9s\n", p["name"].get<std::string>().c_str(), p["time_us"].get<double>(),
+                gbps.c_str(), of_floor.c_str());
   }
   std::printf("check: %s\n", report["check"]["passed"].get<bool>() ? "passed" : "FAILED");
 }
 
 void add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench",
-                                 "Run dispatch + combine of a DeepSeek-V3-shaped MoE step: the normal kernels on all "
-                                 "visible GPUs (low-latency GPU timing is in the GPU tests for now), or normal and "
-                                 "low-latency on the host backend without a GPU");
+                                 "Run dispatch + combine of a DeepSeek-V3-shaped MoE step, normal and low-latency: on "
+                                 "all visible GPUs (one rank each), or on the host backend without a GPU");
   auto config = std::make_shared<BenchConfig>();
   auto json_path = std::make_shared<std::string>();
   cmd->add_option("--ranks", config->num_ranks, "Ranks (default: all visible GPUs; host backend: 4)")
@@ -331,7 +333,7 @@ void add_bench(CLI::App& app) {
   cmd->add_option("--topk", config->num_topk, "Experts per token (default 8)")->check(CLI::Range(1, 16));
   cmd->add_option("--experts", config->num_experts, "Experts (default 256)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
-  cmd->add_option("--ll-tokens", config->num_ll_tokens, "Tokens per rank, low-latency mode (default 128; host backend)")
+  cmd->add_option("--ll-tokens", config->num_ll_tokens, "Tokens per rank, low-latency mode (default 128; on GPUs also 1, 32, 64 and 256)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   cmd->add_option("--sms", config->num_sms, "SM counts to sweep for the normal kernels (cuda; default 24)")
       ->delimiter(',');

@@ -10,6 +10,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlock = 128;  // fp8 channels per scale
+constexpr int kUnroll = 8;   // loads in flight per thread in the copy loops
+constexpr int kCombineSendParts = 2;  // blocks per local expert in the combine send (a power of two)
 
 __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
   unsigned long long v;
@@ -97,14 +99,58 @@ __device__ __forceinline__ uint32_t float2_to_bf16x2(float a, float b) {
   return bits;
 }
 
+// Quantizes the 16 bf16 channels in (lo, hi) as part of a 128-channel block held by 8 consecutive lanes (the
+// whole warp must call: the block maximum is a shuffle over the 8 lanes). Writes the 16 fp8 values to *packed
+// and returns the scale to store: amax / 448 (fp32 scales) or the biased UE8M0 exponent.
+__device__ __forceinline__ float quantize_16(int4 lo, int4 hi, bool ue8m0, uint4* packed) {
+  float v[16];
+  const uint32_t words[8] = {static_cast<uint32_t>(lo.x), static_cast<uint32_t>(lo.y), static_cast<uint32_t>(lo.z),
+                             static_cast<uint32_t>(lo.w), static_cast<uint32_t>(hi.x), static_cast<uint32_t>(hi.y),
+                             static_cast<uint32_t>(hi.z), static_cast<uint32_t>(hi.w)};
+  float amax = 1e-4f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    const float2 f = bf16x2_to_float2(words[w]);
+    v[2 * w] = f.x;
+    v[2 * w + 1] = f.y;
+    amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+#pragma unroll
+  for (int m = 4; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  float scale_inv, scale;
+  if (ue8m0) {
+    int e = 0;
+    const float m = frexpf(amax / 448.f, &e);
+    int exponent = (m == 0.5f) ? e - 1 : e;
+    exponent = min(max(exponent + 127, 1), 254);
+    scale_inv = 1.f / ldexpf(1.f, exponent - 127);
+    scale = static_cast<float>(exponent);
+  } else {
+    scale_inv = 448.f / amax;
+    scale = amax / 448.f;
+  }
+  uint32_t out[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * w], scale_inv), __fmul_rn(v[4 * w + 1], scale_inv)), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * w + 2], scale_inv), __fmul_rn(v[4 * w + 3], scale_inv)), __NV_SATFINITE,
+        __NV_E4M3);
+    out[w] = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+  }
+  *packed = make_uint4(out[0], out[1], out[2], out[3]);
+  return scale;
+}
+
 // ---- dispatch -----------------------------------------------------------------------------------------
 
+// One block sends the pairs of one global expert.
 template <typename TopkT>
-__global__ void __launch_bounds__(kThreads)
-    dispatch_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
+__device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                    const LowLatencyDispatchLaunch& args, int expert) {
   extern __shared__ int pair_list[];  // [M]: entries t * K + k that chose this block's expert, ascending
   __shared__ int warp_counts[kWarps];
-  const int expert = blockIdx.x;
   const int64_t num_local = layout.num_local_experts;
   const int dst = static_cast<int>(expert / num_local);
   const int64_t e_local = expert % num_local;
@@ -117,28 +163,34 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
 
-  // Positions by ascending entry index (token-major), so slot order is deterministic.
+  // Positions by ascending entry index (token-major), so slot order is deterministic. Each thread owns a
+  // contiguous chunk of entries: it counts its matches (independent loads), a block-wide exclusive scan gives
+  // each chunk's first position, and a second pass over the chunk (now in L1) writes the pair list.
   const auto* topk = static_cast<const TopkT*>(args.topk);
   const int64_t num_entries = args.num_tokens * args.num_topk;
-  int total = 0;
-  for (int64_t base = 0; base < num_entries; base += kThreads) {
-    const int64_t j = base + threadIdx.x;
-    const bool match = j < num_entries && static_cast<int64_t>(topk[j]) == expert;
-    const unsigned ballot = __ballot_sync(0xffffffffu, match);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
-    __syncthreads();
-    int before = total, chunk = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      before += w < warp ? warp_counts[w] : 0;
-      chunk += warp_counts[w];
-    }
-    if (match) {
-      const int pos = before + __popc(ballot & ((1u << lane) - 1u));
-      if (pos < M) pair_list[pos] = static_cast<int>(j);
-    }
-    __syncthreads();
-    total += chunk;
+  const int64_t chunk = (num_entries + kThreads - 1) / kThreads;
+  const int64_t begin = threadIdx.x * chunk;
+  const int64_t end = begin + chunk < num_entries ? begin + chunk : num_entries;
+  int mine = 0;
+#pragma unroll 4
+  for (int64_t j = begin; j < end; ++j) mine += static_cast<int64_t>(topk[j]) == expert;
+  int inclusive = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += other;
   }
+  if (lane == 31) warp_counts[warp] = inclusive;
+  __syncthreads();
+  int pos = inclusive - mine, total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    pos += w < warp ? warp_counts[w] : 0;
+    total += warp_counts[w];
+  }
+  for (int64_t j = begin; j < end && pos < M; ++j) {
+    if (static_cast<int64_t>(topk[j]) == expert) pair_list[pos++] = static_cast<int>(j);
+  }
+  __syncthreads();
   if (total > M && threadIdx.x == 0) record_timeout(peers, dst, expert, /*phase=*/2, M, total);  // overflow
   const int count = total < M ? total : static_cast<int>(M);
 
@@ -146,83 +198,116 @@ __global__ void __launch_bounds__(kThreads)
   char* dst_base = peers.bases[dst];
   const int64_t slot0 = (e_local * R + peers.rank) * M;
   const auto* x = static_cast<const char*>(args.x);
-  for (int i = warp; i < count; i += kWarps) {
-    const int j = pair_list[i];
-    const int t = j / args.num_topk;
-    const int64_t slot = slot0 + i;
-    const auto* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2);
-    if (!args.use_fp8) {
-      auto* out = at<int4>(dst_base, s.dispatch_data + slot * H * 2);
-      const int64_t n = H * 2 / 16;
-#pragma unroll 4
-      for (int64_t c = lane; c < n; c += 32) out[c] = __ldg(src + c);
-    } else {
-      // 16 lanes per 128-channel block (8 channels each), two blocks per warp step.
-      const int half = lane >> 4;
-      const int hl = lane & 15;
-      const int64_t num_blocks = H / kBlock;
-      auto* out = at<uint2>(dst_base, s.dispatch_data + slot * H);
-      for (int64_t b0 = 0; b0 < num_blocks; b0 += 2) {
-        const int64_t b = b0 + half;
-        const bool active = b < num_blocks;
-        int4 raw = make_int4(0, 0, 0, 0);
-        if (active) raw = __ldg(src + b * 16 + hl);
-        float v[8];
-        const uint32_t words[4] = {static_cast<uint32_t>(raw.x), static_cast<uint32_t>(raw.y),
-                                   static_cast<uint32_t>(raw.z), static_cast<uint32_t>(raw.w)};
-        float amax = 1e-4f;
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    at<int>(dst_base, s.dispatch_src_info)[slot0 + i] = pair_list[i] / args.num_topk;
+    at<int>(dst_base, s.dispatch_slot_k)[slot0 + i] = pair_list[i] % args.num_topk;
+  }
+  // The rows are spread over the whole block (not a warp per row) and each thread keeps kUnroll loads in
+  // flight: a row is ~900 16-byte vectors, and a warp walking it alone is a chain of dependent round trips.
+  if (!args.use_fp8) {
+    const int64_t row_vecs = H / 8;
+    const int64_t items = count * row_vecs;
+    for (int64_t base = threadIdx.x; base < items; base += kThreads * kUnroll) {
+      int4 v[kUnroll];
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const float2 f = bf16x2_to_float2(words[w]);
-          v[2 * w] = f.x;
-          v[2 * w + 1] = f.y;
-          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t item = base + u * kThreads;
+        if (item < items) {
+          const int64_t i = item / row_vecs;
+          const int t = pair_list[i] / args.num_topk;
+          v[u] = __ldg(reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2) + (item - i * row_vecs));
         }
+      }
 #pragma unroll
-        for (int m = 8; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-        float scale_inv;
-        if (args.ue8m0) {
-          int e = 0;
-          const float m = frexpf(amax / 448.f, &e);
-          int exponent = (m == 0.5f) ? e - 1 : e;
-          exponent = min(max(exponent + 127, 1), 254);
-          scale_inv = 1.f / ldexpf(1.f, exponent - 127);
-          if (active && hl == 0) at<uint8_t>(dst_base, s.dispatch_scales)[slot * num_blocks + b] = exponent;
-        } else {
-          scale_inv = 448.f / amax;
-          if (active && hl == 0) at<float>(dst_base, s.dispatch_scales)[slot * num_blocks + b] = amax / 448.f;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t item = base + u * kThreads;
+        if (item < items) {
+          const int64_t i = item / row_vecs;
+          at<int4>(dst_base, s.dispatch_data + (slot0 + i) * H * 2)[item - i * row_vecs] = v[u];
         }
-        uint32_t packed[2];
-#pragma unroll
-        for (int w = 0; w < 2; ++w) {
-          const __nv_fp8x2_storage_t lo =
-              __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[4 * w], scale_inv), __fmul_rn(v[4 * w + 1], scale_inv)),
-                                       __NV_SATFINITE, __NV_E4M3);
-          const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-              make_float2(__fmul_rn(v[4 * w + 2], scale_inv), __fmul_rn(v[4 * w + 3], scale_inv)), __NV_SATFINITE,
-              __NV_E4M3);
-          packed[w] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-        }
-        if (active) out[b * 16 + hl] = make_uint2(packed[0], packed[1]);
       }
     }
-    if (lane == 0) {
-      at<int>(dst_base, s.dispatch_src_info)[slot] = t;
-      at<int>(dst_base, s.dispatch_slot_k)[slot] = j % args.num_topk;
+  } else {
+    // One item = four consecutive 128-channel blocks of one row, quantized by a warp: 8 lanes per block, 16
+    // channels per lane, so each lane stores 16 fp8 bytes and the warp 512 contiguous bytes; lane 0 stores the
+    // four scales at once where they are aligned (num_blocks % 4 == 0, e.g. H = 7168), else lanes 0/8/16/24
+    // store one each. (Per-block 8-byte stores plus a 4-byte store per scale ran at half the NVLink rate.)
+    const int64_t num_blocks = H / kBlock;
+    const int64_t num_groups = (num_blocks + 3) / 4;
+    const int64_t items = count * num_groups;
+    const int sub = lane & 7;  // 16-channel piece within the block
+    const int bg = lane >> 3;  // block within the group
+    const bool packed_scales = num_blocks % 4 == 0;
+    constexpr int kFp8Unroll = kUnroll / 2;  // two 16-byte loads per lane and item
+    for (int64_t base = warp; base < items; base += kWarps * kFp8Unroll) {
+      int4 raw[kFp8Unroll][2];
+#pragma unroll
+      for (int u = 0; u < kFp8Unroll; ++u) {
+        const int64_t item = base + u * kWarps;
+        raw[u][0] = raw[u][1] = make_int4(0, 0, 0, 0);
+        if (item < items) {
+          const int64_t i = item / num_groups;
+          const int64_t b = (item - i * num_groups) * 4 + bg;
+          if (b < num_blocks) {
+            const int t = pair_list[i] / args.num_topk;
+            const auto* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2) + b * 16 + sub * 2;
+            raw[u][0] = __ldg(src);
+            raw[u][1] = __ldg(src + 1);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kFp8Unroll; ++u) {
+        const int64_t item = base + u * kWarps;  // the same for the whole warp
+        if (item >= items) break;
+        const int64_t i = item / num_groups;
+        const int64_t g = item - i * num_groups;
+        const int64_t b = g * 4 + bg;
+        const int64_t slot = slot0 + i;
+        uint4 packed;
+        const float scale = quantize_16(raw[u][0], raw[u][1], args.ue8m0, &packed);
+        if (b < num_blocks) at<uint4>(dst_base, s.dispatch_data + slot * H + b * kBlock)[sub] = packed;
+        if (packed_scales) {
+          const float s1 = __shfl_sync(0xffffffffu, scale, 8), s2 = __shfl_sync(0xffffffffu, scale, 16),
+                      s3 = __shfl_sync(0xffffffffu, scale, 24);
+          if (lane == 0) {
+            if (args.ue8m0) {
+              const uint32_t word = static_cast<uint32_t>(scale) | (static_cast<uint32_t>(s1) << 8) |
+                                    (static_cast<uint32_t>(s2) << 16) | (static_cast<uint32_t>(s3) << 24);
+              at<uint32_t>(dst_base, s.dispatch_scales)[(slot * num_blocks + g * 4) / 4] = word;
+            } else {
+              at<float4>(dst_base, s.dispatch_scales)[(slot * num_blocks + g * 4) / 4] = make_float4(scale, s1, s2, s3);
+            }
+          }
+        } else if (sub == 0 && b < num_blocks) {
+          if (args.ue8m0) {
+            at<uint8_t>(dst_base, s.dispatch_scales)[slot * num_blocks + b] = static_cast<uint8_t>(scale);
+          } else {
+            at<float>(dst_base, s.dispatch_scales)[slot * num_blocks + b] = scale;
+          }
+        }
+      }
     }
   }
+  // The barrier orders every thread's stores before thread 0's release store (cumulativity): no separate
+  // fence.sys, which would cost one more NVLink round trip per block.
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
     st_release_sys(at<unsigned long long>(dst_base, s.dispatch_signals) + e_local * R + peers.rank,
                    (tag << 32) | static_cast<unsigned long long>(count));
   }
 }
 
+template <typename TopkT>
 __global__ void __launch_bounds__(kThreads)
-    dispatch_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
+    dispatch_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
+  dispatch_send_block<TopkT>(peers, layout, set, args, blockIdx.x);
+}
+
+// One block receives for one local expert: waits for its R signals, writes counts, ranges and -1 fill.
+__device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                    const LowLatencyDispatchLaunch& args, int64_t e_local) {
   __shared__ int counts[kLowLatencyMaxRanks];
-  const int64_t e_local = blockIdx.x;
   const int R = peers.num_ranks;
   const int64_t M = layout.max_tokens_per_rank;
   char* base = peers.bases[peers.rank];
@@ -252,55 +337,113 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < R; ++r) {
     for (int64_t i = counts[r] + threadIdx.x; i < M; i += kThreads) src_info[r * M + i] = -1;
   }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    dispatch_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
+  dispatch_recv_block(peers, layout, set, args, blockIdx.x);
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  finish_grid(&ctrl->dispatch_ticket[set], &ctrl->dispatch_seq[set]);
+}
+
+// Both halves in one launch (no hook): every block sends one expert, then the last E_local blocks (scheduled
+// last, so no waiting block keeps a sending block off the SMs) receive one local expert each.
+template <typename TopkT>
+__global__ void __launch_bounds__(kThreads)
+    dispatch_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
+  dispatch_send_block<TopkT>(peers, layout, set, args, blockIdx.x);
+  const int64_t first_recv = layout.num_experts - layout.num_local_experts;
+  if (blockIdx.x >= first_recv) {
+    __syncthreads();
+    dispatch_recv_block(peers, layout, set, args, blockIdx.x - first_recv);
+  }
+  LowLatencyControl* ctrl = control_of(peers, layout);
   finish_grid(&ctrl->dispatch_ticket[set], &ctrl->dispatch_seq[set]);
 }
 
 // ---- combine ------------------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kThreads)
-    combine_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
-  const int64_t e_local = blockIdx.x;
+// Grid: kCombineSendParts blocks per local expert, each taking every kCombineSendParts-th vector of the expert's
+// rows; the last block of an expert to finish (a monotonic per-expert counter) raises the expert's signals.
+__device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                   const LowLatencyCombineLaunch& args, int64_t block) {
+  __shared__ int row_start[kLowLatencyMaxRanks + 1];  // prefix of the rows to send, by destination rank
+  __shared__ bool last_part;
+  const int64_t e_local = block / kCombineSendParts;
+  const int part = static_cast<int>(block % kCombineSendParts);
   const int R = peers.num_ranks;
   const int64_t M = layout.max_tokens_per_rank;
   const int64_t H = layout.hidden;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
   char* base = peers.bases[peers.rank];
   LowLatencyControl* ctrl = control_of(peers, layout);
   const unsigned long long tag = ctrl->combine_seq[set] + 1;
   const LowLatencySet& d = layout.sets[args.dispatch_set];
   const LowLatencySet& c = layout.sets[set];
-  const int64_t* ranges = at<int64_t>(base, d.layout_range) + e_local * R;
+  if (threadIdx.x == 0) {
+    const int64_t* ranges = at<int64_t>(base, d.layout_range) + e_local * R;
+    int rows = 0;
+    for (int r = 0; r < R; ++r) {
+      row_start[r] = rows;
+      if (ld_volatile(&ctrl->mask[r]) == 0) rows += static_cast<int>(ranges[r] & 0xffffffff);
+    }
+    row_start[R] = rows;
+  }
+  __syncthreads();
   const int* src_info = at<int>(base, d.dispatch_src_info);
   const int* slot_k = at<int>(base, d.dispatch_slot_k);
   const auto* x = static_cast<const int4*>(args.x);
-  const int64_t row_vecs = H * 2 / 16;
-  for (int r = 0; r < R; ++r) {
-    if (ld_volatile(&ctrl->mask[r]) != 0) continue;
-    const int count = static_cast<int>(ranges[r] & 0xffffffff);
-    for (int i = warp; i < count; i += kWarps) {
-      const int64_t slot = e_local * R * M + r * M + i;
-      const int t = src_info[slot];
-      const int k = slot_k[slot];
-      auto* out = at<int4>(peers.bases[r], c.combine_data + (static_cast<int64_t>(t) * kLowLatencyMaxTopk + k) * H * 2);
-      const int4* src = x + slot * row_vecs;
-#pragma unroll 4
-      for (int64_t v = lane; v < row_vecs; v += 32) out[v] = __ldg(src + v);
+  const int64_t row_vecs = H / 8;
+  const int64_t items = static_cast<int64_t>(row_start[R]) * row_vecs;
+  constexpr int64_t kStride = static_cast<int64_t>(kThreads) * kCombineSendParts;
+  for (int64_t first = part * kThreads + threadIdx.x; first < items; first += kStride * kUnroll) {
+    int4 v[kUnroll];
+    int64_t dst_offset[kUnroll];
+    int dst_rank[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t item = first + u * kStride;
+      if (item < items) {
+        const int row = static_cast<int>(item / row_vecs);
+        const int64_t vec = item - row * row_vecs;
+        int r = 0;
+        while (row >= row_start[r + 1]) ++r;
+        const int64_t slot = (e_local * R + r) * M + (row - row_start[r]);
+        v[u] = __ldg(x + slot * row_vecs + vec);
+        dst_rank[u] = r;
+        dst_offset[u] = (static_cast<int64_t>(src_info[slot]) * kLowLatencyMaxTopk + slot_k[slot]) * H * 2 + vec * 16;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u * kStride < items) at<int4>(peers.bases[dst_rank[u]], c.combine_data + dst_offset[u])[0] = v[u];
     }
   }
   __syncthreads();
-  if (threadIdx.x < R && ld_volatile(&ctrl->mask[threadIdx.x]) == 0) {
-    const int r = threadIdx.x;
+  if (threadIdx.x == 0) {
     __threadfence_system();
+    // NOTE: monotonic (no reset); kCombineSendParts is a power of two, so the wrap at 2^32 keeps the phase.
+    const unsigned int done = atomicAdd(&ctrl->combine_parts_done[e_local], 1u) + 1;
+    last_part = done % kCombineSendParts == 0;
+    if (last_part) __threadfence();  // acquire: the other parts' stores, fenced before their increments
+  }
+  __syncthreads();
+  if (last_part && threadIdx.x < R && ld_volatile(&ctrl->mask[threadIdx.x]) == 0) {
+    const int r = threadIdx.x;
     st_release_sys(
         at<unsigned long long>(peers.bases[r], c.combine_signals) + peers.rank * layout.num_local_experts + e_local,
         tag);
   }
 }
 
-template <typename TopkT>
 __global__ void __launch_bounds__(kThreads)
-    combine_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
+    combine_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
+  combine_send_block(peers, layout, set, args, blockIdx.x);
+}
+
+// Blocks first_block, first_block + num_blocks, ... of the receive: one token each at a time.
+template <typename TopkT>
+__device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                    const LowLatencyCombineLaunch& args, int64_t first_block, int64_t num_blocks) {
   __shared__ float weights[kLowLatencyMaxTopk];
   __shared__ bool valid[kLowLatencyMaxTopk];  // the slot contributes: a chosen expert on an unmasked rank
   const int64_t H = layout.hidden;
@@ -311,7 +454,7 @@ __global__ void __launch_bounds__(kThreads)
   const LowLatencySet& c = layout.sets[set];
   const auto* topk = static_cast<const TopkT*>(args.topk);
   auto* out = static_cast<uint4*>(args.out);
-  for (int64_t t = blockIdx.x; t < args.num_tokens; t += gridDim.x) {
+  for (int64_t t = first_block; t < args.num_tokens; t += num_blocks) {
     __syncthreads();  // weights[] of the previous token are no longer read
     if (threadIdx.x < K) {
       const int k = threadIdx.x;
@@ -334,22 +477,54 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t row_vecs = H / 8;
     for (int64_t v = threadIdx.x; v < row_vecs; v += kThreads) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int k = 0; k < K; ++k) {
-        if (!valid[k]) continue;
-        const uint4 raw = rows[k * row_vecs + v];
-        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+      // The rows of kChunk slots are loaded before any is added (loads in flight), then added in ascending k.
+      constexpr int kChunk = 8;
+      for (int k0 = 0; k0 < K; k0 += kChunk) {
+        uint4 raw[kChunk] = {};
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const float2 f = bf16x2_to_float2(words[w]);
-          // NOTE: explicit rounding (no FMA contraction) so the sum matches the host backend bit for bit.
-          acc[2 * w] = __fadd_rn(acc[2 * w], __fmul_rn(weights[k], f.x));
-          acc[2 * w + 1] = __fadd_rn(acc[2 * w + 1], __fmul_rn(weights[k], f.y));
+        for (int u = 0; u < kChunk; ++u) {
+          const int k = k0 + u;
+          if (k < K && valid[k]) raw[u] = rows[k * row_vecs + v];
+        }
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          const int k = k0 + u;
+          if (k >= K || !valid[k]) continue;
+          const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const float2 f = bf16x2_to_float2(words[w]);
+            // NOTE: explicit rounding (no FMA contraction) so the sum matches the host backend bit for bit.
+            acc[2 * w] = __fadd_rn(acc[2 * w], __fmul_rn(weights[k], f.x));
+            acc[2 * w + 1] = __fadd_rn(acc[2 * w + 1], __fmul_rn(weights[k], f.y));
+          }
         }
       }
       out[t * row_vecs + v] = make_uint4(float2_to_bf16x2(acc[0], acc[1]), float2_to_bf16x2(acc[2], acc[3]),
                                          float2_to_bf16x2(acc[4], acc[5]), float2_to_bf16x2(acc[6], acc[7]));
     }
   }
+}
+
+template <typename TopkT>
+__global__ void __launch_bounds__(kThreads)
+    combine_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
+  combine_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x, gridDim.x);
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  finish_grid(&ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
+}
+
+// Both halves in one launch: the first num_send blocks send (as combine_send_kernel), the rest receive.
+template <typename TopkT>
+__global__ void __launch_bounds__(kThreads)
+    combine_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
+  const int64_t num_send = layout.num_local_experts * kCombineSendParts;
+  if (blockIdx.x < num_send) {
+    combine_send_block(peers, layout, set, args, blockIdx.x);
+  } else {
+    combine_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x - num_send, gridDim.x - num_send);
+  }
+  LowLatencyControl* ctrl = control_of(peers, layout);
   finish_grid(&ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
 }
 
@@ -379,23 +554,53 @@ void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLat
   check_launch("low-latency dispatch receive");
 }
 
+void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                 const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(layout.max_tokens_per_rank) * sizeof(int);
+  const dim3 grid(static_cast<unsigned>(layout.num_experts));
+  if (args.topk_int64) {
+    dispatch_kernel<int64_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args);
+  } else {
+    dispatch_kernel<int32_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args);
+  }
+  check_launch("low-latency dispatch");
+}
+
+namespace {
+// At least one block, so the set's sequence number advances on an idle rank too.
+unsigned combine_recv_blocks_for(int64_t num_tokens) {
+  return static_cast<unsigned>(num_tokens < 1 ? 1 : (num_tokens < 264 ? num_tokens : 264));
+}
+}  // namespace
+
 void launch_low_latency_combine_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                      const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  combine_send_kernel<<<static_cast<unsigned>(layout.num_local_experts), kThreads, 0, stream>>>(peers, layout, set,
-                                                                                                args);
+  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * kCombineSendParts));
+  combine_send_kernel<<<grid, kThreads, 0, stream>>>(peers, layout, set, args);
   check_launch("low-latency combine send");
 }
 
 void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                      const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  // At least one block, so the set's sequence number advances on an idle rank too.
-  const int64_t blocks = args.num_tokens < 1 ? 1 : (args.num_tokens < 264 ? args.num_tokens : 264);
+  const unsigned blocks = combine_recv_blocks_for(args.num_tokens);
   if (args.topk_int64) {
-    combine_recv_kernel<int64_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(peers, layout, set, args);
+    combine_recv_kernel<int64_t><<<blocks, kThreads, 0, stream>>>(peers, layout, set, args);
   } else {
-    combine_recv_kernel<int32_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(peers, layout, set, args);
+    combine_recv_kernel<int32_t><<<blocks, kThreads, 0, stream>>>(peers, layout, set, args);
   }
   check_launch("low-latency combine receive");
+}
+
+void launch_low_latency_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                const LowLatencyCombineLaunch& args, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * kCombineSendParts) +
+                  combine_recv_blocks_for(args.num_tokens));
+  if (args.topk_int64) {
+    combine_kernel<int64_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args);
+  } else {
+    combine_kernel<int32_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args);
+  }
+  check_launch("low-latency combine");
 }
 
 }  // namespace epx::cuda

@@ -10,8 +10,13 @@
 // device memory, graph replays see fresh tags. All ranks make the same calls, so tags agree.
 //
 // Memory ordering: a sending block writes its data with plain stores, then __syncthreads(), then one thread
-// issues __threadfence_system() and a st.release.sys of the tagged signal. The receiver polls with
-// ld.acquire.sys, so data written before the release is visible after the acquire.
+// issues a st.release.sys of the tagged signal (the barrier puts the block's stores in the release's past).
+// The combine send splits an expert over several blocks: each fences (sys) and bumps a per-expert counter,
+// and the last one signals. The receiver polls with ld.acquire.sys, so data written before the release is
+// visible after the acquire.
+//
+// Each call has a send and a receive kernel (the hook split) and a fused kernel doing both in one launch
+// (no hook: one launch less on the critical path).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -69,11 +74,18 @@ void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLat
 // Receive half: wait for every unmasked source rank, write counts, ranges and -1 into unused src_info slots.
 void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                       const LowLatencyDispatchLaunch& args, cudaStream_t stream);
+// Both halves of dispatch in one launch.
+void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                 const LowLatencyDispatchLaunch& args, cudaStream_t stream);
 // Send half of combine: each local expert's rows go back to their (token, k) row on the source rank.
 void launch_low_latency_combine_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                      const LowLatencyCombineLaunch& args, cudaStream_t stream);
 // Receive half: wait for the experts each token chose, then the weighted sum in fp32 (ascending k).
 void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                      const LowLatencyCombineLaunch& args, cudaStream_t stream);
+
+// Both halves of combine in one launch.
+void launch_low_latency_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                const LowLatencyCombineLaunch& args, cudaStream_t stream);
 
 }  // namespace epx::cuda

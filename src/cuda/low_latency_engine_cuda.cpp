@@ -144,7 +144,11 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
       args.scale_format == ScaleFormat::kUE8M0,
       args.cumulative_recv_counts.defined() ? args.cumulative_recv_counts.data_as<int>() : nullptr};
   auto stream = reinterpret_cast<cudaStream_t>(args.stream);
-  launch_low_latency_dispatch_send(peers_, layout_, set, launch, stream);
+  if (args.return_recv_hook) {
+    launch_low_latency_dispatch_send(peers_, layout_, set, launch, stream);
+  } else {
+    launch_low_latency_dispatch(peers_, layout_, set, launch, stream);
+  }
 
   const LowLatencySet& s = layout_.sets[set];
   const int64_t e_local = layout_.num_local_experts, slots = num_ranks_ * layout_.max_tokens_per_rank;
@@ -174,11 +178,7 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
     DeviceGuard g(device_);
     launch_low_latency_dispatch_recv(peers_, layout_, set, launch, stream);
   };
-  if (args.return_recv_hook) {
-    result.recv_hook = once(receive);
-  } else {
-    receive();
-  }
+  if (args.return_recv_hook) result.recv_hook = once(receive);
   return result;
 }
 
@@ -204,16 +204,15 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
                                        static_cast<int>(handle->shape.num_topk),
                                        result.x.data(),
                                        handle->set};
+  if (!args.return_recv_hook) {
+    launch_low_latency_combine(peers_, layout_, set, launch, stream);
+    return result;
+  }
   launch_low_latency_combine_send(peers_, layout_, set, launch, stream);
-  auto receive = [this, set, launch, stream] {
+  result.recv_hook = once([this, set, launch, stream] {
     DeviceGuard g(device_);
     launch_low_latency_combine_recv(peers_, layout_, set, launch, stream);
-  };
-  if (args.return_recv_hook) {
-    result.recv_hook = once(receive);
-  } else {
-    receive();
-  }
+  });
   return result;
 }
 

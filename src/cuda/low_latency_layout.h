@@ -45,6 +45,7 @@ struct LowLatencyControl {
   unsigned int dispatch_ticket[2];
   unsigned int combine_ticket[2];
   int mask[kLowLatencyMaxRanks];  // 1 = masked
+  unsigned int combine_parts_done[kLowLatencyMaxExperts];  // per local expert: combine-send blocks finished
 };
 
 }  // namespace epx::cuda

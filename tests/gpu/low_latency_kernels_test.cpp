@@ -16,6 +16,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "cuda/low_latency.h"
 #include "epx/buffer.h"
@@ -94,15 +95,23 @@ std::vector<RankInputs> make_inputs(const Case& c, std::mt19937& rng) {
     v.y.resize(e_local * c.num_ranks * c.max_tokens * c.hidden);
     // NOTE: y is large (up to ~0.5 GB per rank); a hash of (seed, index) fills it far faster than
     // mt19937 + float conversion, and still differs per element and per call.
+    // Filled by several threads: the GPU machine has many cores and y reaches ~0.5 GB.
     const uint32_t seed = static_cast<uint32_t>(rng());
-    for (size_t i = 0; i < v.y.size(); ++i) {
-      uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-      h ^= h >> 15;
-      h *= 2246822519u;
-      h ^= h >> 13;
-      // bf16 with exponent 126..129 (|value| in [0.5, 4)) and a random sign and mantissa.
-      v.y[i] = static_cast<uint16_t>(((h >> 31) << 15) | ((126u + ((h >> 7) & 3u)) << 7) | (h & 0x7fu));
+    const unsigned num_threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+    std::vector<std::thread> workers;
+    for (unsigned w = 0; w < num_threads; ++w) {
+      workers.emplace_back([&v, seed, w, num_threads] {
+        for (size_t i = w; i < v.y.size(); i += num_threads) {
+          uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+          h ^= h >> 15;
+          h *= 2246822519u;
+          h ^= h >> 13;
+          // bf16 with exponent 126..129 (|value| in [0.5, 4)) and a random sign and mantissa.
+          v.y[i] = static_cast<uint16_t>(((h >> 31) << 15) | ((126u + ((h >> 7) & 3u)) << 7) | (h & 0x7fu));
+        }
+      });
     }
+    for (auto& t : workers) t.join();
   }
   return in;
 }
@@ -295,6 +304,9 @@ class Rig {
       CUDA_CHECK_THROW(cudaMemsetAsync(d.region + s.recv_count, 0x7b, layout_.num_local_experts * 4, d.stream));
       CUDA_CHECK_THROW(cudaMemsetAsync(d.out, 0x7b, c_.max_tokens * c_.hidden * 2, d.stream));
     }
+    // NOTE: peers write into this rank's region from their own streams: without this sync a fast peer's
+    // dispatch could land before a slow rank's poison (or upload) and be overwritten by it.
+    sync();
   }
 
   LowLatencyDispatchLaunch dispatch_args(int r) const {
@@ -305,8 +317,22 @@ class Rig {
             num_tokens_[r], c_.num_topk,    ranks_[r].out, dispatch_set};
   }
 
-  // Enqueues one full dispatch + combine on every present rank (sends before receives).
-  void enqueue_round(int set, const std::vector<bool>& present) {
+  // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive
+  // halves (sends before receives).
+  void enqueue_round(int set, const std::vector<bool>& present, bool fused = false) {
+    if (fused) {
+      for (int r = 0; r < c_.num_ranks; ++r) {
+        if (!present[r]) continue;
+        cudaSetDevice(ranks_[r].device);
+        launch_low_latency_dispatch(peers_[r], layout_, set, dispatch_args(r), ranks_[r].stream);
+      }
+      for (int r = 0; r < c_.num_ranks; ++r) {
+        if (!present[r]) continue;
+        cudaSetDevice(ranks_[r].device);
+        launch_low_latency_combine(peers_[r], layout_, set, combine_args(r, set), ranks_[r].stream);
+      }
+      return;
+    }
     for (int r = 0; r < c_.num_ranks; ++r) {
       if (!present[r]) continue;
       cudaSetDevice(ranks_[r].device);
@@ -397,14 +423,15 @@ TEST_F(LowLatencyKernels, MatchHostBackend) {
                  " E=" + std::to_string(c.num_experts) + (c.use_fp8 ? (c.ue8m0 ? " fp8/ue8m0" : " fp8") : " bf16"));
     Rig rig(c, num_gpus_);
     const std::vector<bool> all(c.num_ranks, true);
-    // Three rounds alternate sets 0, 1, 0 with fresh data each time, so tags and set reuse are exercised.
-    for (int round = 0; round < 3; ++round) {
+    // Four rounds alternate sets 0, 1, 0, 1 with fresh data each time, so tags and set reuse are exercised;
+    // rounds 0 and 1 use the split kernels, 2 and 3 the fused ones.
+    for (int round = 0; round < 4; ++round) {
       auto in = make_inputs(c, rng);
       const auto expected = host_reference(c, in, all);
       const int set = round % 2;
       rig.upload(in);
       rig.poison(set);
-      rig.enqueue_round(set, all);
+      rig.enqueue_round(set, all, /*fused=*/round >= 2);
       rig.sync();
       for (int r = 0; r < c.num_ranks; ++r) {
         EXPECT_EQ(rig.diag(r).flag, 0) << "rank " << r << " recorded a timeout/overflow";
@@ -445,12 +472,13 @@ TEST_F(LowLatencyKernels, GraphReplayWithNewData) {
     auto& d = rig.rank(r);
     cudaSetDevice(d.device);
     CUDA_OK(cudaStreamBeginCapture(d.stream, cudaStreamCaptureModeThreadLocal));
-    for (int set = 0; set < 2; ++set) {
-      launch_low_latency_dispatch_send(rig.peers(r), rig.layout(), set, rig.dispatch_args(r), d.stream);
-      launch_low_latency_dispatch_recv(rig.peers(r), rig.layout(), set, rig.dispatch_args(r), d.stream);
-      launch_low_latency_combine_send(rig.peers(r), rig.layout(), set, rig.combine_args(r, set), d.stream);
-      launch_low_latency_combine_recv(rig.peers(r), rig.layout(), set, rig.combine_args(r, set), d.stream);
-    }
+    // Set 0: the split kernels; set 1 (the one checked): the fused ones.
+    launch_low_latency_dispatch_send(rig.peers(r), rig.layout(), 0, rig.dispatch_args(r), d.stream);
+    launch_low_latency_dispatch_recv(rig.peers(r), rig.layout(), 0, rig.dispatch_args(r), d.stream);
+    launch_low_latency_combine_send(rig.peers(r), rig.layout(), 0, rig.combine_args(r, 0), d.stream);
+    launch_low_latency_combine_recv(rig.peers(r), rig.layout(), 0, rig.combine_args(r, 0), d.stream);
+    launch_low_latency_dispatch(rig.peers(r), rig.layout(), 1, rig.dispatch_args(r), d.stream);
+    launch_low_latency_combine(rig.peers(r), rig.layout(), 1, rig.combine_args(r, 1), d.stream);
     cudaGraph_t graph;
     CUDA_OK(cudaStreamEndCapture(d.stream, &graph));
     CUDA_OK(cudaGraphInstantiate(&execs[r], graph, 0));
@@ -458,7 +486,17 @@ TEST_F(LowLatencyKernels, GraphReplayWithNewData) {
   }
   for (int replay = 0; replay < 100; ++replay) {
     const bool check = replay % 50 == 49;
-    in = make_inputs(c, rng);
+    // New tokens, routing and weights every replay; new expert outputs (~0.5 GB per rank) only for the
+    // checked replays, where the host reference needs them.
+    if (check) {
+      in = make_inputs(c, rng);
+    } else {
+      auto fresh = make_inputs(Case{c.num_ranks, c.num_tokens, 0, c.hidden, c.num_topk, c.num_experts, c.use_fp8,
+                                    c.ue8m0},
+                               rng);
+      for (int r = 0; r < c.num_ranks; ++r) fresh[r].y = std::move(in[r].y);
+      in = std::move(fresh);
+    }
     std::vector<Expected> expected;
     if (check) expected = host_reference(c, in, all);
     rig.upload(in);
@@ -597,8 +635,10 @@ TEST_F(LowLatencyKernels, Timing) {
     rig.upload(in);
     rig.sync();
     constexpr int kInner = 20;
-    double result[3] = {0, 0, 0};  // dispatch, combine, dispatch+combine (us per call, rank 0)
-    for (int which = 0; which < 3; ++which) {
+    // dispatch, combine, dispatch+combine, dispatch send half alone, combine send half alone (us per call,
+    // rank 0). A send half alone waits on nothing: its time is the sender's cost without the peer.
+    double result[5] = {0, 0, 0, 0, 0};
+    for (int which = 0; which < 5; ++which) {
       std::vector<cudaGraphExec_t> execs(c.num_ranks);
       for (int r = 0; r < c.num_ranks; ++r) {
         auto& d = rig.rank(r);
@@ -606,14 +646,19 @@ TEST_F(LowLatencyKernels, Timing) {
         CUDA_OK(cudaStreamBeginCapture(d.stream, cudaStreamCaptureModeThreadLocal));
         for (int i = 0; i < kInner; ++i) {
           const int set = i % 2;
-          if (which != 1 || i == 0) {
+          if (which == 3) {
             launch_low_latency_dispatch_send(rig.peers(r), rig.layout(), set, rig.dispatch_args(r), d.stream);
-            launch_low_latency_dispatch_recv(rig.peers(r), rig.layout(), set, rig.dispatch_args(r), d.stream);
+            continue;
           }
-          if (which != 0) {
+          // The full calls use the fused kernels (what a call without a hook launches).
+          if ((which != 1 && which != 4) || i == 0) {
+            launch_low_latency_dispatch(rig.peers(r), rig.layout(), set, rig.dispatch_args(r), d.stream);
+          }
+          if (which == 4) {
+            launch_low_latency_combine_send(rig.peers(r), rig.layout(), set, rig.combine_args(r, 0), d.stream);
+          } else if (which != 0) {
             const int dset = which == 1 ? 0 : set;
-            launch_low_latency_combine_send(rig.peers(r), rig.layout(), set, rig.combine_args(r, dset), d.stream);
-            launch_low_latency_combine_recv(rig.peers(r), rig.layout(), set, rig.combine_args(r, dset), d.stream);
+            launch_low_latency_combine(rig.peers(r), rig.layout(), set, rig.combine_args(r, dset), d.stream);
           }
         }
         cudaGraph_t graph;
@@ -643,7 +688,7 @@ TEST_F(LowLatencyKernels, Timing) {
       std::sort(samples.begin(), samples.end());
       // A combine-only graph still holds one dispatch round: subtract it using the dispatch number.
       double per = samples[samples.size() / 2] * 1e3;
-      if (which == 1)
+      if (which == 1 || which == 4)
         per = (per - result[0]) / kInner;
       else
         per /= kInner;
@@ -655,11 +700,13 @@ TEST_F(LowLatencyKernels, Timing) {
     EXPECT_EQ(rig.diag(0).flag, 0);
     std::printf(
         "[ll timing] EP2 tokens=%ld hidden=7168 top8/256 fp8 dispatch %.1f us, bf16 combine %.1f us, "
-        "round trip %.1f us\n",
-        static_cast<long>(tokens), result[0], result[1], result[2]);
+        "round trip %.1f us; send halves alone: dispatch %.1f us, combine %.1f us\n",
+        static_cast<long>(tokens), result[0], result[1], result[2], result[3], result[4]);
     json += std::string(json.size() > 1 ? "," : "") + "{\"tokens\":" + std::to_string(tokens) +
             ",\"dispatch_us\":" + std::to_string(result[0]) + ",\"combine_us\":" + std::to_string(result[1]) +
-            ",\"round_trip_us\":" + std::to_string(result[2]) + "}";
+            ",\"round_trip_us\":" + std::to_string(result[2]) +
+            ",\"dispatch_send_alone_us\":" + std::to_string(result[3]) +
+            ",\"combine_send_alone_us\":" + std::to_string(result[4]) + "}";
   }
   json += "]";
   if (const char* path = std::getenv("EPX_LL_TIMING_JSON")) std::ofstream(path) << json << "\n";
