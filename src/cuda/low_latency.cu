@@ -86,6 +86,15 @@ __device__ void finish_grid(unsigned int* ticket, unsigned long long* seq) {
   }
 }
 
+// Slices per token in the combine receive: small batches spread each token over several blocks (a token's
+// reduction alone is a chain of dependent load rounds), so that T * parts fills up to kCombineRecvBlocks blocks.
+constexpr int kCombineRecvBlocks = 264;
+__host__ __device__ inline int combine_recv_parts(int64_t num_tokens) {
+  return num_tokens <= kCombineRecvBlocks / 8 ? 8 : num_tokens <= kCombineRecvBlocks / 4 ? 4
+                                                : num_tokens <= kCombineRecvBlocks / 2 ? 2
+                                                                                       : 1;
+}
+
 __device__ __forceinline__ float2 bf16x2_to_float2(uint32_t bits) {
   __nv_bfloat162 h;
   memcpy(&h, &bits, 4);
@@ -440,7 +449,8 @@ __global__ void __launch_bounds__(kThreads)
   combine_send_block(peers, layout, set, args, blockIdx.x);
 }
 
-// Blocks first_block, first_block + num_blocks, ... of the receive: one token each at a time.
+// Blocks first_block, first_block + num_blocks, ... of the receive: one unit each at a time, where a unit is
+// one of combine_recv_parts(T) slices of one token's hidden vector.
 template <typename TopkT>
 __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                     const LowLatencyCombineLaunch& args, int64_t first_block, int64_t num_blocks) {
@@ -454,7 +464,13 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
   const LowLatencySet& c = layout.sets[set];
   const auto* topk = static_cast<const TopkT*>(args.topk);
   auto* out = static_cast<uint4*>(args.out);
-  for (int64_t t = first_block; t < args.num_tokens; t += num_blocks) {
+  const int64_t row_vecs = H / 8;
+  const int parts = combine_recv_parts(args.num_tokens);
+  const int64_t part_vecs = (row_vecs + parts - 1) / parts;
+  for (int64_t unit = first_block; unit < args.num_tokens * parts; unit += num_blocks) {
+    const int64_t t = unit / parts;
+    const int64_t v_begin = (unit % parts) * part_vecs;
+    const int64_t v_end = v_begin + part_vecs < row_vecs ? v_begin + part_vecs : row_vecs;
     __syncthreads();  // weights[] of the previous token are no longer read
     if (threadIdx.x < K) {
       const int k = threadIdx.x;
@@ -474,8 +490,7 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
     }
     __syncthreads();
     const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
-    const int64_t row_vecs = H / 8;
-    for (int64_t v = threadIdx.x; v < row_vecs; v += kThreads) {
+    for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       // The rows of kChunk slots are loaded before any is added (loads in flight), then added in ascending k.
       constexpr int kChunk = 8;
@@ -569,7 +584,8 @@ void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyL
 namespace {
 // At least one block, so the set's sequence number advances on an idle rank too.
 unsigned combine_recv_blocks_for(int64_t num_tokens) {
-  return static_cast<unsigned>(num_tokens < 1 ? 1 : (num_tokens < 264 ? num_tokens : 264));
+  const int64_t units = num_tokens * combine_recv_parts(num_tokens);
+  return static_cast<unsigned>(units < 1 ? 1 : (units < kCombineRecvBlocks ? units : kCombineRecvBlocks));
 }
 }  // namespace
 

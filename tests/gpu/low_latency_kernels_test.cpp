@@ -6,6 +6,7 @@
 // Outputs are poisoned before every run and every element the contract defines is compared: counts,
 // layout ranges and src_info exactly, received data and scales bit-exactly, combine output bit-exactly
 // (both sides sum in fp32 in ascending k without fused multiply-add).
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -578,6 +579,22 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
       void* weights = to_device(in[r].weights);
       void* y = to_device(in[r].y);
       const Device dev = Device::cuda(devices[r]);
+      // Hook mode runs a GEMM (fp32, 2048^3, ~0.1 ms) on the same stream between the send and the receive half,
+      // as a model would between dispatch and its experts.
+      cublasHandle_t blas = nullptr;
+      ASSERT_EQ(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+      cublasSetStream(blas, stream);
+      constexpr int kGemm = 2048;
+      float *ga = nullptr, *gc = nullptr;
+      cudaMalloc(&ga, sizeof(float) * kGemm * kGemm);
+      cudaMalloc(&gc, sizeof(float) * kGemm * kGemm);
+      cudaMemsetAsync(ga, 0, sizeof(float) * kGemm * kGemm, stream);
+      auto gemm = [&] {
+        const float alpha = 1.f, beta = 0.f;
+        ASSERT_EQ(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, kGemm, kGemm, kGemm, &alpha, ga, kGemm, ga, kGemm, &beta,
+                              gc, kGemm),
+                  CUBLAS_STATUS_SUCCESS);
+      };
       for (bool hook : {false, true}) {
         LowLatencyDispatchArgs a;
         a.x = TensorView::of(x, DType::kBFloat16, {in[r].num_tokens, c.hidden}, dev);
@@ -589,7 +606,10 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
         a.stream = stream;
         auto d = buffer->low_latency_dispatch(a);
         EXPECT_EQ(static_cast<bool>(d.recv_hook), hook);
-        if (hook) d.recv_hook();
+        if (hook) {
+          gemm();
+          d.recv_hook();
+        }
         LowLatencyCombineArgs b;
         b.x = TensorView::of(y, DType::kBFloat16, {e_local, c.num_ranks * c.max_tokens, c.hidden}, dev);
         b.topk_idx = a.topk_idx;
@@ -598,7 +618,10 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
         b.return_recv_hook = hook;
         b.stream = stream;
         auto out = buffer->low_latency_combine(b);
-        if (hook) out.recv_hook();
+        if (hook) {
+          gemm();
+          out.recv_hook();
+        }
         cudaStreamSynchronize(stream);
         Outputs o{to_host<int32_t>(d.recv_count),
                   to_host<int32_t>(d.recv_src_info),
@@ -615,8 +638,9 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
       buffer->clear_rank_mask();
       EXPECT_FALSE(buffer->rank_mask()[peer]);
       EXPECT_THROW(buffer->mask_rank(r), Error);
-      for (void* p : {x, topk, weights, y}) cudaFree(p);
       cudaStreamSynchronize(stream);
+      for (void* p : {x, topk, weights, y, static_cast<void*>(ga), static_cast<void*>(gc)}) cudaFree(p);
+      cublasDestroy(blas);
       buffer.reset();
       cudaStreamDestroy(stream);
     });
