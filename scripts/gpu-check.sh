@@ -14,8 +14,9 @@ mkdir -p "$OUT"
 export EPX_LL_TIMING_JSON=${EPX_LL_TIMING_JSON:-$OUT/ll_timing.json}  # low-latency timing test
 LOG=$OUT/gpu-check.log
 : >"$LOG"
-NCCL_LIB=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib
-export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+# NCCL and cuBLAS come from the pip packages next to torch on the GPU machine (no toolkit libraries there).
+PIP_NVIDIA=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+export LD_LIBRARY_PATH=$PIP_NVIDIA/nccl/lib:$PIP_NVIDIA/cublas/lib:$PIP_NVIDIA/cu13/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 
 if [ ! -x "$BIN/epx" ]; then
