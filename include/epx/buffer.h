@@ -201,6 +201,13 @@ class Buffer {
   virtual void mask_rank(int rank) = 0;
   virtual std::vector<bool> rank_mask() const = 0;  // [num_ranks], true = masked
   virtual void clear_rank_mask() = 0;
+
+  // Collective: every rank of the group calls it. Waits for this rank's low-latency work to finish (a device
+  // synchronize on the cuda backend), zeroes the low-latency buffer (signals, sequence numbers, the rank mask)
+  // and forgets the shapes fixed by the first low_latency_dispatch, so the next one may use another
+  // max_tokens_per_rank, hidden size or expert count (within the buffer's size). Outputs of earlier low-latency
+  // calls are invalid afterwards. Without low-latency memory it only synchronizes the ranks.
+  virtual void clean_low_latency_buffer() = 0;
 };
 
 }  // namespace epx

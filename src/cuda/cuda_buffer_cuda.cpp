@@ -154,6 +154,13 @@ class CudaBuffer final : public Buffer {
   void clear_rank_mask() override {
     if (low_latency_) low_latency_->clear_rank_mask();
   }
+  void clean_low_latency_buffer() override {
+    if (low_latency_) {
+      low_latency_->clean();
+    } else {
+      group_->barrier();
+    }
+  }
 
  private:
   LowLatencyEngine& low_latency() const {

@@ -25,6 +25,8 @@ class LowLatencyEngine {
   void mask_rank(int rank);
   std::vector<bool> rank_mask() const;
   void clear_rank_mask();
+  // Collective: see Buffer::clean_low_latency_buffer.
+  void clean();
 
  private:
   // Fixes (M, H, E) at the first dispatch and checks later calls use the same ones.

@@ -233,6 +233,20 @@ std::vector<bool> LowLatencyEngine::rank_mask() const {
   return out;
 }
 
+void LowLatencyEngine::clean() {
+  DeviceGuard guard(device_);
+  // No peer may still write into this region (its last call's kernels) when it is zeroed, and none may
+  // start the next call before every region is zero: a barrier on each side.
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (clean_low_latency_buffer)");
+  group_.barrier();
+  check_cuda(cudaMemset(region_.get(), 0, region_bytes_), "cudaMemset (clean_low_latency_buffer)");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (clean_low_latency_buffer)");
+  diag_->flag = 0;
+  has_layout_ = false;
+  num_dispatches_ = num_combines_ = 0;
+  group_.barrier();
+}
+
 void LowLatencyEngine::clear_rank_mask() {
   DeviceGuard guard(device_);
   check_cuda(cudaMemset(device_mask(), 0, sizeof(int) * num_ranks_), "cudaMemset (mask)");

@@ -119,6 +119,15 @@ void HostBuffer::mask_rank(int rank) {
 
 void HostBuffer::clear_rank_mask() { std::fill(mask_.begin(), mask_.end(), false); }
 
+void HostBuffer::clean_low_latency_buffer() {
+  // NOTE: the mailbox sequence (ll_seq_) and the set counter stay: every rank made the same calls, so they
+  // still agree, and posts are matched by them.
+  group_->barrier();
+  ll_max_tokens_ = 0;
+  clear_rank_mask();
+  group_->barrier();
+}
+
 Layout HostBuffer::get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream) {
   ep::validate_layout_args(topk_idx, num_experts, num_ranks_, Device::cpu());
   const int64_t num_tokens = topk_idx.shape[0];

@@ -45,6 +45,7 @@ class HostBuffer final : public Buffer {
   void mask_rank(int rank) override;
   std::vector<bool> rank_mask() const override { return mask_; }
   void clear_rank_mask() override;
+  void clean_low_latency_buffer() override;
 
  private:
   Tensor alloc(DType dtype, const std::vector<int64_t>& shape) const;

@@ -273,6 +273,46 @@ TEST(HostLowLatency, DispatchCombineMatchBruteForce) {
   }
 }
 
+// clean_low_latency_buffer: collective; afterwards another max_tokens_per_rank is accepted and the mask is clear.
+TEST(HostLowLatency, CleanAllowsNewShapesAndClearsTheMask) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int R = 2;
+  auto groups = create_host_groups(R, {.timeout_ms = 20'000});
+  auto buffers = make_buffers(groups);
+  for (int64_t max_tokens : {8, 32}) {
+    Case c;
+    c.num_ranks = R;
+    c.max_tokens = max_tokens;
+    c.num_topk = 4;
+    c.num_experts = 16;
+    auto in = make_inputs(rng, c);
+    Step step;
+    step.dispatched.resize(R);
+    step.expert_out.resize(R);
+    step.combined.resize(R);
+    testing::on_ranks(R, [&](int r) {
+      if (max_tokens == 32) {
+        // Still fixed to 8 before the clean.
+        auto a = dispatch_args(in[r], c);
+        EXPECT_THROW(buffers[r]->low_latency_dispatch(a), Error);
+        buffers[r]->mask_rank(1 - r);
+        buffers[r]->clean_low_latency_buffer();
+        EXPECT_EQ(buffers[r]->rank_mask(), std::vector<bool>(R, false));
+      }
+      step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
+      step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+      step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+    });
+    const std::vector<bool> all(R, true);
+    for (int r = 0; r < R; ++r) {
+      check_dispatch(in, c, r, step.dispatched[r], all);
+      check_combine(in, c, r, step.combined[r].x, all);
+    }
+  }
+}
+
 TEST(HostLowLatency, Fp8Dispatch) {
   const unsigned seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
