@@ -595,7 +595,8 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
                               gc, kGemm),
                   CUBLAS_STATUS_SUCCESS);
       };
-      for (bool hook : {false, true}) {
+      // One dispatch + combine through the Buffer, compared with the host backend.
+      auto check_round = [&](bool hook, const std::string& what) {
         LowLatencyDispatchArgs a;
         a.x = TensorView::of(x, DType::kBFloat16, {in[r].num_tokens, c.hidden}, dev);
         a.topk_idx = TensorView::of(topk, DType::kInt64, {in[r].num_tokens, c.num_topk}, dev);
@@ -629,8 +630,10 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
                   to_host<uint8_t>(d.recv_x),
                   c.use_fp8 ? to_host<uint8_t>(d.recv_x_scales) : std::vector<uint8_t>{},
                   to_host<uint16_t>(out.x)};
-        EXPECT_EQ(compare_outputs(c, r, o, expected[r]), 0) << (hook ? "hook" : "plain");
-      }
+        EXPECT_EQ(compare_outputs(c, r, o, expected[r]), 0) << what;
+      };
+      check_round(false, "plain");
+      check_round(true, "hook");
       group.barrier();
       const int peer = (r + 1) % c.num_ranks;
       buffer->mask_rank(peer);
@@ -642,31 +645,7 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
       buffer->mask_rank(peer);
       buffer->clean_low_latency_buffer();
       EXPECT_FALSE(buffer->rank_mask()[peer]);
-      {
-        LowLatencyDispatchArgs a;
-        a.x = TensorView::of(x, DType::kBFloat16, {in[r].num_tokens, c.hidden}, dev);
-        a.topk_idx = TensorView::of(topk, DType::kInt64, {in[r].num_tokens, c.num_topk}, dev);
-        a.max_tokens_per_rank = c.max_tokens;
-        a.num_experts = c.num_experts;
-        a.use_fp8 = c.use_fp8;
-        a.stream = stream;
-        auto d = buffer->low_latency_dispatch(a);
-        LowLatencyCombineArgs b;
-        b.x = TensorView::of(y, DType::kBFloat16, {e_local, c.num_ranks * c.max_tokens, c.hidden}, dev);
-        b.topk_idx = a.topk_idx;
-        b.topk_weights = TensorView::of(weights, DType::kFloat32, {in[r].num_tokens, c.num_topk}, dev);
-        b.handle = d.handle;
-        b.stream = stream;
-        auto out = buffer->low_latency_combine(b);
-        cudaStreamSynchronize(stream);
-        Outputs o{to_host<int32_t>(d.recv_count),
-                  to_host<int32_t>(d.recv_src_info),
-                  to_host<int64_t>(d.recv_layout_range),
-                  to_host<uint8_t>(d.recv_x),
-                  c.use_fp8 ? to_host<uint8_t>(d.recv_x_scales) : std::vector<uint8_t>{},
-                  to_host<uint16_t>(out.x)};
-        EXPECT_EQ(compare_outputs(c, r, o, expected[r]), 0) << "after clean_low_latency_buffer";
-      }
+      check_round(false, "after clean_low_latency_buffer");
       cudaStreamSynchronize(stream);
       for (void* p : {x, topk, weights, y, static_cast<void*>(ga), static_cast<void*>(gc)}) cudaFree(p);
       cublasDestroy(blas);
