@@ -34,16 +34,21 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+// Median host time of the last time_on_stream call on this thread: how long `body` took to enqueue.
+thread_local double t_last_host_s = 0;
+
 // Times `body` on `stream` with events: warm-up, then iterations; returns the median in seconds.
 template <typename Body>
 double time_on_stream(cudaStream_t stream, int warmup, int iters, Body body) {
   cudaEvent_t start, stop;
   cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
   cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> times;
+  std::vector<double> times, host;
   for (int i = 0; i < warmup + iters; ++i) {
     cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
+    const auto h0 = std::chrono::steady_clock::now();
     body(i);
+    if (i >= warmup) host.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - h0).count());
     cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
     cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
     float ms = 0;
@@ -52,6 +57,7 @@ double time_on_stream(cudaStream_t stream, int warmup, int iters, Body body) {
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
+  t_last_host_s = median(host);
   return median(times);
 }
 
@@ -206,7 +212,10 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
       cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
       BufferOptions options;
       options.num_sms = num_sms;
-      options.num_normal_bytes = normal_buffer_size_hint(H, R, num_sms);
+      // NOTE: the copy-engine path needs a staging slot per remote rank that holds a whole transfer
+      // (T rows of the largest row format); with less the buffer keeps to the SM path.
+      const int64_t copy_engine_bytes = (int64_t{1} << 20) + (R - 1) * (T * (H * 2 + H / 128 * 4 + 8 * K + 16) + 4096);
+      options.num_normal_bytes = std::max(normal_buffer_size_hint(H, R, num_sms), copy_engine_bytes);
       auto buffer = Buffer::create(groups[r], options);
       const auto& d = data[r];
       auto up = [&](const void* p, size_t bytes, DType dt, std::vector<int64_t> shape) {
@@ -224,8 +233,10 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
       const int warm = config.num_warmup, iters = config.num_iters;
       Layout layout;
       g.barrier();
+      double host_s[5] = {};  // per phase: median host time of one call (enqueue, plus any host sync)
       const double layout_s =
           time_on_stream(stream, warm, iters, [&](int) { layout = buffer->get_dispatch_layout(topk, E, stream); });
+      host_s[0] = t_last_host_s;
       DispatchResult res;
       g.barrier();
       const double disp_s = time_on_stream(stream, warm, iters, [&](int i) {
@@ -238,6 +249,7 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
         a.stream = stream;
         res = buffer->dispatch(a);
       });
+      host_s[1] = t_last_host_s;
       g.barrier();
       const double cached_s = time_on_stream(stream, warm, iters, [&](int i) {
         DispatchArgs a;
@@ -246,6 +258,7 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
         a.stream = stream;
         DispatchResult again = buffer->dispatch(a);
       });
+      host_s[2] = t_last_host_s;
       g.barrier();
       const double fp8_s = time_on_stream(stream, warm, iters, [&](int) {
         DispatchArgs a;
@@ -255,6 +268,7 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
         a.stream = stream;
         DispatchResult again = buffer->dispatch(a);
       });
+      host_s[3] = t_last_host_s;
       CombineResult comb;
       g.barrier();
       const double comb_s = time_on_stream(stream, warm, iters, [&](int) {
@@ -264,6 +278,7 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
         a.stream = stream;
         comb = buffer->combine(a);
       });
+      host_s[4] = t_last_host_s;
       // Check: identity experts give x * (ranks the token visited), exact for small integers.
       std::vector<uint16_t> out(T * H);
       cuda_ok(cudaMemcpyAsync(out.data(), comb.x.data(), out.size() * 2, cudaMemcpyDeviceToHost, stream), "download");
@@ -278,11 +293,11 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
       }
       mismatches[r] = bad;
       num_recv[r] = res.handle->num_recv_tokens();
-      t_layout[r] = {layout_s};
-      t_disp[r] = {disp_s};
-      t_cached[r] = {cached_s};
-      t_fp8[r] = {fp8_s};
-      t_comb[r] = {comb_s};
+      t_layout[r] = {layout_s, host_s[0]};
+      t_disp[r] = {disp_s, host_s[1]};
+      t_cached[r] = {cached_s, host_s[2]};
+      t_fp8[r] = {fp8_s, host_s[3]};
+      t_comb[r] = {comb_s, host_s[4]};
       if (r == 0) memory = {{"normal_bytes_per_rank", options.num_normal_bytes}};
       res = {};
       comb = {};
@@ -308,6 +323,11 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
     auto floor_us = [&](double bytes) {
       return floor.peer_both_ways_gbps > 0 ? bytes * remote_frac / (floor.peer_both_ways_gbps * 1e9) * 1e6 : 0.0;
     };
+    auto host_us = [&](const std::vector<std::vector<double>>& v) {
+      double m = 0;
+      for (const auto& x : v) m = std::max(m, x[1]);
+      return m * 1e6;
+    };
     auto phase = [&](const std::string& name, double sec, double bytes) {
       nlohmann::json j = {
           {"name", fmt::format("{} ({} SMs)", name, num_sms)}, {"num_sms", num_sms}, {"time_us", sec * 1e6}};
@@ -323,6 +343,10 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
     phases.push_back(phase("dispatch_bf16_cached", worst(t_cached), bf16_bytes));
     phases.push_back(phase("dispatch_fp8_cached", worst(t_fp8), fp8_bytes));
     phases.push_back(phase("combine_bf16", worst(t_comb), bf16_bytes));
+    {
+      const std::vector<std::vector<double>>* all[] = {&t_layout, &t_disp, &t_cached, &t_fp8, &t_comb};
+      for (int i = 0; i < 5; ++i) phases[phases.size() - 5 + i]["host_call_us"] = host_us(*all[i]);
+    }
     int64_t bad = 0;
     for (auto m : mismatches) bad += m;
     checks.push_back(

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -47,7 +48,14 @@ class CudaDispatchHandle final : public DispatchHandle {
   Tensor recv_meta;                         // int32 RecvMetaLayout
   Tensor recv_expert_counts;                // int32 [E_local]
   std::vector<int32_t> expert_counts_host;  // empty when unknown
+  std::vector<int32_t> meta_host;           // recv_meta on the host; empty when unknown (worst-token mode)
 };
+
+// EPX_NORMAL_COPY_ENGINE=0 keeps the normal path on SMs only (for comparison; must match on all ranks).
+bool copy_engines_enabled() {
+  const char* v = std::getenv("EPX_NORMAL_COPY_ENGINE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 
 class CudaBuffer final : public Buffer {
  public:
@@ -61,6 +69,7 @@ class CudaBuffer final : public Buffer {
     EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kMaxRanks,
               "the cuda backend supports up to {} ranks per host, got {}", kMaxRanks, num_ranks_);
     num_channels_ = std::clamp(options.num_sms / 2, 1, kMaxChannels);
+    num_blocks_ = std::max(1, options.num_sms);
     EPX_CHECK_ARG(options.num_sms <= 2 * kMaxChannels, "num_sms must be <= {} on the cuda backend, got {}",
                   2 * kMaxChannels, options.num_sms);
     int64_t bytes = options.num_normal_bytes;
@@ -80,6 +89,11 @@ class CudaBuffer final : public Buffer {
                "cudaHostGetDevicePointer");
     check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&meta_host_), sizeof(int32_t) * 8192, cudaHostAllocPortable),
                "cudaHostAlloc (receive counts)");
+    check_cuda(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate (copies)");
+    check_cuda(cudaStreamCreateWithFlags(&signal_stream_, cudaStreamNonBlocking), "cudaStreamCreate (signals)");
+    for (cudaEvent_t* e : all_events()) {
+      check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+    }
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     open_peers();
     if (cgroup_->world() != nullptr) seen_generation_ = cgroup_->world()->reset_generation.load();
@@ -105,6 +119,7 @@ class CudaBuffer final : public Buffer {
     comm_.off_done = take(8 * rc);
     comm_.off_notify_flag = take(8 * 2 * num_ranks_);
     comm_.off_notify = take(4 * 2 * int64_t{num_ranks_} * kNotifyInts);
+    comm_.off_copy_counter = take(8);
     if (off > kSignalBytes) detail::raise(ErrorCode::kInternal, "signal area needs {} bytes", off);
     comm_.signal_bytes = kSignalBytes;
     comm_.off_ring = kSignalBytes;
@@ -122,6 +137,11 @@ class CudaBuffer final : public Buffer {
     } catch (...) {
     }
     close_peer_regions(peer_regions_);
+    cudaStreamSynchronize(copy_stream_);
+    cudaStreamSynchronize(signal_stream_);
+    for (cudaEvent_t* e : all_events()) cudaEventDestroy(*e);
+    cudaStreamDestroy(copy_stream_);
+    cudaStreamDestroy(signal_stream_);
     cudaFree(region_);
     cudaFreeHost(errors_);
     cudaFreeHost(meta_host_);
@@ -188,6 +208,24 @@ class CudaBuffer final : public Buffer {
   void begin_collective(Stream stream);
   void request_reset();
 
+  // Copy-engine path (docs/normal-kernels.md). Bytes of each staging slot when the host knows the
+  // counts and the largest transfer between two ranks (pair_bytes) fits one, else 0 (SM path). Every
+  // rank decides alike: the inputs come from notify (global maximum rows, smallest ring area).
+  int64_t copy_slot_bytes(const CudaDispatchHandle& h, int64_t pair_bytes) const;
+  void dispatch_with_copy_engines(const DispatchKernelArgs& k, const CudaDispatchHandle& h, int64_t slot_bytes,
+                                  Stream stream);
+  void combine_with_copy_engines(const CombineKernelArgs& k, const CudaDispatchHandle& h, int64_t slot_bytes,
+                                 int64_t weights_offset, Stream stream);
+  // The side streams fork from `stream` (start_side_streams) and join it again at the end of the call.
+  void start_side_streams(Stream stream, int32_t site);
+  void join_side_streams(Stream stream);
+  std::vector<cudaEvent_t*> all_events() {
+    std::vector<cudaEvent_t*> v{&ev_start_, &ev_copies_done_, &ev_signals_done_};
+    for (auto& e : ev_pack_) v.push_back(&e);
+    for (auto& e : ev_copy_) v.push_back(&e);
+    return v;
+  }
+
   std::shared_ptr<Group> group_;
   CudaGroup* cgroup_ = nullptr;
   std::shared_ptr<Allocator> allocator_;
@@ -195,6 +233,13 @@ class CudaBuffer final : public Buffer {
   int num_ranks_ = 0;
   int device_ = 0;
   int num_channels_ = 1;
+  int num_blocks_ = 1;  // blocks of the copy-engine path's kernels (num_sms)
+  bool copy_engines_ = copy_engines_enabled();
+  cudaStream_t copy_stream_ = nullptr;    // copy-engine transfers into peers' staging
+  cudaStream_t signal_stream_ = nullptr;  // the kernels that announce finished transfers
+  cudaEvent_t ev_start_ = nullptr, ev_copies_done_ = nullptr, ev_signals_done_ = nullptr;
+  cudaEvent_t ev_pack_[kMaxCopyChunks] = {};
+  cudaEvent_t ev_copy_[kMaxCopyChunks] = {};
   int64_t region_bytes_ = 0;
   void* region_ = nullptr;
   PeerRegions peer_regions_;
@@ -263,18 +308,141 @@ void CudaBuffer::begin_collective(Stream stream) {
   seen_generation_ = generation;
 }
 
+int64_t CudaBuffer::copy_slot_bytes(const CudaDispatchHandle& h, int64_t pair_bytes) const {
+  if (!copy_engines_ || num_ranks_ < 2 || h.meta_host.empty()) return 0;
+  const RecvMetaLayout m{num_ranks_, num_channels_, h.num_local_experts};
+  const int64_t ring = int64_t{h.meta_host[m.min_ring_kib()]} << 10;
+  const int64_t slot = ring / (num_ranks_ - 1) / 256 * 256;
+  return pair_bytes <= slot ? slot : 0;
+}
+
+void CudaBuffer::start_side_streams(Stream stream, int32_t site) {
+  check_cuda(cudaEventRecord(ev_start_, stream), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(copy_stream_, ev_start_, 0), "cudaStreamWaitEvent");
+  check_cuda(cudaStreamWaitEvent(signal_stream_, ev_start_, 0), "cudaStreamWaitEvent");
+  // NOTE: the copies overwrite peers' staging: wait until they finished reading the previous operation.
+  launch_wait_released(comm_, site, copy_stream_);
+}
+
+void CudaBuffer::join_side_streams(Stream stream) {
+  check_cuda(cudaEventRecord(ev_copies_done_, copy_stream_), "cudaEventRecord");
+  check_cuda(cudaEventRecord(ev_signals_done_, signal_stream_), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(stream, ev_copies_done_, 0), "cudaStreamWaitEvent");
+  check_cuda(cudaStreamWaitEvent(stream, ev_signals_done_, 0), "cudaStreamWaitEvent");
+}
+
+// Chunks per destination: about kCopyChunkRows rows each, at most kMaxCopyChunks (EPX_COPY_CHUNKS, a
+// tuning knob: at most that many).
+int copy_chunks(int64_t max_rows) {
+  static const int64_t limit = [] {
+    const char* v = std::getenv("EPX_COPY_CHUNKS");
+    const int64_t n = v != nullptr ? std::atoll(v) : kMaxCopyChunks;
+    return std::clamp<int64_t>(n, 1, kMaxCopyChunks);
+  }();
+  return static_cast<int>(std::clamp<int64_t>((max_rows + kCopyChunkRows - 1) / kCopyChunkRows, 1, limit));
+}
+
+void CudaBuffer::dispatch_with_copy_engines(const DispatchKernelArgs& k, const CudaDispatchHandle& h,
+                                            int64_t slot_bytes, Stream stream) {
+  const int R = num_ranks_, me = rank_;
+  const RecvMetaLayout m{R, num_channels_, h.num_local_experts};
+  RowCounts send{}, offset{};
+  int64_t total = 0, max_send = 0;
+  for (int d = 0; d < R; ++d) {
+    send.v[d] = d == me ? 0 : h.meta_host[m.send_count(d)];
+    offset.v[d] = total;
+    total += send.v[d];
+    max_send = std::max(max_send, send.v[d]);
+  }
+  // Packed rows per remote destination, contiguous, in this rank's memory (source of the copies).
+  const Tensor stage = empty(DType::kUInt8, {std::max<int64_t>(total, 1) * k.row_bytes}, stream);
+  char* stage_ptr = static_cast<char*>(stage.data());
+  const int num_chunks = copy_chunks(max_send);
+  start_side_streams(stream, kSiteCopyDispatchReleased);
+  for (int j = 0; j < num_chunks; ++j) {
+    launch_pack(comm_, k, stage_ptr, offset, j, num_chunks, num_blocks_, stream);
+    check_cuda(cudaEventRecord(ev_pack_[j], stream), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(copy_stream_, ev_pack_[j], 0), "cudaStreamWaitEvent");
+    RowCounts end{};
+    for (int d = 0; d < R; ++d) {
+      end.v[d] = -1;
+      if (d == me) continue;
+      const int64_t b = chunk_begin(send.v[d], num_chunks, j);
+      end.v[d] = chunk_begin(send.v[d], num_chunks, j + 1);
+      if (end.v[d] == b) continue;
+      char* dst = comm_.peers[d] + comm_.off_ring + stage_slot(me, d, R) * slot_bytes + b * k.row_bytes;
+      check_cuda(cudaMemcpyAsync(dst, stage_ptr + (offset.v[d] + b) * k.row_bytes, (end.v[d] - b) * k.row_bytes,
+                                 cudaMemcpyDefault, copy_stream_),
+                 "cudaMemcpyAsync (dispatch rows to a peer)");
+    }
+    check_cuda(cudaEventRecord(ev_copy_[j], copy_stream_), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(signal_stream_, ev_copy_[j], 0), "cudaStreamWaitEvent");
+    launch_signal_rows(comm_, end, signal_stream_);
+  }
+  launch_unpack(comm_, k, slot_bytes, num_blocks_, stream);  // own rows, then the peers' rows
+  join_side_streams(stream);
+}
+
+void CudaBuffer::combine_with_copy_engines(const CombineKernelArgs& k, const CudaDispatchHandle& h, int64_t slot_bytes,
+                                           int64_t weights_offset, Stream stream) {
+  const int R = num_ranks_, me = rank_, C = num_channels_;
+  const RecvMetaLayout m{R, C, h.num_local_experts};
+  const int64_t H = k.hidden, K = k.num_topk;
+  // Rows this rank received from d in dispatch go back to d: x[rank_prefix(d) + i], contiguous.
+  RowCounts rows{}, base{};
+  int64_t max_rows = 0;
+  for (int d = 0; d < R; ++d) {
+    rows.v[d] = d == me ? 0 : h.meta_host[m.chan_start(d, C)] - h.meta_host[m.chan_start(d, 0)];
+    base.v[d] = h.meta_host[m.rank_prefix(d)];
+    max_rows = std::max(max_rows, rows.v[d]);
+  }
+  const int num_chunks = copy_chunks(max_rows);
+  start_side_streams(stream, kSiteCopyCombineReleased);
+  auto slot_at = [&](int d) { return comm_.peers[d] + comm_.off_ring + stage_slot(me, d, R) * slot_bytes; };
+  for (int d = 0; d < R && k.topk_weights != nullptr; ++d) {
+    if (d == me || rows.v[d] == 0) continue;
+    check_cuda(cudaMemcpyAsync(slot_at(d) + weights_offset, k.topk_weights + base.v[d] * K, rows.v[d] * K * 4,
+                               cudaMemcpyDefault, copy_stream_),
+               "cudaMemcpyAsync (combine weights to a peer)");
+  }
+  for (int j = 0; j < num_chunks; ++j) {
+    RowCounts end{};
+    for (int d = 0; d < R; ++d) {
+      end.v[d] = -1;
+      if (d == me) continue;
+      const int64_t b = chunk_begin(rows.v[d], num_chunks, j);
+      end.v[d] = chunk_begin(rows.v[d], num_chunks, j + 1);
+      if (end.v[d] == b) continue;
+      check_cuda(cudaMemcpyAsync(slot_at(d) + b * H * 2, k.x + (base.v[d] + b) * H, (end.v[d] - b) * H * 2,
+                                 cudaMemcpyDefault, copy_stream_),
+                 "cudaMemcpyAsync (combine rows to a peer)");
+    }
+    check_cuda(cudaEventRecord(ev_copy_[j], copy_stream_), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(signal_stream_, ev_copy_[j], 0), "cudaStreamWaitEvent");
+    launch_signal_rows(comm_, end, signal_stream_);
+  }
+  launch_combine_reduce(comm_, k, slot_bytes, weights_offset, num_blocks_, stream);
+  join_side_streams(stream);
+}
+
 Layout CudaBuffer::compute_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) {
   const int64_t T = topk_idx.shape[0];
   Layout layout;
-  // Both count arrays in one allocation, so one memset zeroes them for the kernel's atomics.
-  const Tensor counts = empty(DType::kInt32, {num_ranks_ + num_experts}, stream);
-  check_cuda(cudaMemsetAsync(counts.data(), 0, counts.nbytes(), stream), "cudaMemsetAsync (layout counts)");
-  auto storage = std::make_shared<Tensor>(counts);
+  // One allocation for all three outputs; the one-cluster kernel (small T * K) stores the counts itself,
+  // the many-block one adds into counts zeroed here.
+  const int64_t count_bytes = align_up(4 * (num_ranks_ + num_experts), 256);
+  const Tensor all = empty(DType::kUInt8, {count_bytes + T * num_ranks_}, stream);
+  if (T * topk_idx.shape[1] > kLayoutClusterEntries) {
+    check_cuda(cudaMemsetAsync(all.data(), 0, count_bytes, stream), "cudaMemsetAsync (layout counts)");
+  }
+  auto storage = std::make_shared<Tensor>(all);
+  auto* counts = all.data_as<int32_t>();
   layout.num_tokens_per_rank =
-      Tensor::wrap(TensorView::of(counts.data_as<int32_t>(), DType::kInt32, {num_ranks_}, group_->device()), storage);
-  layout.num_tokens_per_expert = Tensor::wrap(
-      TensorView::of(counts.data_as<int32_t>() + num_ranks_, DType::kInt32, {num_experts}, group_->device()), storage);
-  layout.is_token_in_rank = empty(DType::kBool, {T, num_ranks_}, stream);
+      Tensor::wrap(TensorView::of(counts, DType::kInt32, {num_ranks_}, group_->device()), storage);
+  layout.num_tokens_per_expert =
+      Tensor::wrap(TensorView::of(counts + num_ranks_, DType::kInt32, {num_experts}, group_->device()), storage);
+  layout.is_token_in_rank = Tensor::wrap(
+      TensorView::of(all.data_as<uint8_t>() + count_bytes, DType::kBool, {T, num_ranks_}, group_->device()), storage);
   launch_layout(topk_idx.data, topk_idx.dtype == DType::kInt64, T, static_cast<int>(topk_idx.shape[1]), num_experts,
                 num_ranks_, layout.num_tokens_per_rank.data_as<int32_t>(),
                 layout.num_tokens_per_expert.data_as<int32_t>(), layout.is_token_in_rank.data_as<uint8_t>(),
@@ -362,6 +530,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
       handle->num_recv_ = meta_host_[m.num_recv()];
       handle->expert_counts_host.assign(meta_host_ + m.expert_count(0),
                                         meta_host_ + m.expert_count(handle->num_local_experts));
+      handle->meta_host.assign(meta_host_, meta_host_ + m.size());
     }
   }
   if (cached) launch_advance_epoch(comm_, stream);
@@ -375,6 +544,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
     handle->num_recv_ = meta_host_[m.num_recv()];
     handle->expert_counts_host.assign(meta_host_ + m.expert_count(0),
                                       meta_host_ + m.expert_count(handle->num_local_experts));
+    handle->meta_host.assign(meta_host_, meta_host_ + m.size());
   }
   const int64_t N = args.num_worst_tokens > 0 ? args.num_worst_tokens : handle->num_recv_;
   handle->num_rows = N;
@@ -411,7 +581,21 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   k.worst_mode = args.num_worst_tokens > 0;
   k.ring_rows = ring_rows;
   k.row_bytes = row_bytes;
-  launch_dispatch(comm_, k, stream);
+  const int64_t slot_bytes =
+      args.num_worst_tokens > 0
+          ? 0
+          : copy_slot_bytes(
+                *handle,
+                handle->meta_host.empty()
+                    ? 0
+                    : int64_t{handle->meta_host[RecvMetaLayout{num_ranks_, num_channels_, handle->num_local_experts}
+                                                    .max_pair_rows()]} *
+                          row_bytes);
+  if (slot_bytes > 0) {
+    dispatch_with_copy_engines(k, *handle, slot_bytes, stream);
+  } else {
+    launch_dispatch(comm_, k, stream);
+  }
   check_cuda(cudaGetLastError(), "dispatch launch");
 
   result.recv_expert_counts = handle->recv_expert_counts;
@@ -456,7 +640,19 @@ CombineResult CudaBuffer::combine(const CombineArgs& args) {
   k.ring_rows = ring_rows;
   k.row_bytes = row_bytes;
   launch_advance_epoch(comm_, stream);
-  launch_combine(comm_, k, stream);
+  // Copy-engine staging per source: x rows, then the top-k weights rows from weights_offset.
+  int64_t slot_bytes = 0, weights_offset = 0;
+  if (!handle->meta_host.empty()) {
+    const int64_t rows =
+        handle->meta_host[RecvMetaLayout{num_ranks_, num_channels_, handle->num_local_experts}.max_pair_rows()];
+    weights_offset = align_up(rows * H * 2, 256);
+    slot_bytes = copy_slot_bytes(*handle, weights_offset + rows * K * 4);
+  }
+  if (slot_bytes > 0) {
+    combine_with_copy_engines(k, *handle, slot_bytes, weights_offset, stream);
+  } else {
+    launch_combine(comm_, k, stream);
+  }
   check_cuda(cudaGetLastError(), "combine launch");
   return result;
 }

@@ -1,4 +1,5 @@
 // Normal-mode kernels: layout, scan, notify, dispatch, combine. Protocol: docs/normal-kernels.md.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -23,6 +24,14 @@ const char* wait_site_name(int32_t site) {
       return "combine send (ring space at the peer)";
     case kSiteCombineRecvTail:
       return "combine receive (rows from the peer)";
+    case kSiteCopyDispatchReleased:
+      return "dispatch copy (peer finishing its previous receive)";
+    case kSiteCopyDispatchRows:
+      return "dispatch receive (copy-engine rows from the peer)";
+    case kSiteCopyCombineReleased:
+      return "combine copy (peer finishing its previous receive)";
+    case kSiteCopyCombineRows:
+      return "combine receive (copy-engine rows from the peer)";
     default:
       return "unknown";
   }
@@ -149,20 +158,22 @@ __device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int6
 
 // ---- layout ----------------------------------------------------------------------------------
 
-// Many blocks, one token per thread (its K loads in flight together); counts go to shared memory,
-// then one global atomic per non-zero count. The outputs were zeroed on the stream before.
-__global__ void __launch_bounds__(kLayoutThreads)
-    layout_kernel(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
-                  int num_ranks, int32_t* per_rank, int32_t* per_expert, uint8_t* in_rank, ErrorRecord* error,
-                  int rank) {
+// One token per thread (its K loads in flight together); counts go to shared memory. Many blocks:
+// one global atomic per non-zero count into outputs zeroed on the stream before. One cluster
+// (kCluster, kLayoutClusterBlocks blocks): block 0 sums the blocks' shared counts (distributed shared
+// memory) and stores them, so the call needs no memset.
+template <bool kCluster>
+__device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk,
+                                            int64_t num_experts, int num_ranks, int32_t* per_rank, int32_t* per_expert,
+                                            uint8_t* in_rank, ErrorRecord* error, int rank) {
   extern __shared__ int32_t s_expert[];  // [num_experts]
   __shared__ int32_t s_rank[kMaxRanks];
   for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) s_expert[i] = 0;
   if (threadIdx.x < kMaxRanks) s_rank[threadIdx.x] = 0;
   __syncthreads();
   const int64_t per = num_experts / num_ranks;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t < num_tokens) {
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < num_tokens;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t e[kMaxTopk];
 #pragma unroll
     for (int k = 0; k < kMaxTopk; ++k) {
@@ -200,10 +211,48 @@ __global__ void __launch_bounds__(kLayoutThreads)
     }
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) {
-    if (s_expert[i] != 0) atomicAdd(&per_expert[i], s_expert[i]);
+  if constexpr (kCluster) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every block's shared counts are final
+    if (cluster.block_rank() == 0) {
+      const unsigned num_blocks = cluster.num_blocks();
+      for (int64_t i = threadIdx.x; i < num_experts + num_ranks; i += blockDim.x) {
+        int32_t sum = 0;
+        for (unsigned b = 0; b < num_blocks; ++b) {
+          sum += i < num_experts ? cluster.map_shared_rank(s_expert, b)[i]
+                                 : cluster.map_shared_rank(s_rank, b)[i - num_experts];
+        }
+        if (i < num_experts) {
+          per_expert[i] = sum;
+        } else {
+          per_rank[i - num_experts] = sum;
+        }
+      }
+    }
+    cluster.sync();  // NOTE: keeps every block's shared memory alive until block 0 read it
+  } else {
+    for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) {
+      if (s_expert[i] != 0) atomicAdd(&per_expert[i], s_expert[i]);
+    }
+    if (threadIdx.x < num_ranks && s_rank[threadIdx.x] != 0) atomicAdd(&per_rank[threadIdx.x], s_rank[threadIdx.x]);
   }
-  if (threadIdx.x < num_ranks && s_rank[threadIdx.x] != 0) atomicAdd(&per_rank[threadIdx.x], s_rank[threadIdx.x]);
+}
+
+__global__ void __launch_bounds__(kLayoutThreads)
+    layout_kernel(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
+                  int num_ranks, int32_t* per_rank, int32_t* per_expert, uint8_t* in_rank, ErrorRecord* error,
+                  int rank) {
+  layout_body<false>(topk_idx, is_int64, num_tokens, num_topk, num_experts, num_ranks, per_rank, per_expert, in_rank,
+                     error, rank);
+}
+
+__global__ void __cluster_dims__(kLayoutClusterBlocks, 1, 1) __launch_bounds__(kLayoutClusterThreads)
+    layout_cluster_kernel(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
+                          int num_ranks, int32_t* per_rank, int32_t* per_expert, uint8_t* in_rank, ErrorRecord* error,
+                          int rank) {
+  layout_body<true>(topk_idx, is_int64, num_tokens, num_topk, num_experts, num_ranks, per_rank, per_expert, in_rank,
+                    error, rank);
 }
 
 // ---- scan: one block per destination ----------------------------------------------------------
@@ -269,8 +318,18 @@ __global__ void __launch_bounds__(256)
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
   // NOTE: slot [parity][me] at each destination was last read in operation epoch - 2, which every
   // destination finished before it released our rings in epoch - 1 (we waited on that), so it is free.
+  int32_t max_rows = 0;  // to one remote destination
+  for (int r = 0; r < R; ++r) {
+    const int32_t n = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
+    if (r != me && n > max_rows) max_rows = n;
+  }
+  const int64_t ring_kib = comm.ring_bytes >> 10;
   for (int r = 0; r < R; ++r) {
     int32_t* slot = reinterpret_cast<int32_t*>(comm.peers[r] + comm.off_notify) + (parity * R + me) * kNotifyInts;
+    if (threadIdx.x == 0) {
+      slot[0] = max_rows;
+      slot[C + 2 + num_local_experts] = static_cast<int32_t>(ring_kib < 0x7fffffff ? ring_kib : 0x7fffffff);
+    }
     for (int i = threadIdx.x; i < C + 1; i += blockDim.x) slot[1 + i] = chan_start[r * (C + 1) + i];
     for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
       slot[C + 2 + j] = per_expert[r * num_local_experts + j];
@@ -296,6 +355,16 @@ __global__ void __launch_bounds__(256)
       prefix += mine[s * kNotifyInts + 1 + C];
     }
     recv_meta[m.num_recv()] = prefix;
+    int32_t pair_rows = 0, ring = 0x7fffffff;
+    for (int s = 0; s < R; ++s) {
+      pair_rows = max(pair_rows, mine[s * kNotifyInts]);
+      ring = min(ring, mine[s * kNotifyInts + C + 2 + num_local_experts]);
+    }
+    recv_meta[m.max_pair_rows()] = pair_rows;
+    recv_meta[m.min_ring_kib()] = ring;
+  }
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    recv_meta[m.send_count(r)] = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
   }
   for (int i = threadIdx.x; i < R * (C + 1); i += blockDim.x) {
     const int s = i / (C + 1), c = i % (C + 1);
@@ -355,6 +424,84 @@ __device__ void send_rows(const CommArgs& comm, int dst, int channel, int64_t nu
 
 // ---- dispatch ---------------------------------------------------------------------------------
 
+// Where the fields of a dispatch row sit in a ring (or staging) row.
+struct RowFormat {
+  int64_t off_scales, off_topk, off_weights, off_src;
+  __device__ explicit RowFormat(const DispatchKernelArgs& a) {
+    off_scales = a.x_row_bytes;
+    off_topk = (off_scales + a.scale_row_bytes + 3) / 4 * 4;
+    off_weights = off_topk + 4 * a.num_topk;
+    off_src = off_weights + 4 * a.num_topk;
+  }
+};
+
+__device__ __forceinline__ int64_t topk_at(const DispatchKernelArgs& a, int64_t i) {
+  return a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[i]
+                         : static_cast<int64_t>(static_cast<const int32_t*>(a.topk_idx)[i]);
+}
+
+// One warp: token t as a ring row for destination `dst` (top-k ids remapped to its local experts).
+__device__ __forceinline__ void write_dispatch_row(const DispatchKernelArgs& a, const RowFormat& f, int64_t t, int dst,
+                                                   char* row, int lane) {
+  const int K = a.num_topk;
+  const int64_t expert_begin = static_cast<int64_t>(dst) * a.num_local_experts;
+  warp_copy16(row, a.x + t * a.x_row_bytes, a.x_row_bytes, lane);
+  if (a.scale_row_bytes > 0) {
+    const char* src = a.x_scales + t * a.scale_row_bytes;
+    for (int64_t b = lane; b < a.scale_row_bytes; b += 32) row[f.off_scales + b] = src[b];
+  }
+  if (lane < K && a.topk_idx != nullptr) {
+    const int64_t e = topk_at(a, t * K + lane);
+    const bool local = e >= expert_begin && e < expert_begin + a.num_local_experts;
+    reinterpret_cast<int32_t*>(row + f.off_topk)[lane] = local ? static_cast<int32_t>(e - expert_begin) : -1;
+    reinterpret_cast<float*>(row + f.off_weights)[lane] =
+        local && a.topk_weights != nullptr ? a.topk_weights[t * K + lane] : 0.f;
+  }
+  if (lane == 0) *reinterpret_cast<int32_t*>(row + f.off_src) = static_cast<int32_t>(t);
+}
+
+__device__ __forceinline__ void store_topk_out(const DispatchKernelArgs& a, int64_t p, int lane, int32_t e, float w) {
+  if (a.topk_is_int64) {
+    static_cast<int64_t*>(a.out_topk_idx)[p * a.num_topk + lane] = e;
+  } else {
+    static_cast<int32_t*>(a.out_topk_idx)[p * a.num_topk + lane] = e;
+  }
+  if (a.out_topk_weights != nullptr) a.out_topk_weights[p * a.num_topk + lane] = w;
+}
+
+// One warp: a ring row that another GPU (or a copy engine) wrote into our memory, into output row p.
+__device__ __forceinline__ void read_dispatch_row(const DispatchKernelArgs& a, const RowFormat& f, const char* row,
+                                                  int64_t p, int lane) {
+  warp_copy16_coherent(a.out_x + p * a.x_row_bytes, row, a.x_row_bytes, lane);
+  if (a.scale_row_bytes > 0) {
+    warp_copy_bytes(a.out_scales + p * a.scale_row_bytes, row + f.off_scales, a.scale_row_bytes, lane);
+  }
+  if (lane < a.num_topk && a.out_topk_idx != nullptr) {
+    store_topk_out(a, p, lane, reinterpret_cast<const volatile int32_t*>(row + f.off_topk)[lane],
+                   reinterpret_cast<const volatile float*>(row + f.off_weights)[lane]);
+  }
+  if (lane == 0) a.out_src_idx[p] = *reinterpret_cast<const volatile int32_t*>(row + f.off_src);
+}
+
+// One warp: this rank's own token t straight into output row p (what a ring round trip would give).
+__device__ __forceinline__ void write_dispatch_output(const DispatchKernelArgs& a, const RowFormat& f, int64_t t,
+                                                      int me, int64_t p, int lane) {
+  const int K = a.num_topk;
+  const int64_t expert_begin = static_cast<int64_t>(me) * a.num_local_experts;
+  warp_copy16(a.out_x + p * a.x_row_bytes, a.x + t * a.x_row_bytes, a.x_row_bytes, lane);
+  if (a.scale_row_bytes > 0) {
+    warp_copy_bytes(a.out_scales + p * a.scale_row_bytes, a.x_scales + t * a.scale_row_bytes, a.scale_row_bytes, lane);
+  }
+  if (lane < K && a.topk_idx != nullptr && a.out_topk_idx != nullptr) {
+    const int64_t e = topk_at(a, t * K + lane);
+    const bool local = e >= expert_begin && e < expert_begin + a.num_local_experts;
+    store_topk_out(a, p, lane, local ? static_cast<int32_t>(e - expert_begin) : -1,
+                   local && a.topk_weights != nullptr ? a.topk_weights[t * K + lane] : 0.f);
+  }
+  if (lane == 0) a.out_src_idx[p] = static_cast<int32_t>(t);
+  (void)f;
+}
+
 __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm, DispatchKernelArgs a) {
   __shared__ bool s_abort[kMaxRanks];
   __shared__ int64_t s_avail[kMaxRanks];
@@ -372,10 +519,7 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
   const uint64_t tag = epoch << 32;
   const int64_t T = a.num_tokens;
   const int K = a.num_topk;
-  const int64_t off_scales = a.x_row_bytes;
-  const int64_t off_topk = (off_scales + a.scale_row_bytes + 3) / 4 * 4;
-  const int64_t off_weights = off_topk + 4 * K;
-  const int64_t off_src = off_weights + 4 * K;
+  const RowFormat f(a);
   const RecvMetaLayout m{R, C, a.num_local_experts};
 
   if (is_sender) {
@@ -383,25 +527,9 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
     const int64_t first = starts[channel];
     const int64_t num_rows = starts[channel + 1] - first;
     const int32_t* list = a.list_tok + peer * T + first;
-    const int64_t expert_begin = static_cast<int64_t>(peer) * a.num_local_experts;
     send_rows(comm, peer, channel, num_rows, a.ring_rows, a.row_bytes, kSiteDispatchSendDone, kSiteDispatchSendHead,
-              group_id, group_threads, warp_in_group, warps_per_group, lane, s_abort, [&](int64_t i, char* row, int l) {
-                const int64_t t = list[i];
-                warp_copy16(row, a.x + t * a.x_row_bytes, a.x_row_bytes, l);
-                if (a.scale_row_bytes > 0) {
-                  const char* src = a.x_scales + t * a.scale_row_bytes;
-                  for (int64_t b = l; b < a.scale_row_bytes; b += 32) row[off_scales + b] = src[b];
-                }
-                if (l < K && a.topk_idx != nullptr) {
-                  const int64_t e = a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[t * K + l]
-                                                    : static_cast<const int32_t*>(a.topk_idx)[t * K + l];
-                  const bool local = e >= expert_begin && e < expert_begin + a.num_local_experts;
-                  reinterpret_cast<int32_t*>(row + off_topk)[l] = local ? static_cast<int32_t>(e - expert_begin) : -1;
-                  reinterpret_cast<float*>(row + off_weights)[l] =
-                      local && a.topk_weights != nullptr ? a.topk_weights[t * K + l] : 0.f;
-                }
-                if (l == 0) *reinterpret_cast<int32_t*>(row + off_src) = static_cast<int32_t>(t);
-              });
+              group_id, group_threads, warp_in_group, warps_per_group, lane, s_abort,
+              [&](int64_t i, char* row, int l) { write_dispatch_row(a, f, list[i], peer, row, l); });
     return;
   }
 
@@ -428,22 +556,7 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
       const char* row = ring + (i % a.ring_rows) * a.row_bytes;
       const int64_t p = out_base + i;
       if (p >= a.num_out_rows) continue;  // worst-token overflow: recorded below, rows dropped
-      warp_copy16_coherent(a.out_x + p * a.x_row_bytes, row, a.x_row_bytes, lane);
-      if (a.scale_row_bytes > 0) {
-        warp_copy_bytes(a.out_scales + p * a.scale_row_bytes, row + off_scales, a.scale_row_bytes, lane);
-      }
-      if (lane < K && a.out_topk_idx != nullptr) {
-        const int32_t e = reinterpret_cast<const volatile int32_t*>(row + off_topk)[lane];
-        if (a.topk_is_int64) {
-          static_cast<int64_t*>(a.out_topk_idx)[p * K + lane] = e;
-        } else {
-          static_cast<int32_t*>(a.out_topk_idx)[p * K + lane] = e;
-        }
-        if (a.out_topk_weights != nullptr) {
-          a.out_topk_weights[p * K + lane] = reinterpret_cast<const volatile float*>(row + off_weights)[lane];
-        }
-      }
-      if (lane == 0) a.out_src_idx[p] = *reinterpret_cast<const volatile int32_t*>(row + off_src);
+      read_dispatch_row(a, f, row, p, lane);
     }
     named_barrier(1 + group_id, group_threads);
     if (leader) st_release_sys(sig(comm, peer, comm.off_head, me * C + channel), tag + static_cast<uint64_t>(avail));
@@ -472,6 +585,130 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
   }
 }
 
+// ---- copy-engine dispatch ----------------------------------------------------------------------
+// Stream order on this rank (host side in cuda_buffer_cuda.cpp): pack chunk 0..n-1 (SMs, local HBM)
+// -> an event per chunk -> a copy engine moves the chunk into each destination's staging slot -> a
+// one-block kernel publishes tail[me][0] = rows at the destination; meanwhile pack writes the own rows
+// and unpack copies arriving rows to the outputs. No flow control inside an operation: the host picks
+// this path only when the largest transfer fits a slot, on every rank alike (from notify's numbers).
+
+// Every block of a copy-engine receive kernel calls this last. The last block to finish publishes
+// done = epoch to every rank (own rank too: the SM path's self-ring waits on it), so senders of the
+// next operation may overwrite our staging/rings.
+__device__ void finish_copy_receive(const CommArgs& comm, uint64_t epoch) {
+  __shared__ bool s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    auto* counter = reinterpret_cast<unsigned*>(comm.peers[comm.rank] + comm.off_copy_counter);
+    __threadfence();  // NOTE: this block's reads of staging are complete before the count
+    const unsigned prev = atomicAdd(counter, 1u);
+    s_last = prev == gridDim.x - 1;
+    if (s_last) *reinterpret_cast<volatile unsigned*>(counter) = 0;  // the next launch follows in stream order
+  }
+  __syncthreads();
+  if (!s_last) return;
+  const int R = comm.num_ranks, C = comm.num_channels;
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+    st_release_sys(sig(comm, i / C, comm.off_done, comm.rank * C + i % C), epoch);
+  }
+}
+
+__global__ void __launch_bounds__(kNormalThreads) pack_kernel(CommArgs comm, DispatchKernelArgs a, char* send_stage,
+                                                              RowCounts send_offset, int chunk, int num_chunks) {
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  const RowFormat f(a);
+  const int lane = threadIdx.x & 31;
+  const int64_t warp_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t T = a.num_tokens;
+  int64_t begin[kMaxRanks], count[kMaxRanks], total = 0;
+  for (int d = 0; d < R; ++d) {
+    const int64_t n = d == me ? 0 : a.chan_start[d * (C + 1) + C];
+    begin[d] = chunk_begin(n, num_chunks, chunk);
+    count[d] = chunk_begin(n, num_chunks, chunk + 1) - begin[d];
+    total += count[d];
+  }
+  for (int64_t i = warp_id; i < total; i += num_warps) {
+    int d = 0;
+    int64_t j = i;
+    while (j >= count[d]) j -= count[d++];
+    const int64_t row = begin[d] + j;
+    write_dispatch_row(a, f, a.list_tok[d * T + row], d, send_stage + (send_offset.v[d] + row) * a.row_bytes, lane);
+  }
+}
+
+__global__ void __launch_bounds__(kNormalThreads)
+    unpack_kernel(CommArgs comm, DispatchKernelArgs a, int64_t slot_bytes) {
+  constexpr int64_t kItemRows = 32;
+  __shared__ bool s_abort;
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  const RecvMetaLayout m{R, C, a.num_local_experts};
+  const uint64_t epoch = read_epoch(comm);
+  const uint64_t tag = epoch << 32;
+  const RowFormat f(a);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  int64_t max_rows = 0;
+  for (int s = 0; s < R; ++s) {
+    const int64_t n = a.recv_meta[m.chan_start(s, C)] - a.recv_meta[m.chan_start(s, 0)];
+    if (s != me && n > max_rows) max_rows = n;
+  }
+  // Own rows first (nothing to wait for), then items of kItemRows rows, interleaved over sources so
+  // that early rows of every source go first.
+  const int64_t T = a.num_tokens;
+  const int64_t num_own = a.chan_start[me * (C + 1) + C];
+  const int64_t num_own_items = (num_own + kItemRows - 1) / kItemRows;
+  const int64_t num_items = num_own_items + (max_rows + kItemRows - 1) / kItemRows * (R - 1);
+  for (int64_t id = blockIdx.x; id < num_items; id += gridDim.x) {
+    if (id < num_own_items) {
+      const int64_t own_base = a.recv_meta[m.rank_prefix(me)];
+      const int64_t end = (id + 1) * kItemRows < num_own ? (id + 1) * kItemRows : num_own;
+      for (int64_t i = id * kItemRows + warp; i < end; i += num_warps) {
+        write_dispatch_output(a, f, a.list_tok[me * T + i], me, own_base + i, lane);
+      }
+      continue;
+    }
+    const int64_t item = id - num_own_items;
+    const int slot = static_cast<int>(item % (R - 1));
+    const int src = (slot + me + 1) % R;  // stage_slot(src, me) == slot
+    const int64_t n = a.recv_meta[m.chan_start(src, C)] - a.recv_meta[m.chan_start(src, 0)];
+    const int64_t begin = item / (R - 1) * kItemRows;
+    if (begin >= n) continue;
+    const int64_t end = begin + kItemRows < n ? begin + kItemRows : n;
+    if (threadIdx.x == 0) {
+      // Acquire: the copy engine's rows landed before the signal kernel's release (stream order).
+      s_abort = !wait_geq(comm, sig(comm, me, comm.off_tail, src * C), tag + static_cast<uint64_t>(end),
+                          kSiteCopyDispatchRows, src, 0);
+    }
+    __syncthreads();
+    if (s_abort) return;
+    const char* rows = comm.peers[me] + comm.off_ring + slot * slot_bytes;
+    const int64_t out_base = a.recv_meta[m.rank_prefix(src)];
+    for (int64_t i = begin + warp; i < end; i += num_warps)
+      read_dispatch_row(a, f, rows + i * a.row_bytes, out_base + i, lane);
+    __syncthreads();
+  }
+  finish_copy_receive(comm, epoch);
+}
+
+__global__ void wait_released_kernel(CommArgs comm, int32_t site) {
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  const uint64_t epoch = read_epoch(comm);
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+    const int d = i / C, c = i % C;
+    if (d != me) wait_geq(comm, sig(comm, me, comm.off_done, d * C + c), epoch - 1, site, d, c);
+  }
+}
+
+// NOTE: launched after the copies (events), so the rows are in the destination's memory; the release
+// at system scope orders this flag after them for the destination's acquire.
+__global__ void signal_rows_kernel(CommArgs comm, RowCounts rows) {
+  const uint64_t tag = read_epoch(comm) << 32;
+  const int d = threadIdx.x;
+  if (d < comm.num_ranks && d != comm.rank && rows.v[d] >= 0) {
+    st_release_sys(sig(comm, d, comm.off_tail, comm.rank * comm.num_channels), tag + static_cast<uint64_t>(rows.v[d]));
+  }
+}
+
 // ---- combine ----------------------------------------------------------------------------------
 
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
@@ -482,6 +719,64 @@ __device__ __forceinline__ uint32_t to_bf16(float f) {
   const uint32_t u = __float_as_uint(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// One warp: out[tt] = bf16(sum of the rows (fp32, in the given order) + bias_0 + bias_1), and the same
+// sum of the top-k weights rows. Rows may be written by other GPUs or copy engines: loads skip L1.
+__device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t tt, const char* const* rows,
+                                             const float* const* wrows, int num_src, int lane) {
+  const int64_t H = a.hidden;
+  const int K = a.num_topk;
+  // kUnroll chunks per lane per step, so each source row has kUnroll loads in flight.
+  constexpr int kUnroll = 4;
+  const int64_t num_chunks = H / 8;
+  const uint16_t* biases[2] = {a.bias_0, a.bias_1};
+  for (int64_t v0 = lane; v0 < num_chunks; v0 += 32 * kUnroll) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+    }
+    auto accumulate = [&](const int4* base, bool coherent) {
+      int4 in[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + 32 * u;
+        in[u] = v < num_chunks ? (coherent ? __ldcg(base + v) : __ldg(base + v)) : make_int4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t w[4] = {static_cast<uint32_t>(in[u].x), static_cast<uint32_t>(in[u].y),
+                               static_cast<uint32_t>(in[u].z), static_cast<uint32_t>(in[u].w)};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          acc[u][2 * q] += bf16_lo(w[q]);
+          acc[u][2 * q + 1] += bf16_hi(w[q]);
+        }
+      }
+    };
+    for (int j = 0; j < num_src; ++j) accumulate(reinterpret_cast<const int4*>(rows[j]), true);
+    for (const uint16_t* bias : biases) {
+      if (bias != nullptr) accumulate(reinterpret_cast<const int4*>(bias + tt * H), false);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = v0 + 32 * u;
+      if (v >= num_chunks) continue;
+      int4 o;
+      o.x = static_cast<int>(to_bf16(acc[u][0]) | (to_bf16(acc[u][1]) << 16));
+      o.y = static_cast<int>(to_bf16(acc[u][2]) | (to_bf16(acc[u][3]) << 16));
+      o.z = static_cast<int>(to_bf16(acc[u][4]) | (to_bf16(acc[u][5]) << 16));
+      o.w = static_cast<int>(to_bf16(acc[u][6]) | (to_bf16(acc[u][7]) << 16));
+      reinterpret_cast<int4*>(a.out + tt * H)[v] = o;
+    }
+  }
+  if (a.out_topk_weights != nullptr && lane < K) {
+    float sum = 0.f;
+    for (int j = 0; j < num_src; ++j) sum += reinterpret_cast<const volatile float*>(wrows[j])[lane];
+    a.out_topk_weights[tt * K + lane] = sum;
+  }
 }
 
 __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, CombineKernelArgs a) {
@@ -585,56 +880,9 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
                             ((static_cast<int64_t>(r) * C + channel) * a.ring_rows + li % a.ring_rows) * a.row_bytes;
         }
       }
-      // kUnroll chunks per lane per step, so each source row has kUnroll loads in flight.
-      constexpr int kUnroll = 4;
-      const int64_t num_chunks = H / 8;
-      const uint16_t* biases[2] = {a.bias_0, a.bias_1};
-      for (int64_t v0 = lane; v0 < num_chunks; v0 += 32 * kUnroll) {
-        float acc[kUnroll][8];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
-        }
-        auto accumulate = [&](const int4* base, bool coherent) {
-          int4 in[kUnroll];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int64_t v = v0 + 32 * u;
-            in[u] = v < num_chunks ? (coherent ? __ldcg(base + v) : __ldg(base + v)) : make_int4(0, 0, 0, 0);
-          }
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const uint32_t w[4] = {static_cast<uint32_t>(in[u].x), static_cast<uint32_t>(in[u].y),
-                                   static_cast<uint32_t>(in[u].z), static_cast<uint32_t>(in[u].w)};
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              acc[u][2 * q] += bf16_lo(w[q]);
-              acc[u][2 * q + 1] += bf16_hi(w[q]);
-            }
-          }
-        };
-        for (int j = 0; j < num_src; ++j) accumulate(reinterpret_cast<const int4*>(rows[j]), true);
-        for (const uint16_t* bias : biases) {
-          if (bias != nullptr) accumulate(reinterpret_cast<const int4*>(bias + tt * H), false);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t v = v0 + 32 * u;
-          if (v >= num_chunks) continue;
-          int4 o;
-          o.x = static_cast<int>(to_bf16(acc[u][0]) | (to_bf16(acc[u][1]) << 16));
-          o.y = static_cast<int>(to_bf16(acc[u][2]) | (to_bf16(acc[u][3]) << 16));
-          o.z = static_cast<int>(to_bf16(acc[u][4]) | (to_bf16(acc[u][5]) << 16));
-          o.w = static_cast<int>(to_bf16(acc[u][6]) | (to_bf16(acc[u][7]) << 16));
-          reinterpret_cast<int4*>(a.out + tt * H)[v] = o;
-        }
-      }
-      if (a.out_topk_weights != nullptr && lane < K) {
-        float sum = 0.f;
-        for (int j = 0; j < num_src; ++j) sum += reinterpret_cast<const volatile float*>(rows[j] + x_bytes)[lane];
-        a.out_topk_weights[tt * K + lane] = sum;
-      }
+      const float* wrows[kMaxRanks];
+      for (int j = 0; j < num_src; ++j) wrows[j] = reinterpret_cast<const float*>(rows[j] + x_bytes);
+      reduce_token(a, tt, rows, wrows, num_src, lane);
     }
     // Rows consumed per source rank: one count per rank over the processed tokens.
     const bool mine = threadIdx.x < num_ready;
@@ -653,12 +901,71 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
   if (threadIdx.x < R) st_release_sys(sig(comm, threadIdx.x, comm.off_done, me * C + channel), epoch);
 }
 
+// Copy-engine combine, receive side (see the dispatch notes above): windows of tokens, each block
+// waits until every remote rank's rows up to its window's end arrived, then reduces it. Own rows are
+// read from the combine input.
+__global__ void __launch_bounds__(kNormalThreads)
+    combine_reduce_kernel(CommArgs comm, CombineKernelArgs a, int64_t slot_bytes, int64_t weights_offset) {
+  __shared__ bool s_abort;
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int64_t kWindow = num_warps;  // one token per warp
+  const uint64_t epoch = read_epoch(comm);
+  const uint64_t tag = epoch << 32;
+  const int64_t T = a.num_tokens, H = a.hidden;
+  const int K = a.num_topk;
+  const int64_t own_base = a.recv_meta[RecvMetaLayout{R, C, 0}.rank_prefix(me)];
+  const int64_t num_windows = (T + kWindow - 1) / kWindow;
+  for (int64_t w = blockIdx.x; w < num_windows; w += gridDim.x) {
+    const int64_t t0 = w * kWindow, t1 = t0 + kWindow < T ? t0 + kWindow : T;
+    if (threadIdx.x == 0) s_abort = false;
+    __syncthreads();
+    if (threadIdx.x < R && static_cast<int>(threadIdx.x) != me) {
+      const int r = threadIdx.x;
+      const int64_t need = a.excl_pos[r * (T + 1) + t1];  // rows of tokens < t1 that went to r
+      if (need > 0 && !wait_geq(comm, sig(comm, me, comm.off_tail, r * C), tag + static_cast<uint64_t>(need),
+                                kSiteCopyCombineRows, r, 0)) {
+        s_abort = true;
+      }
+    }
+    __syncthreads();
+    if (s_abort) return;
+    for (int64_t tt = t0 + warp; tt < t1; tt += num_warps) {
+      const char* rows[kMaxRanks];
+      const float* wrows[kMaxRanks];
+      int num_src = 0;
+      for (int r = 0; r < R; ++r) {
+        if (!a.is_token_in_rank[tt * R + r]) continue;
+        const int64_t li = a.excl_pos[r * (T + 1) + tt];
+        if (r == me) {
+          rows[num_src] = reinterpret_cast<const char*>(a.x + (own_base + li) * H);
+          wrows[num_src] = a.topk_weights + (own_base + li) * K;
+        } else {
+          const char* slot = comm.peers[me] + comm.off_ring + stage_slot(r, me, R) * slot_bytes;
+          rows[num_src] = slot + li * H * 2;
+          wrows[num_src] = reinterpret_cast<const float*>(slot + weights_offset) + li * K;
+        }
+        ++num_src;
+      }
+      reduce_token(a, tt, rows, wrows, num_src, lane);
+    }
+    __syncthreads();
+  }
+  finish_copy_receive(comm, epoch);
+}
+
 }  // namespace
 
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
                    int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,
                    uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream) {
-  const int64_t blocks = num_tokens > 0 ? (num_tokens + kLayoutThreads - 1) / kLayoutThreads : 1;
+  if (num_tokens * num_topk <= kLayoutClusterEntries) {
+    layout_cluster_kernel<<<kLayoutClusterBlocks, kLayoutClusterThreads, num_experts * sizeof(int32_t), stream>>>(
+        topk_idx, is_int64, num_tokens, num_topk, num_experts, num_ranks, num_tokens_per_rank, num_tokens_per_expert,
+        is_token_in_rank, value_error, rank);
+    return;
+  }
+  const int64_t blocks = (num_tokens + kLayoutThreads - 1) / kLayoutThreads;
   layout_kernel<<<static_cast<unsigned>(blocks), kLayoutThreads, num_experts * sizeof(int32_t), stream>>>(
       topk_idx, is_int64, num_tokens, num_topk, num_experts, num_ranks, num_tokens_per_rank, num_tokens_per_expert,
       is_token_in_rank, value_error, rank);
@@ -687,6 +994,29 @@ void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, cudaS
 
 void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, cudaStream_t stream) {
   combine_kernel<<<comm.num_channels * 2, kNormalThreads, 0, stream>>>(comm, args);
+}
+
+void launch_pack(const CommArgs& comm, const DispatchKernelArgs& args, char* send_stage, const RowCounts& send_offset,
+                 int chunk, int num_chunks, int num_blocks, cudaStream_t stream) {
+  pack_kernel<<<num_blocks, kNormalThreads, 0, stream>>>(comm, args, send_stage, send_offset, chunk, num_chunks);
+}
+
+void launch_unpack(const CommArgs& comm, const DispatchKernelArgs& args, int64_t slot_bytes, int num_blocks,
+                   cudaStream_t stream) {
+  unpack_kernel<<<num_blocks, kNormalThreads, 0, stream>>>(comm, args, slot_bytes);
+}
+
+void launch_wait_released(const CommArgs& comm, int32_t site, cudaStream_t stream) {
+  wait_released_kernel<<<1, 512, 0, stream>>>(comm, site);
+}
+
+void launch_signal_rows(const CommArgs& comm, const RowCounts& rows, cudaStream_t stream) {
+  signal_rows_kernel<<<1, 32, 0, stream>>>(comm, rows);
+}
+
+void launch_combine_reduce(const CommArgs& comm, const CombineKernelArgs& args, int64_t slot_bytes,
+                           int64_t weights_offset, int num_blocks, cudaStream_t stream) {
+  combine_reduce_kernel<<<num_blocks, kNormalThreads, 0, stream>>>(comm, args, slot_bytes, weights_offset);
 }
 
 }  // namespace epx::cuda

@@ -13,9 +13,16 @@ inline constexpr int kMaxChannels = 64;        // num_sms / 2, num_sms <= 128
 inline constexpr int kMaxLocalExperts = 1024;  // notify carries one count per local expert
 inline constexpr int kMaxTopk = 16;
 inline constexpr int kMaxExperts = 8192;  // the layout kernel counts experts in shared memory
+// Notify slot: [0] the source's largest row count to one remote destination, [1, C + 2) channel
+// prefixes, [C + 2, C + 2 + E_local) expert counts, then the source's ring area in KiB.
 inline constexpr int kNotifyInts = 2 + kMaxChannels + 1 + kMaxLocalExperts;
 inline constexpr int kLayoutThreads = 256;
-inline constexpr int kNormalThreads = 768;  // 24 warps: split evenly over 2, 4 or 8 peers
+inline constexpr int kLayoutClusterBlocks = 8;  // portable cluster size
+inline constexpr int kLayoutClusterThreads = 1024;
+inline constexpr int64_t kLayoutClusterEntries = int64_t{1} << 18;  // T * K up to this: one cluster
+inline constexpr int kMaxCopyChunks = 8;                            // copy-engine path: chunks per destination
+inline constexpr int64_t kCopyChunkRows = 1024;                     // target rows per chunk
+inline constexpr int kNormalThreads = 768;                          // 24 warps: split evenly over 2, 4 or 8 peers
 
 // Written by the device into mapped pinned host memory: the first failure of an operation. code != 0
 // also tells every other wait of the buffer to give up (abort).
@@ -38,6 +45,10 @@ enum WaitSite : int32_t {
   kSiteCombineSendDone = 5,
   kSiteCombineSendHead = 6,
   kSiteCombineRecvTail = 7,
+  kSiteCopyDispatchReleased = 8,
+  kSiteCopyDispatchRows = 9,
+  kSiteCopyCombineReleased = 10,
+  kSiteCopyCombineRows = 11,
 };
 const char* wait_site_name(int32_t site);
 
@@ -48,15 +59,16 @@ struct CommArgs {
   int rank;
   int num_ranks;
   int num_channels;
-  int64_t off_epoch;        // uint64: this rank's operation counter (local only)
-  int64_t off_tail;         // uint64 [R src][C]: rows the source wrote into my ring (written by the source)
-  int64_t off_head;         // uint64 [R dst][C]: rows the destination consumed from its ring (written by it)
-  int64_t off_done;         // uint64 [R dst][C]: last epoch the destination finished reading its ring
-  int64_t off_notify_flag;  // uint64 [2][R src]
-  int64_t off_notify;       // int32 [2][R src][kNotifyInts]
-  int64_t off_ring;         // ring rows [R src][C][ring_rows][row_bytes]
-  int64_t ring_bytes;       // bytes available for rings
-  int64_t signal_bytes;     // bytes [0, off_ring) zeroed by a reset
+  int64_t off_epoch;         // uint64: this rank's operation counter (local only)
+  int64_t off_tail;          // uint64 [R src][C]: rows the source wrote into my ring (written by the source)
+  int64_t off_head;          // uint64 [R dst][C]: rows the destination consumed from its ring (written by it)
+  int64_t off_done;          // uint64 [R dst][C]: last epoch the destination finished reading its ring
+  int64_t off_notify_flag;   // uint64 [2][R src]
+  int64_t off_notify;        // int32 [2][R src][kNotifyInts]
+  int64_t off_copy_counter;  // uint32: blocks of the copy-engine receive kernel that finished (local only)
+  int64_t off_ring;          // ring rows [R src][C][ring_rows][row_bytes]; or the copy-engine staging slots
+  int64_t ring_bytes;        // bytes available for rings
+  int64_t signal_bytes;      // bytes [0, off_ring) zeroed by a reset
   uint64_t timeout_ns;
   // Device aliases of mapped host records: [0] timeouts (also the abort signal of every wait of this
   // rank), [1] bad values (topk_idx out of range, worst-token overflow), which abort nothing.
@@ -70,7 +82,31 @@ struct RecvMetaLayout {
   __host__ __device__ int chan_start(int s, int c) const { return num_ranks + s * (num_channels + 1) + c; }
   __host__ __device__ int num_recv() const { return num_ranks + num_ranks * (num_channels + 1); }
   __host__ __device__ int expert_count(int j) const { return num_recv() + 1 + j; }
-  __host__ __device__ int size() const { return expert_count(num_local_experts); }
+  // Rows this rank sends to each destination (its own lists).
+  __host__ __device__ int send_count(int r) const { return expert_count(num_local_experts) + r; }
+  // Largest row count from one rank to another rank (the same on every rank): sizes the staging.
+  __host__ __device__ int max_pair_rows() const { return send_count(num_ranks); }
+  // Smallest ring area of all ranks, KiB (the same on every rank).
+  __host__ __device__ int min_ring_kib() const { return max_pair_rows() + 1; }
+  __host__ __device__ int size() const { return min_ring_kib() + 1; }
+};
+
+// ---- copy-engine path (docs/normal-kernels.md) -----------------------------------------------------
+// The ring area of every rank is cut into R - 1 staging slots of slot_bytes, one per remote source.
+__host__ __device__ inline int stage_slot(int src, int dst, int num_ranks) {
+  return (src - dst - 1 + num_ranks) % num_ranks;
+}
+// Rows [chunk_begin(j), chunk_begin(j + 1)) of n form chunk j of num_chunks. The first and the last
+// chunk are half as long as the others: the copy engine starts sooner and the receiver's tail after
+// the last copy is shorter.
+__host__ __device__ inline int64_t chunk_begin(int64_t n, int num_chunks, int j) {
+  if (j <= 0) return 0;
+  if (j >= num_chunks) return n;
+  return n * (2 * j - 1) / (2 * (num_chunks - 1));
+}
+
+struct RowCounts {
+  int64_t v[kMaxRanks];
 };
 
 struct DispatchKernelArgs {
@@ -118,7 +154,9 @@ struct CombineKernelArgs {
 };
 
 // Layout: counts and is_token_in_rank; an entry outside [-1, num_experts) is recorded in `error` and
-// treated as -1. The two count arrays must be zero on `stream` before (the kernel adds into them).
+// treated as -1.
+// With num_tokens * num_topk <= kLayoutClusterEntries one thread-block cluster does it all and stores
+// the counts (no zeroing needed); otherwise the counts must be zeroed first.
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
                    int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,
                    uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream);
@@ -130,6 +168,26 @@ void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_
                    int num_local_experts, int expert_alignment, int32_t* recv_meta, int32_t* recv_expert_counts,
                    cudaStream_t stream);
 void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, cudaStream_t stream);
+
+// Copy-engine dispatch. pack: rows of chunk `chunk` of every remote destination's list into
+// `send_stage` at row send_offset[dst] + i, in the ring row format. unpack: this rank's own rows straight
+// into the outputs (first), then waits for every remote source's rows in its staging slot
+// (tail[src][0]) and copies them to the outputs; its last block publishes done.
+void launch_pack(const CommArgs& comm, const DispatchKernelArgs& args, char* send_stage, const RowCounts& send_offset,
+                 int chunk, int num_chunks, int num_blocks, cudaStream_t stream);
+void launch_unpack(const CommArgs& comm, const DispatchKernelArgs& args, int64_t slot_bytes, int num_blocks,
+                   cudaStream_t stream);
+// Before a copy engine writes into peers' staging: wait until every remote destination released the
+// previous operation (done >= epoch - 1 on every channel). One block.
+void launch_wait_released(const CommArgs& comm, int32_t site, cudaStream_t stream);
+// After a copy into peers' staging completed: tail[me][0] at destination d = (epoch << 32) | rows.v[d]
+// for every remote d with rows.v[d] >= 0.
+void launch_signal_rows(const CommArgs& comm, const RowCounts& rows, cudaStream_t stream);
 void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, cudaStream_t stream);
+// Copy-engine combine, receive side: the rows of every remote rank arrive in its staging slot (x rows
+// from 0, top-k weights rows from weights_offset); own rows are read from args.x. Tokens are reduced in
+// windows once every rank's rows up to the window's end arrived; the last block publishes done.
+void launch_combine_reduce(const CommArgs& comm, const CombineKernelArgs& args, int64_t slot_bytes,
+                           int64_t weights_offset, int num_blocks, cudaStream_t stream);
 
 }  // namespace epx::cuda

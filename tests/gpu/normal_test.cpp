@@ -10,9 +10,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <latch>
 #include <random>
@@ -395,6 +397,21 @@ TEST_F(NormalGpuTest, Ep2Bf16DeepSeekShape) {
   run_and_compare(c);
 }
 
+// The same shape on the SM-only path (EPX_NORMAL_COPY_ENGINE=0; the default buffer would take the
+// copy-engine path for it), so both paths stay tested.
+TEST_F(NormalGpuTest, Ep2SmPathForced) {
+  ::setenv("EPX_NORMAL_COPY_ENGINE", "0", 1);
+  Case c;
+  c.devices = two_ranks();
+  c.tokens = {2048, 1500};
+  c.hidden = 7168;
+  c.num_topk = 8;
+  c.num_experts = 256;
+  c.biases = true;
+  run_and_compare(c);
+  ::unsetenv("EPX_NORMAL_COPY_ENGINE");
+}
+
 TEST_F(NormalGpuTest, Ep2SmallShapesAndInt32Topk) {
   for (int64_t t : {0, 1, 127}) {
     Case c;
@@ -527,6 +544,22 @@ TEST_F(NormalGpuTest, CachedDispatchMovesNewData) {
     const auto src1 = download<int32_t>(first.recv_src_idx, stream);
     cudaStreamSynchronize(stream);
     EXPECT_EQ(src, src1);
+    // The path changes inside one buffer: worst-token mode runs on SMs, then the copy engines again.
+    DispatchArgs worst = b;
+    worst.num_worst_tokens = 2 * T;
+    DispatchResult third = buffer->dispatch(worst);
+    DispatchResult fourth = buffer->dispatch(b);
+    const auto got3 = download<uint16_t>(third.recv_x, stream);
+    const auto src3 = download<int32_t>(third.recv_src_idx, stream);
+    const auto got4 = download<uint16_t>(fourth.recv_x, stream);
+    cudaStreamSynchronize(stream);
+    EXPECT_EQ(got4, got);
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), got3.begin()));
+    EXPECT_TRUE(std::equal(src.begin(), src.end(), src3.begin()));
+    for (size_t i = src.size(); i < src3.size(); ++i) EXPECT_EQ(src3[i], -1) << i;
+    third = {};
+    fourth = {};
+    worst = {};
     // Row i came from rank s = the source block it lies in; check against in2's rows.
     const HostLayout l0 =
         compute_layout_host(TensorView::of(const_cast<int64_t*>(in[0].topk64.data()), DType::kInt64, {T, K}), E, 2);
