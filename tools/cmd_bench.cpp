@@ -10,6 +10,7 @@
 #include <random>
 
 #include "bench.h"
+#include "bench_dp.h"
 #include "command.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
@@ -344,6 +345,12 @@ void add_bench(CLI::App& app) {
   cmd->add_option("--seed", config->seed, "Random seed (default 1)");
   cmd->add_option("--json", *json_path, "Also write the report as JSON to this file");
   auto* quiet = cmd->add_flag("--quiet")->description("No progress lines on stderr");
+  auto* dp = cmd->add_flag("--dp")->description(
+      "Instead: DP-attention gather/scatter (1 to 8192 tokens per rank, both padding modes) beside plain NCCL "
+      "collectives, and the batch-metadata sync per step (GPUs only)");
+  auto* tbo = cmd->add_flag("--tbo")->description(
+      "Instead: an MoE step (dispatch, cuBLAS expert GEMMs, combine) on two micro-batches with and without "
+      "two-batch overlap (GPUs only; --tokens, --sms[0] = SMs of the communication kernels)");
   cmd->callback([=] {
     BenchConfig c = *config;
     c.progress = quiet->count() == 0;
@@ -360,8 +367,19 @@ void add_bench(CLI::App& app) {
       if (hidden->count() == 0) c.hidden = 2048;
     }
     nlohmann::json report;
+    if (dp->count() > 0 && tbo->count() > 0) throw BadInput("--dp and --tbo are separate runs: pass one of them");
+    const bool extra = dp->count() > 0 || tbo->count() > 0;
+    if (extra && !use_cuda) {
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("{} needs a CUDA build and visible GPUs (--host has no such run)",
+                              dp->count() > 0 ? "--dp" : "--tbo"));
+    }
 #ifdef EPX_WITH_CUDA
-    if (use_cuda) report = run_cuda_bench(c);
+    if (extra) {
+      report = dp->count() > 0 ? run_cuda_dp_bench(c) : run_cuda_tbo_bench(c);
+    } else if (use_cuda) {
+      report = run_cuda_bench(c);
+    }
 #endif
     if (!use_cuda) report = run_host_bench(c);
     print_report(report);

@@ -121,15 +121,20 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 // Tensors: bf16 or fp32, contiguous, on group.device(); the same dtype and hidden size on every rank.
 // `local` may have more rows than the rank's count (CUDA-graph padding); only the first count rows are
 // read, and scatter zeroes the rest. An idle DP rank (count 0) still calls, with local [>= 0, hidden].
-// Streams: the cuda backend enqueues on `stream`; the host backend ignores it and returns when done.
+// Streams: the cuda backend enqueues NCCL collectives on `stream` (no host sync; the first call on a
+// group creates the group's DP communicator, collectively, and blocks until it exists; one GPU per
+// rank); the host backend ignores `stream` and returns when done.
 // Preconditions: layout.world_size() == group.num_ranks(), plan.num_tokens.size() == attn_dp_size,
-// the same plan on every rank (the host backend checks and throws kInvalidArgument on every rank).
+// the same plan on every rank (the host backend checks and throws kInvalidArgument on every rank; the
+// cuda backend does not check: a mismatch gives NCCL calls of different sizes, which is undefined).
 // attn_cp_size > 1 is not supported yet (kUnsupported).
 
 // global [plan.buffer_len, hidden] on every rank receives every DP rank's first num_tokens[d] rows of its
 // leader's `local` at offsets[d]; all other rows are zero. SUM_LEN rows are 0 + x in the dtype (an
 // all-reduce in which only the leader contributes non-zero rows): bit-exact except that -0 reads back as
-// +0 and a signaling NaN is quieted. MAX_LEN rows are copied bit-exactly.
+// +0 and a signaling NaN is quieted (cuda: a NaN stays NaN, its payload may change). MAX_LEN rows are
+// copied bit-exactly; with attn_tp_size > 1 the cuda backend takes slot row i from attention-TP rank
+// i / (slot_len / attn_tp_size), the same row as the leader's since those ranks hold the same batch.
 // `local` and `global` must not overlap.
 void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
                const TensorView& global, Stream stream = nullptr);
@@ -141,7 +146,8 @@ enum class DpScatterKind : uint8_t {
 
 // local [>= num_tokens[my DP rank], hidden] receives the rows [offsets[d], offsets[d] + num_tokens[d]) of
 // `global` [plan.buffer_len, hidden] (kSlice) or of the sum of every rank's `global` (kReduceScatter,
-// summed in fp32 in rank order, then rounded once to the dtype). Rows past the count are zeroed.
+// summed in fp32 in rank order, then rounded once to the dtype; the cuda backend sums in NCCL's order
+// and may round bf16 partial sums with more than 2 ranks). Rows past the count are zeroed.
 void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                 const TensorView& local, DpScatterKind kind = DpScatterKind::kSlice, Stream stream = nullptr);
 

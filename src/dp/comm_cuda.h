@@ -4,7 +4,8 @@
 // own: created lazily by the first DP collective of a group, on every rank at once, from an
 // ncclUniqueId that rank 0 draws and Group::all_gather_bytes hands round (host rendezvous for
 // create_cuda_groups, NCCL for create_cuda_group). One process with one thread per GPU works: each
-// thread calls ncclCommInitRankConfig for its own rank.
+// thread calls ncclCommInitRankConfig for its own rank. The id exchange is bounded by the group's
+// timeout; the init itself is blocking (see comm_cuda.cpp) and is reached by every rank that got an id.
 //
 // Lifetime: the communicators live until the process ends; they are keyed by the Group's address and
 // checked against its rank, size and device. NOTE: a group destroyed and another created at the same
@@ -40,8 +41,8 @@ struct DpComm {
 // Throws kNcclError, kCudaError, or kTimeout when a peer does not join within the group's timeout.
 DpComm& dp_comm(Group& group);
 
-// Raises kNcclError for a failed call. A nonblocking communicator may answer ncclInProgress (its first
-// collectives connect lazily): then polls ncclCommGetAsyncError until done, bounded by timeout_ms.
+// Raises kNcclError for a failed call. ncclInProgress (only from a nonblocking communicator) is polled
+// with ncclCommGetAsyncError until done, bounded by timeout_ms.
 void nccl_wait(const DpComm& dp, ncclResult_t result, const char* what);
 
 }  // namespace epx::cuda

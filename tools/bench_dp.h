@@ -1,0 +1,23 @@
+// `epx bench --dp` and `epx bench --tbo` (CUDA builds only; bench_dp_cuda.cpp, bench_tbo_cuda.cpp).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include "bench.h"
+
+namespace epx::cli {
+
+#ifdef EPX_WITH_CUDA
+// DP-attention gather/scatter (both padding modes, 1 to 8192 tokens per rank) beside plain NCCL
+// collectives of the same bytes, and the per-step batch-metadata sync; one rank per visible GPU.
+// Uses config.hidden, num_warmup, num_iters, progress, seed. Report: {"backend", "device", "settings",
+// "phases", "metadata_sync", "check"}.
+nlohmann::json run_cuda_dp_bench(const BenchConfig& config);
+// Two-batch overlap of an MoE step (dispatch -> expert GEMMs -> combine) on two micro-batches, with and
+// without overlap; one rank per visible GPU (at least 2). Uses config.num_tokens (per rank, both
+// micro-batches), hidden, num_topk, num_experts, num_sms[0] (SMs of the communication kernels),
+// num_warmup, num_iters, progress, seed.
+nlohmann::json run_cuda_tbo_bench(const BenchConfig& config);
+#endif
+
+}  // namespace epx::cli
