@@ -60,15 +60,6 @@ sanitize() {  # binary, gtest filter, label
     [ $rc -eq 0 ] || status=1
   done
 }
-if [ $QUICK -eq 0 ] && command -v compute-sanitizer >/dev/null; then
-  # NOTE: the sanitizer serialises kernels, so only cases whose ranks sit on distinct GPUs (or whose
-  # sends precede every wait, as in the low-latency kernels) can run under it.
-  [ -x "$BIN/epx_gpu_normal_test" ] &&
-    sanitize epx_gpu_normal_test 'NormalGpuTest.Ep2SmallShapesAndInt32Topk:NormalGpuTest.Ep2WorstTokens' normal
-  [ -x "$BIN/epx_gpu_low_latency_kernels_test" ] &&
-    sanitize epx_gpu_low_latency_kernels_test 'LowLatencyKernels.SmallCase' low-latency
-fi
-
 SMS=8,16,24,32,48,64
 [ $QUICK -eq 1 ] && SMS=24
 echo "== epx bench --sms $SMS" >>"$LOG"
@@ -78,8 +69,29 @@ NAMES+=("epx bench")
 RESULTS+=("rc=$rc")
 [ $rc -eq 0 ] || status=1
 
+# DP gather/scatter + metadata sync, and the two-batch-overlap demo.
+for extra in dp tbo; do
+  echo "== epx bench --$extra" >>"$LOG"
+  timeout 200 "$BIN/epx" bench --$extra --json "$OUT/bench_$extra.json" >"$OUT/bench_$extra.txt" 2>>"$LOG"
+  rc=$?
+  NAMES+=("epx bench --$extra")
+  RESULTS+=("rc=$rc")
+  [ $rc -eq 0 ] || status=1
+done
+
+# Sanitizers last: the benchmarks above matter more when the device time runs short.
+if [ $QUICK -eq 0 ] && command -v compute-sanitizer >/dev/null; then
+  # NOTE: the sanitizer serialises kernels, so only cases whose ranks sit on distinct GPUs (or whose
+  # sends precede every wait, as in the low-latency kernels) can run under it.
+  [ -x "$BIN/epx_gpu_normal_test" ] &&
+    sanitize epx_gpu_normal_test 'NormalGpuTest.Ep2SmallShapesAndInt32Topk:NormalGpuTest.Ep2WorstTokens' normal
+  [ -x "$BIN/epx_gpu_low_latency_kernels_test" ] &&
+    sanitize epx_gpu_low_latency_kernels_test 'LowLatencyKernels.SmallCase' low-latency
+fi
+
+
 echo
 echo "gpu-check summary (log: $LOG)"
 for i in "${!NAMES[@]}"; do printf '  %-34s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
-cat "$OUT/bench.txt" 2>/dev/null
+cat "$OUT/bench.txt" "$OUT/bench_dp.txt" "$OUT/bench_tbo.txt" 2>/dev/null
 exit $status

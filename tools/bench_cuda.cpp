@@ -212,10 +212,8 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
       cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
       BufferOptions options;
       options.num_sms = num_sms;
-      // NOTE: the copy-engine path needs a staging slot per remote rank that holds a whole transfer
-      // (T rows of the largest row format); with less the buffer keeps to the SM path.
-      const int64_t copy_engine_bytes = (int64_t{1} << 20) + (R - 1) * (T * (H * 2 + H / 128 * 4 + 8 * K + 16) + 4096);
-      options.num_normal_bytes = std::max(normal_buffer_size_hint(H, R, num_sms), copy_engine_bytes);
+      // Sized for T tokens, so the copy-engine path can hold a whole transfer per peer.
+      options.num_normal_bytes = normal_buffer_size_hint(H, R, num_sms, T);
       auto buffer = Buffer::create(groups[r], options);
       const auto& d = data[r];
       auto up = [&](const void* p, size_t bytes, DType dt, std::vector<int64_t> shape) {

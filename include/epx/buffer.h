@@ -35,8 +35,10 @@ struct BufferOptions {
 
 // Peer memory the low-latency path needs for two buffer sets with these limits.
 int64_t low_latency_buffer_size_hint(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks, int64_t num_experts);
-// Peer memory the normal path needs (a ring buffer per channel and peer; independent of T).
-int64_t normal_buffer_size_hint(int64_t hidden, int num_ranks, int num_sms);
+// Peer memory the normal path needs: a ring buffer per channel and peer (independent of T) and, when
+// max_tokens_per_rank > 0, enough for the copy-engine path at up to that many tokens per rank (one staging
+// slot per peer that holds a whole transfer; with less, the cuda backend keeps to the SM path).
+int64_t normal_buffer_size_hint(int64_t hidden, int num_ranks, int num_sms, int64_t max_tokens_per_rank = 0);
 
 // The routing layout of one batch, as get_dispatch_layout computes it. Tensors on the group's device.
 struct Layout {

@@ -1,0 +1,51 @@
+// Peer-memory size hints (include/epx/buffer.h): growth with the arguments and bad input.
+#include <gtest/gtest.h>
+
+#include "epx/buffer.h"
+#include "epx/error.h"
+
+namespace epx {
+namespace {
+
+TEST(SizeHints, NormalHintCoversCopyEngineStaging) {
+  for (int ranks : {1, 2, 4, 8}) {
+    for (int64_t hidden : {2048, 7168}) {
+      const int64_t rings = normal_buffer_size_hint(hidden, ranks, 24);
+      EXPECT_EQ(normal_buffer_size_hint(hidden, ranks, 24, 0), rings);
+      int64_t previous = rings;
+      for (int64_t tokens : {1, 128, 4096, 16384}) {
+        const int64_t hint = normal_buffer_size_hint(hidden, ranks, 24, tokens);
+        EXPECT_GE(hint, previous) << "grows with the token count";
+        EXPECT_GE(hint, rings) << "never below the SM path's rings";
+        // Each peer's staging slot holds T rows of at least bf16 data + fp32 scales.
+        if (ranks > 1) {
+          EXPECT_GE((hint - (int64_t{1} << 20)) / (ranks - 1), tokens * (hidden * 2 + hidden / 128 * 4));
+        }
+        previous = hint;
+      }
+    }
+  }
+  EXPECT_GT(normal_buffer_size_hint(7168, 2, 64), normal_buffer_size_hint(7168, 2, 8)) << "rings per channel";
+}
+
+TEST(SizeHints, BadInputNamesTheArgument) {
+  auto message = [](auto fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { normal_buffer_size_hint(0, 2, 24); }).find("hidden"), std::string::npos);
+  EXPECT_NE(message([] { normal_buffer_size_hint(7168, 0, 24); }).find("num_ranks"), std::string::npos);
+  EXPECT_NE(message([] { normal_buffer_size_hint(7168, 2, 0); }).find("num_sms"), std::string::npos);
+  EXPECT_NE(message([] { normal_buffer_size_hint(7168, 2, 24, -1); }).find("max_tokens_per_rank"), std::string::npos);
+  EXPECT_NE(message([] { low_latency_buffer_size_hint(0, 7168, 2, 256); }).find("max_tokens_per_rank"),
+            std::string::npos);
+  EXPECT_NE(message([] { low_latency_buffer_size_hint(128, 7168, 3, 256); }).find("num_experts"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace epx
