@@ -1,0 +1,206 @@
+// The production process model: one process per GPU, a group over an existing NCCL communicator
+// (create_cuda_group(comm)), peer memory through CUDA IPC handles. The test forks one child per rank
+// before anything touches CUDA (a child cannot use CUDA that its parent initialized); rank 0 makes the NCCL
+// id and pipes it to the others; each child builds its communicator, runs the normal and the low-latency path with
+// identity experts, checks combine(dispatch(x)) exactly and exits with 0 (pass), 1 (mismatch), 2 (error)
+// or 77 (fewer GPUs than ranks). The parent bounds the wait and kills children that outlive it.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <nccl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "epx/buffer.h"
+#include "epx/cuda.h"
+#include "epx/error.h"
+#include "epx/quant.h"
+
+namespace epx {
+namespace {
+
+constexpr int kRanks = 2;
+constexpr int kExitSkip = 77;
+
+template <typename T>
+Tensor upload(const std::vector<T>& v, DType dtype, std::vector<int64_t> shape, Device dev, cudaStream_t stream) {
+  Tensor t = Tensor::empty(dtype, shape, dev, nullptr, stream);
+  if (!v.empty()) cudaMemcpyAsync(t.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, stream);
+  return t;
+}
+
+template <typename T>
+std::vector<T> download(const Tensor& t, cudaStream_t stream) {
+  std::vector<T> v(t.nbytes() / sizeof(T));
+  if (!v.empty()) cudaMemcpyAsync(v.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost, stream);
+  cudaStreamSynchronize(stream);
+  return v;
+}
+
+// One rank's whole run; returns the number of mismatching elements.
+int64_t run_rank(int rank, const ncclUniqueId& id) {
+  ncclComm_t comm = nullptr;
+  if (ncclCommInitRank(&comm, kRanks, id, rank) != ncclSuccess) throw Error(ErrorCode::kNcclError, "ncclCommInitRank");
+  int64_t bad = 0;
+  {
+    auto group = create_cuda_group(comm);
+    const Device dev = group->device();
+    const int64_t T = 512, H = 2048, E = 64, K = 8, M = 128;
+    BufferOptions options;
+    options.num_sms = 24;
+    options.num_normal_bytes = normal_buffer_size_hint(H, kRanks, options.num_sms, T);
+    options.num_low_latency_bytes = low_latency_buffer_size_hint(M, H, kRanks, E);
+    auto buffer = Buffer::create(group, options);
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+
+    // Inputs: small integers (exact sums), K distinct experts per token, some -1 slots.
+    std::mt19937 rng(1234 + rank);
+    std::vector<uint16_t> x(T * H);
+    for (auto& v : x) v = float_to_bf16(static_cast<float>(static_cast<int>(rng() % 17) - 8));
+    std::vector<int64_t> topk(T * K);
+    std::vector<int> visits(T, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int64_t> pool(E);
+      for (int64_t e = 0; e < E; ++e) pool[e] = e;
+      std::shuffle(pool.begin(), pool.end(), rng);
+      bool on_rank[kRanks] = {};
+      for (int64_t k = 0; k < K; ++k) {
+        topk[t * K + k] = (rng() % 10 == 0) ? -1 : pool[k];
+        if (topk[t * K + k] >= 0) on_rank[topk[t * K + k] / (E / kRanks)] = true;
+      }
+      for (bool b : on_rank) visits[t] += b;
+    }
+    Tensor xd = upload(x, DType::kBFloat16, {T, H}, dev, stream);
+    Tensor topk_d = upload(topk, DType::kInt64, {T, K}, dev, stream);
+
+    // Normal path: identity experts give x * (ranks the token visited).
+    Layout layout = buffer->get_dispatch_layout(topk_d, E, stream);
+    DispatchArgs da;
+    da.x = xd;
+    da.topk_idx = topk_d;
+    da.num_experts = E;
+    da.layout = &layout;
+    da.stream = stream;
+    DispatchResult dr = buffer->dispatch(da);
+    CombineArgs ca;
+    ca.x = dr.recv_x;
+    ca.handle = dr.handle;
+    ca.stream = stream;
+    const auto normal_out = download<uint16_t>(buffer->combine(ca).x, stream);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t c = 0; c < H; ++c) {
+        bad += bf16_to_float(normal_out[t * H + c]) != bf16_to_float(x[t * H + c]) * visits[t];
+      }
+    }
+
+    // Low-latency path (M tokens): identity experts, weights 1/8, so out = x * (valid slots) / 8.
+    std::vector<float> weights(M * K, 0.125f);
+    Tensor xm = upload(std::vector<uint16_t>(x.begin(), x.begin() + M * H), DType::kBFloat16, {M, H}, dev, stream);
+    Tensor topk_m =
+        upload(std::vector<int64_t>(topk.begin(), topk.begin() + M * K), DType::kInt64, {M, K}, dev, stream);
+    Tensor wd = upload(weights, DType::kFloat32, {M, K}, dev, stream);
+    LowLatencyDispatchArgs la;
+    la.x = xm;
+    la.topk_idx = topk_m;
+    la.max_tokens_per_rank = M;
+    la.num_experts = E;
+    la.stream = stream;
+    auto ld = buffer->low_latency_dispatch(la);
+    LowLatencyCombineArgs lc;
+    lc.x = ld.recv_x;
+    lc.topk_idx = topk_m;
+    lc.topk_weights = wd;
+    lc.handle = ld.handle;
+    lc.stream = stream;
+    const auto ll_out = download<uint16_t>(buffer->low_latency_combine(lc).x, stream);
+    for (int64_t t = 0; t < M; ++t) {
+      int valid = 0;
+      for (int64_t k = 0; k < K; ++k) valid += topk[t * K + k] >= 0;
+      for (int64_t c = 0; c < H; ++c) {
+        bad += bf16_to_float(ll_out[t * H + c]) != bf16_to_float(x[t * H + c]) * 0.125f * valid;
+      }
+    }
+    group->barrier();
+    buffer.reset();
+    cudaStreamDestroy(stream);
+  }
+  ncclCommDestroy(comm);
+  return bad;
+}
+
+// Rank 0 makes the NCCL id (after the fork: making it may initialize CUDA) and sends it down a pipe.
+ncclUniqueId share_id(int rank, int pipe_fds[2]) {
+  ncclUniqueId id;
+  if (rank == 0) {
+    if (ncclGetUniqueId(&id) != ncclSuccess) throw Error(ErrorCode::kNcclError, "ncclGetUniqueId");
+    for (int peer = 1; peer < kRanks; ++peer) {
+      if (write(pipe_fds[1], &id, sizeof(id)) != static_cast<ssize_t>(sizeof(id))) {
+        throw Error(ErrorCode::kInternal, "pipe write");
+      }
+    }
+  } else {
+    pollfd p{pipe_fds[0], POLLIN, 0};
+    if (poll(&p, 1, 30'000) != 1 || read(pipe_fds[0], &id, sizeof(id)) != static_cast<ssize_t>(sizeof(id))) {
+      throw Error(ErrorCode::kTimeout, "no NCCL id from rank 0 within 30 s");
+    }
+  }
+  return id;
+}
+
+TEST(MultiProcess, NcclGroupNormalAndLowLatency) {
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0) << "fork failed";
+    if (pid == 0) {
+      int code = 0;
+      try {
+        int count = 0;
+        if (cudaGetDeviceCount(&count) != cudaSuccess || count < kRanks) _exit(kExitSkip);
+        cudaSetDevice(rank);
+        const int64_t bad = run_rank(rank, share_id(rank, pipe_fds));
+        if (bad != 0) std::fprintf(stderr, "rank %d: %lld mismatching elements\n", rank, static_cast<long long>(bad));
+        code = bad == 0 ? 0 : 1;
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+        code = 2;
+      }
+      std::fflush(stderr);
+      _exit(code);
+    }
+    children.push_back(pid);
+  }
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  std::vector<int> codes(kRanks, -1);
+  for (int rank = 0; rank < kRanks; ++rank) {
+    int status = 0;
+    while (waitpid(children[rank], &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        for (pid_t p : children) kill(p, SIGKILL);
+        waitpid(children[rank], &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    codes[rank] = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  if (codes[0] == kExitSkip && codes[1] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
+  for (int rank = 0; rank < kRanks; ++rank) {
+    EXPECT_EQ(codes[rank], 0) << "rank " << rank << " (1 mismatch, 2 error, -1 killed)";
+  }
+}
+
+}  // namespace
+}  // namespace epx
