@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "bench.h"
+#include "bench_cuda_util.h"
 #include "epx/buffer.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -21,45 +22,6 @@
 
 namespace epx::cli {
 namespace {
-
-void cuda_ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(ErrorCode::kCudaError, fmt::format("{}: {}", what, cudaGetErrorString(err)));
-}
-void nccl_ok(ncclResult_t res, const char* what) {
-  if (res != ncclSuccess) throw Error(ErrorCode::kNcclError, fmt::format("{}: {}", what, ncclGetErrorString(res)));
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-// Median host time of the last time_on_stream call on this thread: how long `body` took to enqueue.
-thread_local double t_last_host_s = 0;
-
-// Times `body` on `stream` with events: warm-up, then iterations; returns the median in seconds.
-template <typename Body>
-double time_on_stream(cudaStream_t stream, int warmup, int iters, Body body) {
-  cudaEvent_t start, stop;
-  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> times, host;
-  for (int i = 0; i < warmup + iters; ++i) {
-    cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
-    const auto h0 = std::chrono::steady_clock::now();
-    body(i);
-    if (i >= warmup) host.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - h0).count());
-    cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (i >= warmup) times.push_back(ms * 1e-3);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  t_last_host_s = median(host);
-  return median(times);
-}
 
 struct Floor {
   double peer_one_way_gbps = 0, peer_both_ways_gbps = 0, local_gbps = 0;
@@ -153,14 +115,7 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
     if (config.progress) std::fprintf(stderr, "[epx bench] cuda backend, %d ranks: %s\n", R, what.c_str());
   };
 
-  // NOTE: the default pool returns freed memory to the driver at every synchronization (threshold 0),
-  // so each iteration would map its outputs afresh; a serving process keeps its pool warm instead.
-  for (int d = 0; d < num_gpus; ++d) {
-    cudaMemPool_t pool;
-    cuda_ok(cudaDeviceGetDefaultMemPool(&pool, d), "cudaDeviceGetDefaultMemPool");
-    uint64_t threshold = UINT64_MAX;
-    cuda_ok(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), "cudaMemPoolSetAttribute");
-  }
+  keep_mem_pools_warm(num_gpus);
   cudaDeviceProp prop{};
   cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   progress("floor (copy engines)");
@@ -174,19 +129,7 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
     std::uniform_int_distribution<int> value(-8, 8);
     d.x.resize(T * H);
     for (auto& v : d.x) v = float_to_bf16(static_cast<float>(value(rng)));
-    std::uniform_int_distribution<int64_t> expert(0, E - 1);
-    d.topk.resize(T * K);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int k = 0; k < K; ++k) {
-        int64_t e;
-        bool fresh;
-        do {
-          e = expert(rng);
-          fresh = std::find(d.topk.begin() + t * K, d.topk.begin() + t * K + k, e) == d.topk.begin() + t * K + k;
-        } while (!fresh && K <= E);
-        d.topk[t * K + k] = e;
-      }
-    }
+    d.topk = random_distinct_topk(rng, T, K, E);
     d.weights.assign(T * K, 0.125f);
     d.x_fp8.resize(T * H);
     d.scales.resize(T * (H / 128));

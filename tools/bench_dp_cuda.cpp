@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <optional>
 
+#include "bench_cuda_util.h"
 #include "bench_dp.h"
 #include "epx/cuda.h"
 #include "epx/dp.h"
@@ -17,43 +18,6 @@
 
 namespace epx::cli {
 namespace {
-
-void cuda_ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(ErrorCode::kCudaError, fmt::format("{}: {}", what, cudaGetErrorString(err)));
-}
-void nccl_ok(ncclResult_t res, const char* what) {
-  if (res != ncclSuccess) throw Error(ErrorCode::kNcclError, fmt::format("{}: {}", what, ncclGetErrorString(res)));
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
-}
-
-// Median seconds of `body` on `stream` (CUDA events around each iteration, after warm-up).
-template <typename Body>
-double time_on_stream(cudaStream_t stream, int warmup, int iters, Body body) {
-  cudaEvent_t start, stop;
-  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> times;
-  for (int i = 0; i < warmup + iters; ++i) {
-    cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
-    body();
-    cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (i >= warmup) times.push_back(ms * 1e-3);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return median(times);
-}
 
 // One row of the sweep: every rank's median, the slowest rank's taken.
 struct Row {

@@ -13,6 +13,7 @@
 #include <set>
 
 #include "bench.h"
+#include "bench_cuda_util.h"
 #include "epx/buffer.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -23,15 +24,6 @@ namespace {
 
 constexpr int kInner = 20;  // calls per graph
 constexpr int kBlock = 128;
-
-void ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(ErrorCode::kCudaError, fmt::format("{}: {}", what, cudaGetErrorString(err)));
-}
-
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 struct LlRankData {
   std::vector<uint16_t> x;   // [T, H] small integers (sums of identity experts are exact)
@@ -45,26 +37,39 @@ LlRankData make_ll_data(int64_t T, int64_t H, int K, int64_t E, int R, int rank,
   std::uniform_int_distribution<int> value(-8, 8);
   d.x.resize(T * H);
   for (auto& v : d.x) v = float_to_bf16(static_cast<float>(value(rng)));
-  std::uniform_int_distribution<int64_t> expert(0, E - 1);
-  d.topk.resize(T * K);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int k = 0; k < K; ++k) {
-      int64_t e;
-      do {
-        e = expert(rng);
-      } while (std::find(d.topk.begin() + t * K, d.topk.begin() + t * K + k, e) != d.topk.begin() + t * K + k);
-      d.topk[t * K + k] = e;
-      if (e / (E / R) != rank) ++d.pairs_to_peers;
-    }
-  }
+  d.topk = random_distinct_topk(rng, T, K, E);
+  for (int64_t e : d.topk) d.pairs_to_peers += e / (E / R) != rank;
   d.weights.assign(T * K, 0.125f);
   return d;
 }
 
-// Median per-call time of `calls` captured kInner times into one graph and replayed, on this rank's stream.
+// Median time per call (us) of `launch`, which enqueues kInner calls; the ranks meet before each repetition
+// (outside the events).
+template <typename Launch>
+double per_call_us(Group& g, cudaStream_t stream, int warmup, int iters, Launch launch) {
+  cudaEvent_t start, stop;
+  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
+  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<double> samples;
+  for (int rep = 0; rep < warmup + iters; ++rep) {
+    g.barrier();
+    cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
+    launch();
+    cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
+    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    if (rep >= warmup) samples.push_back(ms * 1e3 / kInner);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return median(samples);
+}
+
+// `body` captured kInner times into one graph per rank and replayed.
 template <typename Body>
 double graph_time(const char* what, Group& g, cudaStream_t stream, int warmup, int iters, Body body) {
-  ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
   for (int i = 0; i < kInner; ++i) body();
   cudaGraph_t graph;
   const cudaError_t captured = cudaStreamEndCapture(stream, &graph);
@@ -73,74 +78,46 @@ double graph_time(const char* what, Group& g, cudaStream_t stream, int warmup, i
                 fmt::format("capturing {} into a CUDA graph failed: {}", what, cudaGetErrorString(captured)));
   }
   cudaGraphExec_t exec;
-  ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
   cudaGraphDestroy(graph);
-  cudaEvent_t start, stop;
-  ok(cudaEventCreate(&start), "cudaEventCreate");
-  ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> samples;
-  for (int rep = 0; rep < warmup + iters; ++rep) {
-    g.barrier();
-    ok(cudaEventRecord(start, stream), "cudaEventRecord");
-    ok(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-    ok(cudaEventRecord(stop, stream), "cudaEventRecord");
-    ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (rep >= warmup) samples.push_back(ms * 1e3 / kInner);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  const double us =
+      per_call_us(g, stream, warmup, iters, [&] { cuda_ok(cudaGraphLaunch(exec, stream), "cudaGraphLaunch"); });
   cudaGraphExecDestroy(exec);
-  return median_of(samples);
+  return us;
 }
 
-// Median per-call time of kInner eager calls between two events.
+// `body` called kInner times eagerly.
 template <typename Body>
 double eager_time(Group& g, cudaStream_t stream, int warmup, int iters, Body body) {
-  cudaEvent_t start, stop;
-  ok(cudaEventCreate(&start), "cudaEventCreate");
-  ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> samples;
-  for (int rep = 0; rep < warmup + iters; ++rep) {
-    g.barrier();
-    ok(cudaEventRecord(start, stream), "cudaEventRecord");
+  return per_call_us(g, stream, warmup, iters, [&] {
     for (int i = 0; i < kInner; ++i) body();
-    ok(cudaEventRecord(stop, stream), "cudaEventRecord");
-    ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (rep >= warmup) samples.push_back(ms * 1e3 / kInner);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return median_of(samples);
+  });
 }
 
 // Median times (us) of the two halves of an eager call: send = the call itself, receive = the hook.
 template <typename Call>
 std::pair<double, double> half_times(Group& g, cudaStream_t stream, int warmup, int iters, Call call) {
   cudaEvent_t ev[3];
-  for (auto& e : ev) ok(cudaEventCreate(&e), "cudaEventCreate");
+  for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
   std::vector<double> send, recv;
   for (int rep = 0; rep < warmup + iters; ++rep) {
     g.barrier();
-    ok(cudaEventRecord(ev[0], stream), "cudaEventRecord");
+    cuda_ok(cudaEventRecord(ev[0], stream), "cudaEventRecord");
     std::function<void()> hook = call();
-    ok(cudaEventRecord(ev[1], stream), "cudaEventRecord");
+    cuda_ok(cudaEventRecord(ev[1], stream), "cudaEventRecord");
     hook();
-    ok(cudaEventRecord(ev[2], stream), "cudaEventRecord");
-    ok(cudaEventSynchronize(ev[2]), "cudaEventSynchronize");
+    cuda_ok(cudaEventRecord(ev[2], stream), "cudaEventRecord");
+    cuda_ok(cudaEventSynchronize(ev[2]), "cudaEventSynchronize");
     float a = 0, b = 0;
-    ok(cudaEventElapsedTime(&a, ev[0], ev[1]), "cudaEventElapsedTime");
-    ok(cudaEventElapsedTime(&b, ev[1], ev[2]), "cudaEventElapsedTime");
+    cuda_ok(cudaEventElapsedTime(&a, ev[0], ev[1]), "cudaEventElapsedTime");
+    cuda_ok(cudaEventElapsedTime(&b, ev[1], ev[2]), "cudaEventElapsedTime");
     if (rep >= warmup) {
       send.push_back(a * 1e3);
       recv.push_back(b * 1e3);
     }
   }
   for (auto& e : ev) cudaEventDestroy(e);
-  return {median_of(send), median_of(recv)};
+  return {median(send), median(recv)};
 }
 
 struct LlTimes {
@@ -174,7 +151,7 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
   // packing not counted. One rank per GPU only.
   std::vector<ncclComm_t> comms;
   int num_gpus = 0;
-  ok(cudaGetDeviceCount(&num_gpus), "cudaGetDeviceCount");
+  cuda_ok(cudaGetDeviceCount(&num_gpus), "cudaGetDeviceCount");
   const bool with_nccl = R >= 2 && R == num_gpus;
   if (with_nccl) {
     comms.resize(R);
@@ -184,9 +161,9 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
 
   auto groups = create_cuda_groups(devices);
   run_host_ranks(groups, [&](int r, Group& g) {
-    ok(cudaSetDevice(g.device().index), "cudaSetDevice");
+    cuda_ok(cudaSetDevice(g.device().index), "cudaSetDevice");
     cudaStream_t stream;
-    ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     BufferOptions options;
     options.num_low_latency_bytes = low_latency_buffer_size_hint(M, H, R, E);
     auto buffer = Buffer::create(groups[r], options);
@@ -196,7 +173,7 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
       const auto& d = data[ti][r];
       auto up = [&](const void* p, size_t bytes, DType dt, std::vector<int64_t> shape) {
         Tensor t = Tensor::empty(dt, shape, g.device(), nullptr, stream);
-        if (bytes > 0) ok(cudaMemcpyAsync(t.data(), p, bytes, cudaMemcpyHostToDevice, stream), "upload");
+        if (bytes > 0) cuda_ok(cudaMemcpyAsync(t.data(), p, bytes, cudaMemcpyHostToDevice, stream), "upload");
         return t;
       };
       Tensor x = up(d.x.data(), d.x.size() * 2, DType::kBFloat16, {T, H});
@@ -205,8 +182,8 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
       Tensor out = Tensor::empty(DType::kBFloat16, {T, H}, g.device(), nullptr, stream);
       // Expert outputs for the combine timing: any bf16 values of the right shape.
       Tensor y = Tensor::empty(DType::kBFloat16, {E_local, R * M, H}, g.device(), nullptr, stream);
-      ok(cudaMemsetAsync(y.data(), 0x3c, y.nbytes(), stream), "cudaMemsetAsync");
-      ok(cudaStreamSynchronize(stream), "sync");
+      cuda_ok(cudaMemsetAsync(y.data(), 0x3c, y.nbytes(), stream), "cudaMemsetAsync");
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
       auto dispatch = [&](bool fp8, bool hook) {
         LowLatencyDispatchArgs a;
         a.x = x;
@@ -237,8 +214,8 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
         auto res = dispatch(false, false);
         auto comb = combine(res.recv_x, res, false);
         std::vector<uint16_t> got(T * H);
-        if (!got.empty()) ok(cudaMemcpyAsync(got.data(), out.data(), got.size() * 2, cudaMemcpyDeviceToHost, stream), "download");
-        ok(cudaStreamSynchronize(stream), "sync");
+        if (!got.empty()) cuda_ok(cudaMemcpyAsync(got.data(), out.data(), got.size() * 2, cudaMemcpyDeviceToHost, stream), "download");
+        cuda_ok(cudaStreamSynchronize(stream), "sync");
         for (int64_t t = 0; t < T; ++t) {
           const float scale = 0.125f * static_cast<float>(K);
           for (int64_t c = 0; c < H; ++c) {
@@ -289,7 +266,7 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
           ncclGroupEnd();
         });
       }
-      ok(cudaStreamSynchronize(stream), "sync");
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
     }
     buffer.reset();
     cudaStreamSynchronize(stream);

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <random>
 
+#include "bench_cuda_util.h"
 #include "bench_dp.h"
 #include "epx/buffer.h"
 #include "epx/cuda.h"
@@ -32,19 +33,12 @@
 namespace epx::cli {
 namespace {
 
-void cuda_ok(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(ErrorCode::kCudaError, fmt::format("{}: {}", what, cudaGetErrorString(err)));
-}
 void cublas_ok(cublasStatus_t st, const char* what) {
   if (st != CUBLAS_STATUS_SUCCESS) {
     throw Error(ErrorCode::kCudaError, fmt::format("{}: cuBLAS status {}", what, static_cast<int>(st)));
   }
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 uint64_t mix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -114,28 +108,12 @@ nlohmann::json run_cuda_tbo_bench(const BenchConfig& config) {
   auto progress = [&](const std::string& what) {
     if (config.progress) std::fprintf(stderr, "[epx bench --tbo] %d ranks: %s\n", R, what.c_str());
   };
-  for (int d = 0; d < R; ++d) {
-    cudaMemPool_t pool;
-    cuda_ok(cudaDeviceGetDefaultMemPool(&pool, d), "cudaDeviceGetDefaultMemPool");
-    uint64_t threshold = UINT64_MAX;
-    cuda_ok(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), "cudaMemPoolSetAttribute");
-  }
+  keep_mem_pools_warm(R);
 
   // Routing: fresh top-k per token (distinct experts), per rank.
   std::mt19937_64 rng(config.seed);
-  std::vector<std::vector<int64_t>> topk(R, std::vector<int64_t>(static_cast<size_t>(T * K)));
-  std::uniform_int_distribution<int64_t> expert(0, E - 1);
-  for (auto& t : topk) {
-    for (int64_t i = 0; i < T; ++i) {
-      for (int k = 0; k < K; ++k) {
-        int64_t e;
-        do {
-          e = expert(rng);
-        } while (K <= E && std::find(t.begin() + i * K, t.begin() + i * K + k, e) != t.begin() + i * K + k);
-        t[i * K + k] = e;
-      }
-    }
-  }
+  std::vector<std::vector<int64_t>> topk;
+  for (int r = 0; r < R; ++r) topk.push_back(random_distinct_topk(rng, T, K, E));
 
   constexpr int64_t kProbeI = 2048;
   std::vector<RankTimes> times(R);
