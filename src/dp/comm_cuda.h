@@ -28,13 +28,15 @@ struct DpComm {
   ncclComm_t comm = nullptr;
   int device = 0;
   int64_t timeout_ms = 0;
-  // Batch-metadata sync: a private stream, a device block [num_ranks + 1] records (the gathered
-  // records, then this rank's), and pinned host copies of this rank's record and of the gathered block.
+  // Batch-metadata sync: a private stream; a mapped pinned host block [num_ranks + 1] records (the
+  // gathered records, then this rank's) that NCCL reads and writes directly, so a step costs one
+  // collective and no copies; if NCCL refuses host memory, a device block of the same layout plus a copy
+  // each way (meta_mapped becomes false).
   cudaStream_t meta_stream = nullptr;
   void* meta_device = nullptr;
-  void* meta_host_send = nullptr;
-  void* meta_host_recv = nullptr;
+  void* meta_host = nullptr;
   size_t meta_record_bytes = 0;
+  bool meta_mapped = true;
 };
 
 // This group's communicator; the first call on a group is collective (every rank must make it).

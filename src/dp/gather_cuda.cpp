@@ -21,6 +21,7 @@
 #include "cuda/cuda_util.h"
 #include "dp/backends.h"
 #include "dp/comm_cuda.h"
+#include "epx/log.h"
 #include "dp/gather_kernels.h"
 
 namespace epx::cuda {
@@ -138,27 +139,46 @@ void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size
   DeviceGuard guard(dp.device);
   const size_t num_ranks = static_cast<size_t>(group.num_ranks());
   if (dp.meta_record_bytes != bytes) {
-    if (dp.meta_device != nullptr) {
+    if (dp.meta_host != nullptr) {
       check_cuda(cudaStreamSynchronize(dp.meta_stream), "cudaStreamSynchronize");
       cudaFree(dp.meta_device);
-      cudaFreeHost(dp.meta_host_send);
-      cudaFreeHost(dp.meta_host_recv);
-      dp.meta_device = dp.meta_host_send = dp.meta_host_recv = nullptr;
+      cudaFreeHost(dp.meta_host);
+      dp.meta_device = dp.meta_host = nullptr;
     }
+    check_cuda(cudaHostAlloc(&dp.meta_host, (num_ranks + 1) * bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc (metadata)");
     check_cuda(cudaMalloc(&dp.meta_device, (num_ranks + 1) * bytes), "cudaMalloc (metadata)");
-    check_cuda(cudaMallocHost(&dp.meta_host_send, bytes), "cudaMallocHost (metadata)");
-    check_cuda(cudaMallocHost(&dp.meta_host_recv, num_ranks * bytes), "cudaMallocHost (metadata)");
     dp.meta_record_bytes = bytes;
   }
-  std::memcpy(dp.meta_host_send, send, bytes);
-  char* dev_send = static_cast<char*>(dp.meta_device) + num_ranks * bytes;
-  check_cuda(cudaMemcpyAsync(dev_send, dp.meta_host_send, bytes, cudaMemcpyHostToDevice, dp.meta_stream),
-             "cudaMemcpyAsync (metadata)");
-  nccl_wait(dp, ncclAllGather(dev_send, dp.meta_device, bytes, ncclChar, dp.comm, dp.meta_stream),
-            "ncclAllGather (metadata)");
-  check_cuda(
-      cudaMemcpyAsync(dp.meta_host_recv, dp.meta_device, num_ranks * bytes, cudaMemcpyDeviceToHost, dp.meta_stream),
-      "cudaMemcpyAsync (metadata)");
+  char* host = static_cast<char*>(dp.meta_host);
+  std::memcpy(host + num_ranks * bytes, send, bytes);
+  bool done = false;
+  if (dp.meta_mapped) {
+    void* mapped = nullptr;
+    check_cuda(cudaHostGetDevicePointer(&mapped, dp.meta_host, 0), "cudaHostGetDevicePointer (metadata)");
+    char* m = static_cast<char*>(mapped);
+    const ncclResult_t res = ncclAllGather(m + num_ranks * bytes, m, bytes, ncclChar, dp.comm, dp.meta_stream);
+    // NOTE: every rank sees the same NCCL build and memory kind, so all fall back together.
+    if (res == ncclSuccess || res == ncclInProgress) {
+      nccl_wait(dp, res, "ncclAllGather (metadata)");
+      done = true;
+    } else {
+      dp.meta_mapped = false;
+      log(LogLevel::kWarn, fmt::format("epx cuda rank {}: NCCL refused mapped host memory for the batch-metadata "
+                                       "all-gather ({}); using device copies from now on",
+                                       group.rank(), ncclGetErrorString(res)));
+    }
+  }
+  if (!done) {
+    char* dev = static_cast<char*>(dp.meta_device);
+    check_cuda(cudaMemcpyAsync(dev + num_ranks * bytes, host + num_ranks * bytes, bytes, cudaMemcpyHostToDevice,
+                               dp.meta_stream),
+               "cudaMemcpyAsync (metadata)");
+    nccl_wait(dp, ncclAllGather(dev + num_ranks * bytes, dev, bytes, ncclChar, dp.comm, dp.meta_stream),
+              "ncclAllGather (metadata)");
+    check_cuda(cudaMemcpyAsync(host, dev, num_ranks * bytes, cudaMemcpyDeviceToHost, dp.meta_stream),
+               "cudaMemcpyAsync (metadata)");
+  }
   // NOTE: spin on the stream instead of sleeping (a sleep costs tens of microseconds, over the step
   // budget); bounded by the group's timeout. After a timeout the all-gather is still queued, so the
   // DP communicator of this group is unusable.
@@ -173,7 +193,7 @@ void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size
     }
     std::this_thread::yield();
   }
-  std::memcpy(recv, dp.meta_host_recv, num_ranks * bytes);
+  std::memcpy(recv, host, num_ranks * bytes);
 }
 
 }  // namespace epx::cuda
