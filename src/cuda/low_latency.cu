@@ -1,6 +1,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <cstdlib>
+
 #include "core/check.h"
 #include "cuda/low_latency.h"
 
@@ -11,7 +13,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlock = 128;  // fp8 channels per scale
 constexpr int kUnroll = 8;   // loads in flight per thread in the copy loops
-constexpr int kCombineSendParts = 2;  // blocks per local expert in the combine send (a power of two)
 
 __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
   unsigned long long v;
@@ -372,14 +373,14 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- combine ------------------------------------------------------------------------------------------
 
-// Grid: kCombineSendParts blocks per local expert, each taking every kCombineSendParts-th vector of the expert's
+// Grid: `parts` blocks per local expert (a power of two), each taking every parts-th vector of the expert's
 // rows; the last block of an expert to finish (a monotonic per-expert counter) raises the expert's signals.
 __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                   const LowLatencyCombineLaunch& args, int64_t block) {
+                                   const LowLatencyCombineLaunch& args, int64_t block, int parts) {
   __shared__ int row_start[kLowLatencyMaxRanks + 1];  // prefix of the rows to send, by destination rank
   __shared__ bool last_part;
-  const int64_t e_local = block / kCombineSendParts;
-  const int part = static_cast<int>(block % kCombineSendParts);
+  const int64_t e_local = block / parts;
+  const int part = static_cast<int>(block % parts);
   const int R = peers.num_ranks;
   const int64_t M = layout.max_tokens_per_rank;
   const int64_t H = layout.hidden;
@@ -403,7 +404,7 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
   const auto* x = static_cast<const int4*>(args.x);
   const int64_t row_vecs = H / 8;
   const int64_t items = static_cast<int64_t>(row_start[R]) * row_vecs;
-  constexpr int64_t kStride = static_cast<int64_t>(kThreads) * kCombineSendParts;
+  const int64_t kStride = static_cast<int64_t>(kThreads) * parts;
   for (int64_t first = part * kThreads + threadIdx.x; first < items; first += kStride * kUnroll) {
     int4 v[kUnroll];
     int64_t dst_offset[kUnroll];
@@ -430,9 +431,9 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    // NOTE: monotonic (no reset); kCombineSendParts is a power of two, so the wrap at 2^32 keeps the phase.
+    // NOTE: monotonic (no reset); parts is a power of two, fixed per process, so the wrap at 2^32 keeps the phase.
     const unsigned int done = atomicAdd(&ctrl->combine_parts_done[e_local], 1u) + 1;
-    last_part = done % kCombineSendParts == 0;
+    last_part = done % static_cast<unsigned>(parts) == 0;
     if (last_part) __threadfence();  // acquire: the other parts' stores, fenced before their increments
   }
   __syncthreads();
@@ -445,8 +446,9 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
 }
 
 __global__ void __launch_bounds__(kThreads)
-    combine_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
-  combine_send_block(peers, layout, set, args, blockIdx.x);
+    combine_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args,
+                        int parts) {
+  combine_send_block(peers, layout, set, args, blockIdx.x, parts);
 }
 
 // Blocks first_block, first_block + num_blocks, ... of the receive: one unit each at a time, where a unit is
@@ -532,10 +534,10 @@ __global__ void __launch_bounds__(kThreads)
 // Both halves in one launch: the first num_send blocks send (as combine_send_kernel), the rest receive.
 template <typename TopkT>
 __global__ void __launch_bounds__(kThreads)
-    combine_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
-  const int64_t num_send = layout.num_local_experts * kCombineSendParts;
+    combine_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args, int parts) {
+  const int64_t num_send = layout.num_local_experts * parts;
   if (blockIdx.x < num_send) {
-    combine_send_block(peers, layout, set, args, blockIdx.x);
+    combine_send_block(peers, layout, set, args, blockIdx.x, parts);
   } else {
     combine_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x - num_send, gridDim.x - num_send);
   }
@@ -582,6 +584,17 @@ void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyL
 }
 
 namespace {
+// Blocks per local expert in the combine send: 2, or EPX_LL_COMBINE_PARTS (1, 2, 4 or 8; a tuning knob, fixed
+// for the process: the per-expert counters assume it).
+int combine_send_parts() {
+  static const int parts = [] {
+    const char* v = std::getenv("EPX_LL_COMBINE_PARTS");
+    const int n = v != nullptr ? std::atoi(v) : 2;
+    return n == 1 || n == 2 || n == 4 || n == 8 ? n : 2;
+  }();
+  return parts;
+}
+
 // At least one block, so the set's sequence number advances on an idle rank too.
 unsigned combine_recv_blocks_for(int64_t num_tokens) {
   const int64_t units = num_tokens * combine_recv_parts(num_tokens);
@@ -591,8 +604,9 @@ unsigned combine_recv_blocks_for(int64_t num_tokens) {
 
 void launch_low_latency_combine_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                      const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * kCombineSendParts));
-  combine_send_kernel<<<grid, kThreads, 0, stream>>>(peers, layout, set, args);
+  const int parts = combine_send_parts();
+  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * parts));
+  combine_send_kernel<<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts);
   check_launch("low-latency combine send");
 }
 
@@ -609,12 +623,13 @@ void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLate
 
 void launch_low_latency_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                 const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * kCombineSendParts) +
+  const int parts = combine_send_parts();
+  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * parts) +
                   combine_recv_blocks_for(args.num_tokens));
   if (args.topk_int64) {
-    combine_kernel<int64_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args);
+    combine_kernel<int64_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts);
   } else {
-    combine_kernel<int32_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args);
+    combine_kernel<int32_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts);
   }
   check_launch("low-latency combine");
 }
