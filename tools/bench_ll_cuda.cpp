@@ -26,7 +26,7 @@ constexpr int kInner = 20;  // calls per graph
 constexpr int kBlock = 128;
 
 struct LlRankData {
-  std::vector<uint16_t> x;   // [T, H] small integers (sums of identity experts are exact)
+  std::vector<uint16_t> x;    // [T, H] small integers (sums of identity experts are exact)
   std::vector<int64_t> topk;  // [T, K] distinct experts
   std::vector<float> weights;
   int64_t pairs_to_peers = 0;  // (token, expert) pairs whose expert lives on another rank
@@ -214,7 +214,8 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
         auto res = dispatch(false, false);
         auto comb = combine(res.recv_x, res, false);
         std::vector<uint16_t> got(T * H);
-        if (!got.empty()) cuda_ok(cudaMemcpyAsync(got.data(), out.data(), got.size() * 2, cudaMemcpyDeviceToHost, stream), "download");
+        if (!got.empty())
+          cuda_ok(cudaMemcpyAsync(got.data(), out.data(), got.size() * 2, cudaMemcpyDeviceToHost, stream), "download");
         cuda_ok(cudaStreamSynchronize(stream), "sync");
         for (int64_t t = 0; t < T; ++t) {
           const float scale = 0.125f * static_cast<float>(K);
@@ -247,7 +248,8 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
           for (int64_t e : d.topk) send_pairs[q] += e / E_local == q;
           for (int64_t e : data[ti][q].topk) recv_pairs[q] += e / E_local == r;
         }
-        Tensor sbuf = Tensor::empty(DType::kUInt8, {std::max<int64_t>(1, T * K * pair_bytes)}, g.device(), nullptr, stream);
+        Tensor sbuf =
+            Tensor::empty(DType::kUInt8, {std::max<int64_t>(1, T * K * pair_bytes)}, g.device(), nullptr, stream);
         Tensor rbuf =
             Tensor::empty(DType::kUInt8, {std::max<int64_t>(1, R * T * K * pair_bytes)}, g.device(), nullptr, stream);
         g.barrier();
@@ -258,8 +260,7 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
           for (int q = 0; q < R; ++q) {
             if (q == r) continue;
             ncclSend(static_cast<char*>(sbuf.data()) + off, send_pairs[q] * pair_bytes, ncclChar, q, comms[r], stream);
-            ncclRecv(static_cast<char*>(rbuf.data()) + roff, recv_pairs[q] * pair_bytes, ncclChar, q, comms[r],
-                     stream);
+            ncclRecv(static_cast<char*>(rbuf.data()) + roff, recv_pairs[q] * pair_bytes, ncclChar, q, comms[r], stream);
             off += send_pairs[q] * pair_bytes;
             roff += recv_pairs[q] * pair_bytes;
           }
@@ -289,9 +290,8 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
     const double fp8_floor = floor_us(static_cast<double>(pairs) * (H + H / kBlock * 4));
     const double bf16_floor = floor_us(static_cast<double>(pairs) * H * 2);
     auto phase = [&](const std::string& name, double us, double floor) {
-      nlohmann::json j = {{"name", fmt::format("{} ({} tokens)", name, tokens[ti])},
-                          {"num_tokens", tokens[ti]},
-                          {"time_us", us}};
+      nlohmann::json j = {
+          {"name", fmt::format("{} ({} tokens)", name, tokens[ti])}, {"num_tokens", tokens[ti]}, {"time_us", us}};
       if (floor > 0) {
         j["floor_us"] = floor;
         j["fraction_of_floor"] = floor / us;
@@ -316,13 +316,15 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
     for (const auto& t : times[ti]) bad += t.mismatches;
   }
   nlohmann::json out;
-  out["settings"] = {{"max_tokens_per_rank", M},
-                     {"timing", fmt::format("CUDA graph of {} calls per rank, median per call, slowest rank; halves: "
-                                            "eager calls with return_recv_hook, events around each half",
-                                            kInner)},
-                     {"floor", "pairs sent to peers x bytes per pair / copy-engine peer bandwidth (both ways)"},
-                     {"nccl_baseline", with_nccl ? "fp8 pairs + fp32 scales per peer via ncclSend/ncclRecv, eager, 20 rounds between events"
-                                                 : "not run (needs one rank per GPU)"}};
+  out["settings"] = {
+      {"max_tokens_per_rank", M},
+      {"timing", fmt::format("CUDA graph of {} calls per rank, median per call, slowest rank; halves: "
+                             "eager calls with return_recv_hook, events around each half",
+                             kInner)},
+      {"floor", "pairs sent to peers x bytes per pair / copy-engine peer bandwidth (both ways)"},
+      {"nccl_baseline", with_nccl
+                            ? "fp8 pairs + fp32 scales per peer via ncclSend/ncclRecv, eager, 20 rounds between events"
+                            : "not run (needs one rank per GPU)"}};
   out["phases"] = phases;
   out["check"] = {{"name", "low-latency combine(dispatch(x)) of identity experts == x * sum(w) (bf16, every element)"},
                   {"mismatches", bad}};

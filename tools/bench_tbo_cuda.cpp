@@ -39,7 +39,6 @@ void cublas_ok(cublasStatus_t st, const char* what) {
   }
 }
 
-
 uint64_t mix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;

@@ -334,7 +334,8 @@ void add_bench(CLI::App& app) {
   cmd->add_option("--topk", config->num_topk, "Experts per token (default 8)")->check(CLI::Range(1, 16));
   cmd->add_option("--experts", config->num_experts, "Experts (default 256)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
-  cmd->add_option("--ll-tokens", config->num_ll_tokens, "Tokens per rank, low-latency mode (default 128; on GPUs also 1, 32, 64 and 256)")
+  cmd->add_option("--ll-tokens", config->num_ll_tokens,
+                  "Tokens per rank, low-latency mode (default 128; on GPUs also 1, 32, 64 and 256)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   cmd->add_option("--sms", config->num_sms, "SM counts to sweep for the normal kernels (cuda; default 24)")
       ->delimiter(',');

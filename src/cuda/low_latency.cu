@@ -91,9 +91,10 @@ __device__ void finish_grid(unsigned int* ticket, unsigned long long* seq) {
 // reduction alone is a chain of dependent load rounds), so that T * parts fills up to kCombineRecvBlocks blocks.
 constexpr int kCombineRecvBlocks = 264;
 __host__ __device__ inline int combine_recv_parts(int64_t num_tokens) {
-  return num_tokens <= kCombineRecvBlocks / 8 ? 8 : num_tokens <= kCombineRecvBlocks / 4 ? 4
-                                                : num_tokens <= kCombineRecvBlocks / 2 ? 2
-                                                                                       : 1;
+  return num_tokens <= kCombineRecvBlocks / 8   ? 8
+         : num_tokens <= kCombineRecvBlocks / 4 ? 4
+         : num_tokens <= kCombineRecvBlocks / 2 ? 2
+                                                : 1;
 }
 
 __device__ __forceinline__ float2 bf16x2_to_float2(uint32_t bits) {
@@ -145,8 +146,7 @@ __device__ __forceinline__ float quantize_16(int4 lo, int4 hi, bool ue8m0, uint4
     const __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(
         make_float2(__fmul_rn(v[4 * w], scale_inv), __fmul_rn(v[4 * w + 1], scale_inv)), __NV_SATFINITE, __NV_E4M3);
     const __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(
-        make_float2(__fmul_rn(v[4 * w + 2], scale_inv), __fmul_rn(v[4 * w + 3], scale_inv)), __NV_SATFINITE,
-        __NV_E4M3);
+        make_float2(__fmul_rn(v[4 * w + 2], scale_inv), __fmul_rn(v[4 * w + 3], scale_inv)), __NV_SATFINITE, __NV_E4M3);
     out[w] = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
   }
   *packed = make_uint4(out[0], out[1], out[2], out[3]);
@@ -445,9 +445,8 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    combine_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args,
-                        int parts) {
+__global__ void __launch_bounds__(kThreads) combine_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set,
+                                                                LowLatencyCombineLaunch args, int parts) {
   combine_send_block(peers, layout, set, args, blockIdx.x, parts);
 }
 
@@ -624,8 +623,7 @@ void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLate
 void launch_low_latency_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                 const LowLatencyCombineLaunch& args, cudaStream_t stream) {
   const int parts = combine_send_parts();
-  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * parts) +
-                  combine_recv_blocks_for(args.num_tokens));
+  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * parts) + combine_recv_blocks_for(args.num_tokens));
   if (args.topk_int64) {
     combine_kernel<int64_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts);
   } else {

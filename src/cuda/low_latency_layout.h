@@ -44,7 +44,7 @@ struct LowLatencyControl {
   unsigned long long combine_seq[2];
   unsigned int dispatch_ticket[2];
   unsigned int combine_ticket[2];
-  int mask[kLowLatencyMaxRanks];  // 1 = masked
+  int mask[kLowLatencyMaxRanks];                           // 1 = masked
   unsigned int combine_parts_done[kLowLatencyMaxExperts];  // per local expert: combine-send blocks finished
 };
 

@@ -21,8 +21,8 @@
 #include "cuda/cuda_util.h"
 #include "dp/backends.h"
 #include "dp/comm_cuda.h"
-#include "epx/log.h"
 #include "dp/gather_kernels.h"
+#include "epx/log.h"
 
 namespace epx::cuda {
 

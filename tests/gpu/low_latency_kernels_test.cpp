@@ -447,7 +447,7 @@ TEST_F(LowLatencyKernels, MatchHostBackend) {
 TEST_F(LowLatencyKernels, LimitShapes) {
   std::mt19937 rng(16384);
   for (const Case& c : {Case{2, 16, 16, 16384, 16, 1024, true, true}, Case{2, 64, 64, 16384, 16, 1024, false, false,
-                                                                          /*idle_rank1=*/true}}) {
+                                                                           /*idle_rank1=*/true}}) {
     SCOPED_TRACE("H=" + std::to_string(c.hidden) + " T=" + std::to_string(c.num_tokens));
     Rig rig(c, num_gpus_);
     const std::vector<bool> all(c.num_ranks, true);
@@ -516,9 +516,8 @@ TEST_F(LowLatencyKernels, GraphReplayWithNewData) {
     if (check) {
       in = make_inputs(c, rng);
     } else {
-      auto fresh = make_inputs(Case{c.num_ranks, c.num_tokens, 0, c.hidden, c.num_topk, c.num_experts, c.use_fp8,
-                                    c.ue8m0},
-                               rng);
+      auto fresh =
+          make_inputs(Case{c.num_ranks, c.num_tokens, 0, c.hidden, c.num_topk, c.num_experts, c.use_fp8, c.ue8m0}, rng);
       for (int r = 0; r < c.num_ranks; ++r) fresh[r].y = std::move(in[r].y);
       in = std::move(fresh);
     }

@@ -303,7 +303,8 @@ TEST(HostLowLatency, CleanAllowsNewShapesAndClearsTheMask) {
       }
       step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
       step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-      step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+      step.combined[r] =
+          buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
     });
     const std::vector<bool> all(R, true);
     for (int r = 0; r < R; ++r) {
