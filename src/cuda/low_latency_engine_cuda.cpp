@@ -174,11 +174,12 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
   handle->shape = shape;
   handle->max_tokens = layout_.max_tokens_per_rank;
   result.handle = handle;
-  auto receive = [this, set, launch, stream] {
-    DeviceGuard g(device_);
-    launch_low_latency_dispatch_recv(peers_, layout_, set, launch, stream);
-  };
-  if (args.return_recv_hook) result.recv_hook = once(receive);
+  if (args.return_recv_hook) {
+    result.recv_hook = once([this, set, launch, stream] {
+      DeviceGuard g(device_);
+      launch_low_latency_dispatch_recv(peers_, layout_, set, launch, stream);
+    });
+  }
   return result;
 }
 

@@ -30,8 +30,8 @@ struct DpComm {
   int64_t timeout_ms = 0;
   // Batch-metadata sync: a private stream; a mapped pinned host block [num_ranks + 1] records (the
   // gathered records, then this rank's) that NCCL reads and writes directly, so a step costs one
-  // collective and no copies; if NCCL refuses host memory, a device block of the same layout plus a copy
-  // each way (meta_mapped becomes false).
+  // collective and no copies; if NCCL refuses host memory (meta_mapped becomes false), a device block of
+  // the same layout, allocated then, plus a copy each way.
   cudaStream_t meta_stream = nullptr;
   void* meta_device = nullptr;
   void* meta_host = nullptr;

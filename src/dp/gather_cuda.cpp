@@ -147,7 +147,6 @@ void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size
     }
     check_cuda(cudaHostAlloc(&dp.meta_host, (num_ranks + 1) * bytes, cudaHostAllocMapped | cudaHostAllocPortable),
                "cudaHostAlloc (metadata)");
-    check_cuda(cudaMalloc(&dp.meta_device, (num_ranks + 1) * bytes), "cudaMalloc (metadata)");
     dp.meta_record_bytes = bytes;
   }
   char* host = static_cast<char*>(dp.meta_host);
@@ -170,6 +169,9 @@ void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size
     }
   }
   if (!done) {
+    if (dp.meta_device == nullptr) {
+      check_cuda(cudaMalloc(&dp.meta_device, (num_ranks + 1) * bytes), "cudaMalloc (metadata)");
+    }
     char* dev = static_cast<char*>(dp.meta_device);
     check_cuda(cudaMemcpyAsync(dev + num_ranks * bytes, host + num_ranks * bytes, bytes, cudaMemcpyHostToDevice,
                                dp.meta_stream),

@@ -321,39 +321,33 @@ class Rig {
   // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive
   // halves (sends before receives).
   void enqueue_round(int set, const std::vector<bool>& present, bool fused = false) {
+    // One launch per present rank, on its device and stream.
+    auto each = [&](auto launch) {
+      for (int r = 0; r < c_.num_ranks; ++r) {
+        if (!present[r]) continue;
+        cudaSetDevice(ranks_[r].device);
+        launch(r, ranks_[r].stream);
+      }
+    };
     if (fused) {
-      for (int r = 0; r < c_.num_ranks; ++r) {
-        if (!present[r]) continue;
-        cudaSetDevice(ranks_[r].device);
-        launch_low_latency_dispatch(peers_[r], layout_, set, dispatch_args(r), ranks_[r].stream);
-      }
-      for (int r = 0; r < c_.num_ranks; ++r) {
-        if (!present[r]) continue;
-        cudaSetDevice(ranks_[r].device);
-        launch_low_latency_combine(peers_[r], layout_, set, combine_args(r, set), ranks_[r].stream);
-      }
+      each([&](int r, cudaStream_t st) { launch_low_latency_dispatch(peers_[r], layout_, set, dispatch_args(r), st); });
+      each([&](int r, cudaStream_t st) {
+        launch_low_latency_combine(peers_[r], layout_, set, combine_args(r, set), st);
+      });
       return;
     }
-    for (int r = 0; r < c_.num_ranks; ++r) {
-      if (!present[r]) continue;
-      cudaSetDevice(ranks_[r].device);
-      launch_low_latency_dispatch_send(peers_[r], layout_, set, dispatch_args(r), ranks_[r].stream);
-    }
-    for (int r = 0; r < c_.num_ranks; ++r) {
-      if (!present[r]) continue;
-      cudaSetDevice(ranks_[r].device);
-      launch_low_latency_dispatch_recv(peers_[r], layout_, set, dispatch_args(r), ranks_[r].stream);
-    }
-    for (int r = 0; r < c_.num_ranks; ++r) {
-      if (!present[r]) continue;
-      cudaSetDevice(ranks_[r].device);
-      launch_low_latency_combine_send(peers_[r], layout_, set, combine_args(r, set), ranks_[r].stream);
-    }
-    for (int r = 0; r < c_.num_ranks; ++r) {
-      if (!present[r]) continue;
-      cudaSetDevice(ranks_[r].device);
-      launch_low_latency_combine_recv(peers_[r], layout_, set, combine_args(r, set), ranks_[r].stream);
-    }
+    each([&](int r, cudaStream_t st) {
+      launch_low_latency_dispatch_send(peers_[r], layout_, set, dispatch_args(r), st);
+    });
+    each([&](int r, cudaStream_t st) {
+      launch_low_latency_dispatch_recv(peers_[r], layout_, set, dispatch_args(r), st);
+    });
+    each([&](int r, cudaStream_t st) {
+      launch_low_latency_combine_send(peers_[r], layout_, set, combine_args(r, set), st);
+    });
+    each([&](int r, cudaStream_t st) {
+      launch_low_latency_combine_recv(peers_[r], layout_, set, combine_args(r, set), st);
+    });
   }
 
   void sync() {
