@@ -34,6 +34,29 @@ inline double percentile(std::vector<double> v, double p) {
   return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
 }
 
+// Back to back: `calls` calls of `body` between two events, no synchronization in between (the host runs
+// ahead, as in a model step), `iters` times after `warmup` rounds; returns the median time per call in
+// seconds.
+template <typename Body>
+double time_back_to_back(cudaStream_t stream, int warmup, int iters, int calls, Body body) {
+  cudaEvent_t start, stop;
+  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
+  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<double> times;
+  for (int i = 0; i < warmup + iters; ++i) {
+    cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
+    for (int c = 0; c < calls; ++c) body();
+    cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
+    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    if (i >= warmup) times.push_back(ms * 1e-3 / calls);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return median(times);
+}
+
 // Median host time of the last time_on_stream call on this thread: how long `body` took to enqueue.
 inline thread_local double t_last_host_s = 0;
 

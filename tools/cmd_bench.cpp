@@ -306,13 +306,20 @@ namespace {
 void print_report(const nlohmann::json& report) {
   std::printf("epx bench — %s backend, %s\n", report["backend"].get<std::string>().c_str(),
               report["device"].get<std::string>().c_str());
-  std::printf("%-46s %12s %14s %9s\n", "phase", "time (us)", "logical GB/s", "of floor");
+  std::printf("%-46s %12s %14s %9s %16s\n", "phase", "time (us)", "logical GB/s", "of floor", "back to back (us)");
   for (const auto& p : report["phases"]) {
     const std::string gbps = p.contains("logical_gbps") ? fmt::format("{:.3g}", p["logical_gbps"].get<double>()) : "-";
     const std::string of_floor =
         p.contains("fraction_of_floor") ? fmt::format("{:.0f}%", 100 * p["fraction_of_floor"].get<double>()) : "-";
-    std::printf("%-46s %12.1f %14s %9s\n", p["name"].get<std::string>().c_str(), p["time_us"].get<double>(),
-                gbps.c_str(), of_floor.c_str());
+    std::string pipelined = "-";
+    if (p.contains("pipelined_us")) {
+      pipelined = fmt::format("{:.1f}", p["pipelined_us"].get<double>());
+      if (p.contains("pipelined_fraction_of_floor")) {
+        pipelined += fmt::format(" ({:.0f}%)", 100 * p["pipelined_fraction_of_floor"].get<double>());
+      }
+    }
+    std::printf("%-46s %12.1f %14s %9s %16s\n", p["name"].get<std::string>().c_str(), p["time_us"].get<double>(),
+                gbps.c_str(), of_floor.c_str(), pipelined.c_str());
   }
   std::printf("check: %s\n", report["check"]["passed"].get<bool>() ? "passed" : "FAILED");
 }

@@ -1,12 +1,15 @@
 // The cuda backend's Buffer: peer memory, the normal kernels' host side, handles and errors.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -55,6 +58,146 @@ class CudaDispatchHandle final : public DispatchHandle {
 bool copy_engines_enabled() {
   const char* v = std::getenv("EPX_NORMAL_COPY_ENGINE");
   return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// Copies that one call enqueues together: one cudaMemcpyBatchAsync where the runtime has it. Measured on
+// 2x H200 while the receive kernels run (docs/perf-notes.md): a chunk to a peer by cudaMemcpyAsync or
+// cudaMemcpyPeerAsync moves at ~180 GB/s, the same chunk in a batch at ~335 GB/s (also alone in a batch).
+struct CopyBatch {
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> bytes;
+  void add(void* d, const void* s, int64_t n) {
+    if (n <= 0) return;
+    dst.push_back(d);
+    src.push_back(s);
+    bytes.push_back(static_cast<size_t>(n));
+  }
+  void issue(cudaStream_t stream) {
+    if (dst.empty()) return;
+    bool done = false;
+#if CUDART_VERSION >= 12080
+    // NOTE: a runtime or driver that refuses batches (seen as an error at the first call) gets single copies.
+    static std::atomic<bool> batches{true};
+    if (batches.load()) {
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      size_t attr_index = 0;
+      const cudaError_t err =
+          cudaMemcpyBatchAsync(dst.data(), src.data(), bytes.data(), dst.size(), &attr, &attr_index, 1, stream);
+      if (err == cudaSuccess) {
+        done = true;
+      } else if (err == cudaErrorInvalidValue || err == cudaErrorNotSupported) {
+        cudaGetLastError();
+        batches = false;
+      } else {
+        check_cuda(err, "cudaMemcpyBatchAsync");
+      }
+    }
+#endif
+    for (size_t i = 0; i < dst.size() && !done; ++i) {
+      check_cuda(cudaMemcpyAsync(dst[i], src[i], bytes[i], cudaMemcpyDefault, stream), "cudaMemcpyAsync");
+    }
+    dst.clear();
+    src.clear();
+    bytes.clear();
+  }
+};
+
+// cuStreamWriteValue64 from the driver (no link to libcuda): the signal stream writes a chunk's count into
+// the destination's memory once the chunk's copy is done, with no kernel launch. Null when the driver does
+// not offer it, or EPX_STREAM_SIGNALS=0 (then a one-block kernel signals).
+using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+WriteValue64 stream_write_value() {
+  static const WriteValue64 fn = []() -> WriteValue64 {
+    const char* v = std::getenv("EPX_STREAM_SIGNALS");
+    if (v != nullptr && std::strcmp(v, "0") == 0) return nullptr;
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &p, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<WriteValue64>(p);
+  }();
+  return fn;
+}
+
+// EPX_NORMAL_TIMELINE=1 (a debug aid, docs/perf-notes.md): the copy-engine calls record timing events at
+// their stages; each call prints, to stderr, the stages of the call kLag calls before it (done by then, so
+// nothing waits and back-to-back calls keep their overlap): times from that call's first mark, and the gap
+// since the end of the call before it.
+class StageTimeline {
+ public:
+  StageTimeline() {
+    const char* v = std::getenv("EPX_NORMAL_TIMELINE");
+    on_ = v != nullptr && std::strcmp(v, "0") != 0;
+  }
+  ~StageTimeline() {
+    for (auto& c : calls_) {
+      for (cudaEvent_t e : c.events) cudaEventDestroy(e);
+    }
+  }
+  void mark(const char* name, cudaStream_t stream) {
+    if (!on_) return;
+    Call& c = calls_[next_ % kSlots];
+    if (c.names.size() == c.events.size()) {
+      cudaEvent_t e;
+      check_cuda(cudaEventCreate(&e), "cudaEventCreate (timeline)");
+      c.events.push_back(e);
+    }
+    check_cuda(cudaEventRecord(c.events[c.names.size()], stream), "cudaEventRecord (timeline)");
+    c.names.push_back(name);
+  }
+  // This call takes another path: forget its marks.
+  void discard() {
+    if (on_) calls_[next_ % kSlots].names.clear();
+  }
+  // Ends this call's marks; prints an earlier call's.
+  void print(int rank, const char* what) {
+    if (!on_) return;
+    calls_[next_ % kSlots].what = what;
+    ++next_;
+    if (next_ <= kLag) return;
+    const Call& c = calls_[(next_ - 1 - kLag) % kSlots];
+    const Call& before = calls_[(next_ - 2 - kLag) % kSlots];
+    std::string line = fmt::format("timeline rank {} {}:", rank, c.what);
+    float ms = 0;
+    if (next_ > kLag + 1 && !before.names.empty()) {
+      check_cuda(cudaEventSynchronize(c.events[0]), "cudaEventSynchronize (timeline)");
+      check_cuda(cudaEventElapsedTime(&ms, before.events[before.names.size() - 1], c.events[0]),
+                 "cudaEventElapsedTime");
+      line += fmt::format(" gap={:.1f} |", ms * 1e3);
+    }
+    for (size_t i = 0; i < c.names.size(); ++i) {
+      check_cuda(cudaEventSynchronize(c.events[i]), "cudaEventSynchronize (timeline)");
+      check_cuda(cudaEventElapsedTime(&ms, c.events[0], c.events[i]), "cudaEventElapsedTime (timeline)");
+      line += fmt::format(" {}={:.1f}", c.names[i], ms * 1e3);
+    }
+    std::fprintf(stderr, "%s\n", line.c_str());
+    // The slot is reused next; the one printed keeps its marks until then (it is `before` next time).
+    calls_[next_ % kSlots].names.clear();
+  }
+
+ private:
+  static constexpr int kSlots = 8, kLag = 4;
+  struct Call {
+    std::vector<cudaEvent_t> events;
+    std::vector<const char*> names;
+    const char* what = "";
+  };
+  bool on_ = false;
+  Call calls_[kSlots];
+  uint64_t next_ = 0;
+};
+
+// A tuning knob of the copy-engine dispatch (docs/normal-kernels.md; must match on every rank):
+// EPX_COPY_WHOLE=0 packs every destination's rows by SMs (no whole-x copies).
+bool env_flag(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : std::strcmp(v, "0") != 0;
 }
 
 class CudaBuffer final : public Buffer {
@@ -120,6 +263,7 @@ class CudaBuffer final : public Buffer {
     comm_.off_notify_flag = take(8 * 2 * num_ranks_);
     comm_.off_notify = take(4 * 2 * int64_t{num_ranks_} * kNotifyInts);
     comm_.off_copy_counter = take(8);
+    comm_.off_ce_tail = take(8 * num_ranks_);
     if (off > kSignalBytes) detail::raise(ErrorCode::kInternal, "signal area needs {} bytes", off);
     comm_.signal_bytes = kSignalBytes;
     comm_.off_ring = kSignalBytes;
@@ -212,13 +356,29 @@ class CudaBuffer final : public Buffer {
   // counts and the largest transfer between two ranks (pair_bytes) fits one, else 0 (SM path). Every
   // rank decides alike: the inputs come from notify (global maximum rows, smallest ring area).
   int64_t copy_slot_bytes(const CudaDispatchHandle& h, int64_t pair_bytes) const;
-  void dispatch_with_copy_engines(const DispatchKernelArgs& k, const CudaDispatchHandle& h, int64_t slot_bytes,
-                                  Stream stream);
-  void combine_with_copy_engines(const CombineKernelArgs& k, const CudaDispatchHandle& h, int64_t slot_bytes,
-                                 int64_t weights_offset, Stream stream);
+  // The send side of the copy-engine dispatch (on copy_stream_; SM packing on `stream`), enqueued before
+  // the outputs exist; returns the packing stage, which must live until the call's end. The receive side
+  // is one launch_unpack_fields on `stream`, then join_side_streams.
+  Tensor send_with_copy_engines(const DispatchKernelArgs& k, const CudaDispatchHandle& h, const StageFields& f,
+                                int64_t slot_bytes, Stream stream);
+  static bool capturing(Stream stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+    return status != cudaStreamCaptureStatusNone;
+  }
+  // The send side of the copy-engine combine; the receive side is launch_combine_reduce, then
+  // join_side_streams.
+  void send_combine_with_copy_engines(const CombineKernelArgs& k, const CudaDispatchHandle& h, int64_t slot_bytes,
+                                      int64_t weights_offset, Stream stream);
   // The side streams fork from `stream` (start_side_streams) and join it again at the end of the call.
-  void start_side_streams(Stream stream, int32_t site);
+  void start_side_streams(Stream stream);
   void join_side_streams(Stream stream);
+  // After copy_stream_'s copies of chunk j: tail[me][0] = rows.v[d] at every remote d with rows.v[d] >= 0.
+  void signal_rows(const RowCounts& rows, int j);
+  void advance_epoch(Stream stream) { launch_advance_epoch(comm_, stream); }
+  // The tag of this copy-engine operation's ce_tail signals: a host count (the same on every rank: all
+  // take the copy-engine path alike), never replayed by a graph (the path is not taken under capture).
+  uint64_t ce_tag() const { return ce_seq_ << 32; }
   std::vector<cudaEvent_t*> all_events() {
     std::vector<cudaEvent_t*> v{&ev_start_, &ev_copies_done_, &ev_signals_done_};
     for (auto& e : ev_pack_) v.push_back(&e);
@@ -235,8 +395,12 @@ class CudaBuffer final : public Buffer {
   int num_channels_ = 1;
   int num_blocks_ = 1;  // blocks of the copy-engine path's kernels (num_sms)
   bool copy_engines_ = copy_engines_enabled();
+  bool whole_copies_ = env_flag("EPX_COPY_WHOLE", true);
+
   cudaStream_t copy_stream_ = nullptr;    // copy-engine transfers into peers' staging
-  cudaStream_t signal_stream_ = nullptr;  // the kernels that announce finished transfers
+  cudaStream_t signal_stream_ = nullptr;  // the kernels that announce finished transfers (no stream signals)
+  WriteValue64 write_value_ = stream_write_value();
+  uint64_t ce_seq_ = 0;  // copy-engine operations so far (ce_tag)
   cudaEvent_t ev_start_ = nullptr, ev_copies_done_ = nullptr, ev_signals_done_ = nullptr;
   cudaEvent_t ev_pack_[kMaxCopyChunks] = {};
   cudaEvent_t ev_copy_[kMaxCopyChunks] = {};
@@ -248,13 +412,16 @@ class CudaBuffer final : public Buffer {
   ErrorRecord* errors_device_ = nullptr;  // its device alias
   int32_t* meta_host_ = nullptr;          // pinned staging of the receive counts
   CommArgs comm_{};
+  StageTimeline timeline_;
   uint64_t seen_generation_ = 0;
   Stream last_stream_ = nullptr;
 };
 
 void CudaBuffer::open_peers() {
   peer_regions_ = open_peer_regions(*group_, cgroup_->single_process(), region_, device_);
-  for (int r = 0; r < num_ranks_; ++r) comm_.peers[r] = peer_regions_.ptrs[r];
+  for (int r = 0; r < num_ranks_; ++r) {
+    comm_.peers[r] = peer_regions_.ptrs[r];
+  }
 }
 
 void CudaBuffer::request_reset() {
@@ -302,6 +469,7 @@ void CudaBuffer::begin_collective(Stream stream) {
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
   group_->barrier();
   check_cuda(cudaMemsetAsync(region_, 0, kSignalBytes, stream), "cudaMemsetAsync (reset)");
+  ce_seq_ = 0;
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
   std::memset(errors_, 0, 2 * sizeof(ErrorRecord));
   group_->barrier();
@@ -316,19 +484,40 @@ int64_t CudaBuffer::copy_slot_bytes(const CudaDispatchHandle& h, int64_t pair_by
   return pair_bytes <= slot ? slot : 0;
 }
 
-void CudaBuffer::start_side_streams(Stream stream, int32_t site) {
+void CudaBuffer::start_side_streams(Stream stream) {
   check_cuda(cudaEventRecord(ev_start_, stream), "cudaEventRecord");
   check_cuda(cudaStreamWaitEvent(copy_stream_, ev_start_, 0), "cudaStreamWaitEvent");
-  check_cuda(cudaStreamWaitEvent(signal_stream_, ev_start_, 0), "cudaStreamWaitEvent");
-  // NOTE: the copies overwrite peers' staging: wait until they finished reading the previous operation.
-  launch_wait_released(comm_, site, copy_stream_);
 }
 
 void CudaBuffer::join_side_streams(Stream stream) {
   check_cuda(cudaEventRecord(ev_copies_done_, copy_stream_), "cudaEventRecord");
-  check_cuda(cudaEventRecord(ev_signals_done_, signal_stream_), "cudaEventRecord");
   check_cuda(cudaStreamWaitEvent(stream, ev_copies_done_, 0), "cudaStreamWaitEvent");
+  check_cuda(cudaEventRecord(ev_signals_done_, signal_stream_), "cudaEventRecord");
   check_cuda(cudaStreamWaitEvent(stream, ev_signals_done_, 0), "cudaStreamWaitEvent");
+}
+
+void CudaBuffer::signal_rows(const RowCounts& rows, int j) {
+  // The signal goes on its own stream after an event, so that the copy stream moves on to the next
+  // chunk at once (a write on the copy stream itself waits for the copy and a memory barrier first:
+  // measured 5% slower, docs/perf-notes.md).
+  cudaStream_t s = signal_stream_;
+  check_cuda(cudaEventRecord(ev_copy_[j], copy_stream_), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(signal_stream_, ev_copy_[j], 0), "cudaStreamWaitEvent");
+  if (write_value_ == nullptr) {
+    launch_signal_rows(comm_, rows, ce_tag(), s);
+    return;
+  }
+  // NOTE: the write follows the copies (stream order) and, by default, a system-scope memory barrier:
+  // the rows are in the destination's memory before the destination can see the count.
+  for (int d = 0; d < num_ranks_; ++d) {
+    if (d == rank_ || rows.v[d] < 0) continue;
+    auto* addr = reinterpret_cast<uint64_t*>(comm_.peers[d] + comm_.off_ce_tail) + rank_;
+    const CUresult r =
+        write_value_(s, reinterpret_cast<CUdeviceptr>(addr), ce_tag() + static_cast<uint64_t>(rows.v[d]), 0);
+    if (r != CUDA_SUCCESS) {
+      detail::raise(ErrorCode::kCudaError, "cuStreamWriteValue64 (signal rows) failed: error {}", static_cast<int>(r));
+    }
+  }
 }
 
 // Chunks per destination: about kCopyChunkRows rows each, at most kMaxCopyChunks (EPX_COPY_CHUNKS, a
@@ -342,49 +531,89 @@ int copy_chunks(int64_t max_rows) {
   return static_cast<int>(std::clamp<int64_t>((max_rows + kCopyChunkRows - 1) / kCopyChunkRows, 1, limit));
 }
 
-void CudaBuffer::dispatch_with_copy_engines(const DispatchKernelArgs& k, const CudaDispatchHandle& h,
-                                            int64_t slot_bytes, Stream stream) {
+// Offsets of the fields of `cap` rows in a staging slot (StageFields).
+StageFields stage_fields(int64_t cap, const DispatchKernelArgs& k) {
+  StageFields f{};
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t o = off;
+    off = align_up(off + bytes, 256);
+    return o;
+  };
+  const int64_t topk_bytes = k.topk_idx != nullptr ? (k.topk_is_int64 ? 8 : 4) * k.num_topk : 0;
+  f.x = take(cap * k.x_row_bytes);
+  f.scales = take(cap * k.scale_row_bytes);
+  f.topk = take(cap * topk_bytes);
+  f.weights = take(k.topk_idx != nullptr && k.topk_weights != nullptr ? cap * 4 * k.num_topk : 0);
+  f.src = take(cap * 4);
+  f.end = off;
+  return f;
+}
+
+Tensor CudaBuffer::send_with_copy_engines(const DispatchKernelArgs& k, const CudaDispatchHandle& h,
+                                          const StageFields& f, int64_t slot_bytes, Stream stream) {
   const int R = num_ranks_, me = rank_;
   const RecvMetaLayout m{R, num_channels_, h.num_local_experts};
+  const auto& meta = h.meta_host;
+  const int64_t T = h.num_tokens_, xb = k.x_row_bytes, sb = k.scale_row_bytes;
+  // Per remote destination: whole x (chunks of tokens) or SM-packed rows (chunks of rows).
   RowCounts send{}, offset{};
-  int64_t total = 0, max_send = 0;
+  unsigned pack_mask = 0;
+  int64_t packed = 0;
   for (int d = 0; d < R; ++d) {
-    send.v[d] = d == me ? 0 : h.meta_host[m.send_count(d)];
-    offset.v[d] = total;
-    total += send.v[d];
-    max_send = std::max(max_send, send.v[d]);
+    send.v[d] = meta[m.send_count(d)];
+    if (d != me && !whole_copy(send.v[d], T, whole_copies_)) {
+      pack_mask |= 1u << d;
+      offset.v[d] = packed;
+      packed += send.v[d];
+    }
   }
-  // Packed rows per remote destination, contiguous, in this rank's memory (source of the copies).
-  const Tensor stage = empty(DType::kUInt8, {std::max<int64_t>(total, 1) * k.row_bytes}, stream);
-  char* stage_ptr = static_cast<char*>(stage.data());
-  const int num_chunks = copy_chunks(max_send);
-  start_side_streams(stream, kSiteCopyDispatchReleased);
+  Tensor stage;
+  char *stage_x = nullptr, *stage_scales = nullptr;
+  if (packed > 0) {
+    stage = empty(DType::kUInt8, {packed * (xb + sb)}, stream);
+    stage_x = static_cast<char*>(stage.data());
+    stage_scales = stage_x + packed * xb;
+  }
+  const int num_chunks = copy_chunks(meta[m.max_pair_rows()]);
+  auto slot_at = [&](int d) { return comm_.peers[d] + comm_.off_ring + stage_slot(me, d, R) * slot_bytes; };
+
+  ++ce_seq_;
+  timeline_.mark("send", stream);
+  start_side_streams(stream);
+  launch_copy_dispatch_begin(comm_, k, f, slot_bytes, copy_stream_);  // waits for the peers' release
+  timeline_.mark("begin", copy_stream_);
+  CopyBatch batch;
   for (int j = 0; j < num_chunks; ++j) {
-    launch_pack(comm_, k, stage_ptr, offset, j, num_chunks, num_blocks_, stream);
-    check_cuda(cudaEventRecord(ev_pack_[j], stream), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(copy_stream_, ev_pack_[j], 0), "cudaStreamWaitEvent");
+    if (pack_mask != 0) {
+      launch_pack_fields(comm_, k, stage_x, stage_scales, offset, pack_mask, j, num_chunks, num_blocks_, stream);
+      check_cuda(cudaEventRecord(ev_pack_[j], stream), "cudaEventRecord");
+      check_cuda(cudaStreamWaitEvent(copy_stream_, ev_pack_[j], 0), "cudaStreamWaitEvent");
+    }
     RowCounts end{};
     for (int d = 0; d < R; ++d) {
       end.v[d] = -1;
       if (d == me) continue;
-      const int64_t b = chunk_begin(send.v[d], num_chunks, j);
-      end.v[d] = chunk_begin(send.v[d], num_chunks, j + 1);
-      if (end.v[d] == b) continue;
-      char* dst = comm_.peers[d] + comm_.off_ring + stage_slot(me, d, R) * slot_bytes + b * k.row_bytes;
-      check_cuda(cudaMemcpyAsync(dst, stage_ptr + (offset.v[d] + b) * k.row_bytes, (end.v[d] - b) * k.row_bytes,
-                                 cudaMemcpyDefault, copy_stream_),
-                 "cudaMemcpyAsync (dispatch rows to a peer)");
+      const bool whole = !(pack_mask & (1u << d));
+      const int64_t n = whole ? T : send.v[d];
+      const int64_t b = chunk_begin(n, num_chunks, j);
+      end.v[d] = chunk_begin(n, num_chunks, j + 1);
+      const char* from_x = whole ? k.x + b * xb : stage_x + (offset.v[d] + b) * xb;
+      batch.add(slot_at(d) + f.x + b * xb, from_x, (end.v[d] - b) * xb);
+      if (sb > 0) {
+        const char* from_s = whole ? k.x_scales + b * sb : stage_scales + (offset.v[d] + b) * sb;
+        batch.add(slot_at(d) + f.scales + b * sb, from_s, (end.v[d] - b) * sb);
+      }
     }
-    check_cuda(cudaEventRecord(ev_copy_[j], copy_stream_), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(signal_stream_, ev_copy_[j], 0), "cudaStreamWaitEvent");
-    launch_signal_rows(comm_, end, signal_stream_);
+    batch.issue(copy_stream_);
+    timeline_.mark("copy", copy_stream_);
+    signal_rows(end, j);
   }
-  launch_unpack(comm_, k, slot_bytes, num_blocks_, stream);  // own rows, then the peers' rows
-  join_side_streams(stream);
+  return stage;
 }
 
-void CudaBuffer::combine_with_copy_engines(const CombineKernelArgs& k, const CudaDispatchHandle& h, int64_t slot_bytes,
-                                           int64_t weights_offset, Stream stream) {
+void CudaBuffer::send_combine_with_copy_engines(const CombineKernelArgs& k, const CudaDispatchHandle& h,
+                                                int64_t slot_bytes, int64_t weights_offset, Stream stream) {
   const int R = num_ranks_, me = rank_, C = num_channels_;
   const RecvMetaLayout m{R, C, h.num_local_experts};
   const int64_t H = k.hidden, K = k.num_topk;
@@ -397,13 +626,18 @@ void CudaBuffer::combine_with_copy_engines(const CombineKernelArgs& k, const Cud
     max_rows = std::max(max_rows, rows.v[d]);
   }
   const int num_chunks = copy_chunks(max_rows);
-  start_side_streams(stream, kSiteCopyCombineReleased);
+  ++ce_seq_;
+  timeline_.mark("send", stream);
+  start_side_streams(stream);
+  // NOTE: the copies overwrite peers' staging: wait until they finished reading the previous operation.
+  launch_wait_released(comm_, kSiteCopyCombineReleased, copy_stream_);
+  timeline_.mark("released", copy_stream_);
   auto slot_at = [&](int d) { return comm_.peers[d] + comm_.off_ring + stage_slot(me, d, R) * slot_bytes; };
+  CopyBatch batch;
   for (int d = 0; d < R && k.topk_weights != nullptr; ++d) {
-    if (d == me || rows.v[d] == 0) continue;
-    check_cuda(cudaMemcpyAsync(slot_at(d) + weights_offset, k.topk_weights + base.v[d] * K, rows.v[d] * K * 4,
-                               cudaMemcpyDefault, copy_stream_),
-               "cudaMemcpyAsync (combine weights to a peer)");
+    if (d != me) {
+      batch.add(slot_at(d) + weights_offset, k.topk_weights + base.v[d] * K, rows.v[d] * K * 4);
+    }
   }
   for (int j = 0; j < num_chunks; ++j) {
     RowCounts end{};
@@ -412,17 +646,12 @@ void CudaBuffer::combine_with_copy_engines(const CombineKernelArgs& k, const Cud
       if (d == me) continue;
       const int64_t b = chunk_begin(rows.v[d], num_chunks, j);
       end.v[d] = chunk_begin(rows.v[d], num_chunks, j + 1);
-      if (end.v[d] == b) continue;
-      check_cuda(cudaMemcpyAsync(slot_at(d) + b * H * 2, k.x + (base.v[d] + b) * H, (end.v[d] - b) * H * 2,
-                                 cudaMemcpyDefault, copy_stream_),
-                 "cudaMemcpyAsync (combine rows to a peer)");
+      batch.add(slot_at(d) + b * H * 2, k.x + (base.v[d] + b) * H, (end.v[d] - b) * H * 2);
     }
-    check_cuda(cudaEventRecord(ev_copy_[j], copy_stream_), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(signal_stream_, ev_copy_[j], 0), "cudaStreamWaitEvent");
-    launch_signal_rows(comm_, end, signal_stream_);
+    batch.issue(copy_stream_);
+    timeline_.mark("copy", copy_stream_);
+    signal_rows(end, j);
   }
-  launch_combine_reduce(comm_, k, slot_bytes, weights_offset, num_blocks_, stream);
-  join_side_streams(stream);
 }
 
 Layout CudaBuffer::compute_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) {
@@ -477,6 +706,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   Stream stream = args.stream;
   DeviceGuard guard(device_);
   begin_collective(stream);
+  timeline_.mark("call", stream);
 
   auto handle = std::make_shared<CudaDispatchHandle>();
   std::string value_error;
@@ -516,9 +746,9 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
     const RecvMetaLayout m{R, C, handle->num_local_experts};
     handle->recv_meta = empty(DType::kInt32, {m.size()}, stream);
     handle->recv_expert_counts = empty(DType::kInt32, {handle->num_local_experts}, stream);
-    launch_advance_epoch(comm_, stream);
+    advance_epoch(stream);
     launch_notify(comm_, handle->chan_start.data_as<int32_t>(), per_expert, handle->num_local_experts,
-                  args.expert_alignment, handle->recv_meta.data_as<int32_t>(),
+                  args.expert_alignment, T, whole_copies_ && copy_engines_, handle->recv_meta.data_as<int32_t>(),
                   handle->recv_expert_counts.data_as<int32_t>(), stream);
     check_cuda(cudaGetLastError(), "notify launch");
     if (args.num_worst_tokens == 0) {
@@ -533,7 +763,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
       handle->meta_host.assign(meta_host_, meta_host_ + m.size());
     }
   }
-  if (cached) launch_advance_epoch(comm_, stream);
+  if (cached) advance_epoch(stream);
   if (args.num_worst_tokens == 0 && handle->num_recv_ < 0) {
     // A cached dispatch without num_worst_tokens after a worst-token dispatch: learn the counts now.
     const RecvMetaLayout m{num_ranks_, num_channels_, handle->num_local_experts};
@@ -549,15 +779,6 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   const int64_t N = args.num_worst_tokens > 0 ? args.num_worst_tokens : handle->num_recv_;
   handle->num_rows = N;
 
-  DispatchResult result;
-  result.recv_x = empty(args.x.dtype, {N, H}, stream);
-  if (args.x_scales.defined()) result.recv_x_scales = empty(args.x_scales.dtype, {N, args.x_scales.shape[1]}, stream);
-  if (!shape.is_cached) {
-    result.recv_topk_idx = empty(args.topk_idx.dtype, {N, K}, stream);
-    if (args.topk_weights.defined()) result.recv_topk_weights = empty(DType::kFloat32, {N, K}, stream);
-  }
-  result.recv_src_idx = empty(DType::kInt32, {N}, stream);
-
   DispatchKernelArgs k{};
   k.x = static_cast<const char*>(args.x.data);
   k.x_scales = static_cast<const char*>(args.x_scales.defined() ? args.x_scales.data : nullptr);
@@ -572,28 +793,43 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   k.list_tok = handle->list_tok.data_as<const int32_t>();
   k.chan_start = handle->chan_start.data_as<const int32_t>();
   k.recv_meta = handle->recv_meta.data_as<const int32_t>();
+  k.num_out_rows = N;
+  k.worst_mode = args.num_worst_tokens > 0;
+  k.ring_rows = ring_rows;
+  k.row_bytes = row_bytes;
+  // Copy-engine path: staging per source holds the fields of the largest transfer (StageFields). Its
+  // send side is enqueued first: the transfers need no outputs, and the host's time before them counts.
+  StageFields fields{};
+  int64_t slot_bytes = 0;
+  if (args.num_worst_tokens == 0 && !handle->meta_host.empty() && !capturing(stream)) {
+    const RecvMetaLayout m{num_ranks_, num_channels_, handle->num_local_experts};
+    fields = stage_fields(handle->meta_host[m.max_pair_rows()], k);
+    slot_bytes = copy_slot_bytes(*handle, fields.end);
+  }
+  Tensor pack_stage;
+  if (slot_bytes > 0) pack_stage = send_with_copy_engines(k, *handle, fields, slot_bytes, stream);
+
+  DispatchResult result;
+  result.recv_x = empty(args.x.dtype, {N, H}, stream);
+  if (args.x_scales.defined()) result.recv_x_scales = empty(args.x_scales.dtype, {N, args.x_scales.shape[1]}, stream);
+  if (!shape.is_cached) {
+    result.recv_topk_idx = empty(args.topk_idx.dtype, {N, K}, stream);
+    if (args.topk_weights.defined()) result.recv_topk_weights = empty(DType::kFloat32, {N, K}, stream);
+  }
+  result.recv_src_idx = empty(DType::kInt32, {N}, stream);
   k.out_x = static_cast<char*>(result.recv_x.data());
   k.out_scales = static_cast<char*>(result.recv_x_scales.defined() ? result.recv_x_scales.data() : nullptr);
   k.out_topk_idx = result.recv_topk_idx.defined() ? result.recv_topk_idx.data() : nullptr;
   k.out_topk_weights = result.recv_topk_weights.defined() ? result.recv_topk_weights.data_as<float>() : nullptr;
   k.out_src_idx = result.recv_src_idx.data_as<int32_t>();
-  k.num_out_rows = N;
-  k.worst_mode = args.num_worst_tokens > 0;
-  k.ring_rows = ring_rows;
-  k.row_bytes = row_bytes;
-  const int64_t slot_bytes =
-      args.num_worst_tokens > 0
-          ? 0
-          : copy_slot_bytes(
-                *handle,
-                handle->meta_host.empty()
-                    ? 0
-                    : int64_t{handle->meta_host[RecvMetaLayout{num_ranks_, num_channels_, handle->num_local_experts}
-                                                    .max_pair_rows()]} *
-                          row_bytes);
   if (slot_bytes > 0) {
-    dispatch_with_copy_engines(k, *handle, slot_bytes, stream);
+    launch_unpack_fields(comm_, k, fields, slot_bytes, ce_tag(), num_blocks_, stream);
+    timeline_.mark("unpack", stream);
+    join_side_streams(stream);
+    timeline_.mark("end", stream);
+    timeline_.print(rank_, "dispatch");
   } else {
+    timeline_.discard();
     launch_dispatch(comm_, k, stream);
   }
   check_cuda(cudaGetLastError(), "dispatch launch");
@@ -619,10 +855,8 @@ CombineResult CudaBuffer::combine(const CombineArgs& args) {
   Stream stream = args.stream;
   DeviceGuard guard(device_);
   begin_collective(stream);
+  timeline_.mark("call", stream);
   const int64_t T = handle->num_tokens_;
-  CombineResult result;
-  result.x = empty(DType::kBFloat16, {T, H}, stream);
-  if (K > 0) result.topk_weights = empty(DType::kFloat32, {T, K}, stream);
   CombineKernelArgs k{};
   k.x = args.x.data_as<const uint16_t>();
   k.topk_weights = K > 0 ? args.topk_weights.data_as<const float>() : nullptr;
@@ -635,22 +869,31 @@ CombineResult CudaBuffer::combine(const CombineArgs& args) {
   k.excl_pos = handle->excl_pos.data_as<const int32_t>();
   k.chan_start = handle->chan_start.data_as<const int32_t>();
   k.recv_meta = handle->recv_meta.data_as<const int32_t>();
-  k.out = result.x.data_as<uint16_t>();
-  k.out_topk_weights = K > 0 ? result.topk_weights.data_as<float>() : nullptr;
   k.ring_rows = ring_rows;
   k.row_bytes = row_bytes;
-  launch_advance_epoch(comm_, stream);
+  advance_epoch(stream);
   // Copy-engine staging per source: x rows, then the top-k weights rows from weights_offset.
   int64_t slot_bytes = 0, weights_offset = 0;
-  if (!handle->meta_host.empty()) {
+  if (!handle->meta_host.empty() && !capturing(stream)) {
     const int64_t rows =
         handle->meta_host[RecvMetaLayout{num_ranks_, num_channels_, handle->num_local_experts}.max_pair_rows()];
     weights_offset = align_up(rows * H * 2, 256);
     slot_bytes = copy_slot_bytes(*handle, weights_offset + rows * K * 4);
   }
+  // The copy-engine sends first: they need no outputs (as in dispatch).
+  if (slot_bytes > 0) send_combine_with_copy_engines(k, *handle, slot_bytes, weights_offset, stream);
+  CombineResult result;
+  result.x = empty(DType::kBFloat16, {T, H}, stream);
+  if (K > 0) result.topk_weights = empty(DType::kFloat32, {T, K}, stream);
+  k.out = result.x.data_as<uint16_t>();
+  k.out_topk_weights = K > 0 ? result.topk_weights.data_as<float>() : nullptr;
   if (slot_bytes > 0) {
-    combine_with_copy_engines(k, *handle, slot_bytes, weights_offset, stream);
+    launch_combine_reduce(comm_, k, slot_bytes, weights_offset, ce_tag(), num_blocks_, stream);
+    join_side_streams(stream);
+    timeline_.mark("reduce", stream);
+    timeline_.print(rank_, "combine");
   } else {
+    timeline_.discard();
     launch_combine(comm_, k, stream);
   }
   check_cuda(cudaGetLastError(), "combine launch");

@@ -110,7 +110,7 @@ __device__ __forceinline__ uint64_t read_epoch(const CommArgs& comm) {
   return *reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_epoch);
 }
 
-// Copies `bytes` (multiple of 16, both 16-byte aligned) with one warp; 8 loads in flight per lane.
+// Copies `bytes` (multiple of 16, both 16-byte aligned) with one warp; up to 8 loads in flight per lane.
 template <bool kCoherent>
 __device__ __forceinline__ int4 load16(const int4* p) {
   if constexpr (kCoherent) {
@@ -126,15 +126,19 @@ __device__ __forceinline__ void warp_copy16_impl(char* dst, const char* src, int
   const int64_t n = bytes / 16;
   auto* d = reinterpret_cast<int4*>(dst);
   const auto* s = reinterpret_cast<const int4*>(src);
-  int64_t i = lane;
-  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+  // NOTE: the last round is predicated, not a loop of single loads: a 14 KB row is 4 rounds of loads
+  // per lane, not 3 plus 4 dependent ones.
+  for (int64_t i = lane; i < n; i += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load16<kCoherent>(s + i + 32 * u);
+    for (int u = 0; u < kUnroll; ++u) {
+      if (i + 32 * u < n) v[u] = load16<kCoherent>(s + i + 32 * u);
+    }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) d[i + 32 * u] = v[u];
+    for (int u = 0; u < kUnroll; ++u) {
+      if (i + 32 * u < n) d[i + 32 * u] = v[u];
+    }
   }
-  for (; i < n; i += 32) d[i] = load16<kCoherent>(s + i);
 }
 
 __device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
@@ -145,6 +149,12 @@ __device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t 
 // could hold a stale copy of a reused slot; L2 is the point of coherence for our own memory.
 __device__ __forceinline__ void warp_copy16_coherent(char* dst, const char* src, int64_t bytes, int lane) {
   warp_copy16_impl<true>(dst, src, bytes, lane);
+}
+
+// Asks L2 to fetch `bytes` (16-byte aligned, a multiple of 16) for loads that follow: one instruction
+// puts a whole row in flight, which a warp's loads alone (a few lines per lane) do not.
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes)) : "memory");
 }
 
 __device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int64_t bytes, int lane) {
@@ -257,48 +267,51 @@ __global__ void __cluster_dims__(kLayoutClusterBlocks, 1, 1) __launch_bounds__(k
 
 // ---- scan: one block per destination ----------------------------------------------------------
 
+// The exclusive count of set `flag`s among the threads before this one (thread order), and the block's
+// total in *total. Every thread of the block calls it; s_warp holds 32 ints of shared memory.
+__device__ __forceinline__ int block_exclusive_count(int flag, int32_t* s_warp, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) s_warp[warp] = __popc(ballot);
+  __syncthreads();
+  if (warp == 0) {
+    int v = lane < num_warps ? s_warp[lane] : 0;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, v, d);
+      if (lane >= d) v += o;
+    }
+    if (lane < num_warps) s_warp[lane] = v;  // inclusive
+  }
+  __syncthreads();
+  const int excl = (warp > 0 ? s_warp[warp - 1] : 0) + __popc(ballot & ((1u << lane) - 1));
+  *total = s_warp[num_warps - 1];
+  __syncthreads();  // s_warp is reused by the next call
+  return excl;
+}
+
 __global__ void __launch_bounds__(1024)
     scan_kernel(const uint8_t* in_rank, int64_t num_tokens, int num_ranks, int num_channels, int32_t* excl_pos,
                 int32_t* list_tok, int32_t* chan_start) {
   __shared__ int32_t s_warp[32];
-  __shared__ int32_t s_base;
   const int r = blockIdx.x;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int num_warps = blockDim.x >> 5;
   int32_t* pos = excl_pos + r * (num_tokens + 1);
-  if (threadIdx.x == 0) s_base = 0;
-  __syncthreads();
+  int base = 0;
   for (int64_t tile = 0; tile < num_tokens; tile += blockDim.x) {
     const int64_t t = tile + threadIdx.x;
     const int flag = t < num_tokens ? in_rank[t * num_ranks + r] : 0;
-    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-    const int in_warp = __popc(ballot & ((1u << lane) - 1));
-    if (lane == 0) s_warp[warp] = __popc(ballot);
-    __syncthreads();
-    if (warp == 0) {
-      int v = lane < num_warps ? s_warp[lane] : 0;
-      for (int d = 1; d < 32; d <<= 1) {
-        const int o = __shfl_up_sync(0xffffffffu, v, d);
-        if (lane >= d) v += o;
-      }
-      if (lane < num_warps) s_warp[lane] = v;  // inclusive
-    }
-    __syncthreads();
-    const int base = s_base;
-    const int excl = base + (warp > 0 ? s_warp[warp - 1] : 0) + in_warp;
+    int total = 0;
+    const int excl = base + block_exclusive_count(flag, s_warp, &total);
     if (t < num_tokens) {
       pos[t] = excl;
       if (flag) list_tok[r * num_tokens + excl] = static_cast<int32_t>(t);
     }
-    __syncthreads();
-    if (threadIdx.x == 0) s_base = base + s_warp[num_warps - 1];
-    __syncthreads();
+    base += total;
   }
-  if (threadIdx.x == 0) pos[num_tokens] = s_base;
+  if (threadIdx.x == 0) pos[num_tokens] = base;
   __syncthreads();
   for (int c = threadIdx.x; c <= num_channels; c += blockDim.x) {
     const int64_t begin = num_tokens * c / num_channels;
-    chan_start[r * (num_channels + 1) + c] = begin < num_tokens ? pos[begin] : s_base;
+    chan_start[r * (num_channels + 1) + c] = begin < num_tokens ? pos[begin] : base;
   }
 }
 
@@ -311,17 +324,19 @@ __global__ void advance_epoch_kernel(CommArgs comm) {
 
 __global__ void __launch_bounds__(256)
     notify_kernel(CommArgs comm, const int32_t* chan_start, const int32_t* per_expert, int num_local_experts,
-                  int expert_alignment, int32_t* recv_meta, int32_t* recv_expert_counts) {
+                  int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta,
+                  int32_t* recv_expert_counts) {
   __shared__ bool s_abort;
   const uint64_t epoch = read_epoch(comm);
   const int parity = static_cast<int>(epoch & 1);
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
   // NOTE: slot [parity][me] at each destination was last read in operation epoch - 2, which every
   // destination finished before it released our rings in epoch - 1 (we waited on that), so it is free.
-  int32_t max_rows = 0;  // to one remote destination
+  int32_t max_rows = 0;  // staging rows at one remote destination
   for (int r = 0; r < R; ++r) {
     const int32_t n = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
-    if (r != me && n > max_rows) max_rows = n;
+    const int32_t need = whole_copy(n, num_tokens, whole) ? static_cast<int32_t>(num_tokens) : n;
+    if (r != me && need > max_rows) max_rows = need;
   }
   const int64_t ring_kib = comm.ring_bytes >> 10;
   for (int r = 0; r < R; ++r) {
@@ -329,6 +344,8 @@ __global__ void __launch_bounds__(256)
     if (threadIdx.x == 0) {
       slot[0] = max_rows;
       slot[C + 2 + num_local_experts] = static_cast<int32_t>(ring_kib < 0x7fffffff ? ring_kib : 0x7fffffff);
+      const int32_t n = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
+      slot[C + 3 + num_local_experts] = whole_copy(n, num_tokens, whole) ? static_cast<int32_t>(num_tokens) : 0;
     }
     for (int i = threadIdx.x; i < C + 1; i += blockDim.x) slot[1 + i] = chan_start[r * (C + 1) + i];
     for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
@@ -362,6 +379,9 @@ __global__ void __launch_bounds__(256)
     }
     recv_meta[m.max_pair_rows()] = pair_rows;
     recv_meta[m.min_ring_kib()] = ring;
+  }
+  for (int s = threadIdx.x; s < R; s += blockDim.x) {
+    recv_meta[m.whole_tokens(s)] = mine[s * kNotifyInts + C + 3 + num_local_experts];
   }
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
     recv_meta[m.send_count(r)] = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
@@ -440,22 +460,30 @@ __device__ __forceinline__ int64_t topk_at(const DispatchKernelArgs& a, int64_t 
                          : static_cast<int64_t>(static_cast<const int32_t*>(a.topk_idx)[i]);
 }
 
+// Column j of token t's top-k as destination `dst` sees it: its local expert id (-1 elsewhere) and weight.
+struct LocalTopk {
+  int32_t id;
+  float weight;
+};
+__device__ __forceinline__ LocalTopk local_topk(const DispatchKernelArgs& a, int64_t t, int j, int dst) {
+  const int64_t expert_begin = static_cast<int64_t>(dst) * a.num_local_experts;
+  const int64_t e = topk_at(a, t * a.num_topk + j);
+  if (e < expert_begin || e >= expert_begin + a.num_local_experts) return {-1, 0.f};
+  return {static_cast<int32_t>(e - expert_begin), a.topk_weights != nullptr ? a.topk_weights[t * a.num_topk + j] : 0.f};
+}
+
 // One warp: token t as a ring row for destination `dst` (top-k ids remapped to its local experts).
 __device__ __forceinline__ void write_dispatch_row(const DispatchKernelArgs& a, const RowFormat& f, int64_t t, int dst,
                                                    char* row, int lane) {
-  const int K = a.num_topk;
-  const int64_t expert_begin = static_cast<int64_t>(dst) * a.num_local_experts;
   warp_copy16(row, a.x + t * a.x_row_bytes, a.x_row_bytes, lane);
   if (a.scale_row_bytes > 0) {
     const char* src = a.x_scales + t * a.scale_row_bytes;
     for (int64_t b = lane; b < a.scale_row_bytes; b += 32) row[f.off_scales + b] = src[b];
   }
-  if (lane < K && a.topk_idx != nullptr) {
-    const int64_t e = topk_at(a, t * K + lane);
-    const bool local = e >= expert_begin && e < expert_begin + a.num_local_experts;
-    reinterpret_cast<int32_t*>(row + f.off_topk)[lane] = local ? static_cast<int32_t>(e - expert_begin) : -1;
-    reinterpret_cast<float*>(row + f.off_weights)[lane] =
-        local && a.topk_weights != nullptr ? a.topk_weights[t * K + lane] : 0.f;
+  if (lane < a.num_topk && a.topk_idx != nullptr) {
+    const LocalTopk v = local_topk(a, t, lane, dst);
+    reinterpret_cast<int32_t*>(row + f.off_topk)[lane] = v.id;
+    reinterpret_cast<float*>(row + f.off_weights)[lane] = v.weight;
   }
   if (lane == 0) *reinterpret_cast<int32_t*>(row + f.off_src) = static_cast<int32_t>(t);
 }
@@ -481,25 +509,6 @@ __device__ __forceinline__ void read_dispatch_row(const DispatchKernelArgs& a, c
                    reinterpret_cast<const volatile float*>(row + f.off_weights)[lane]);
   }
   if (lane == 0) a.out_src_idx[p] = *reinterpret_cast<const volatile int32_t*>(row + f.off_src);
-}
-
-// One warp: this rank's own token t straight into output row p (what a ring round trip would give).
-__device__ __forceinline__ void write_dispatch_output(const DispatchKernelArgs& a, const RowFormat& f, int64_t t,
-                                                      int me, int64_t p, int lane) {
-  const int K = a.num_topk;
-  const int64_t expert_begin = static_cast<int64_t>(me) * a.num_local_experts;
-  warp_copy16(a.out_x + p * a.x_row_bytes, a.x + t * a.x_row_bytes, a.x_row_bytes, lane);
-  if (a.scale_row_bytes > 0) {
-    warp_copy_bytes(a.out_scales + p * a.scale_row_bytes, a.x_scales + t * a.scale_row_bytes, a.scale_row_bytes, lane);
-  }
-  if (lane < K && a.topk_idx != nullptr && a.out_topk_idx != nullptr) {
-    const int64_t e = topk_at(a, t * K + lane);
-    const bool local = e >= expert_begin && e < expert_begin + a.num_local_experts;
-    store_topk_out(a, p, lane, local ? static_cast<int32_t>(e - expert_begin) : -1,
-                   local && a.topk_weights != nullptr ? a.topk_weights[t * K + lane] : 0.f);
-  }
-  if (lane == 0) a.out_src_idx[p] = static_cast<int32_t>(t);
-  (void)f;
 }
 
 __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm, DispatchKernelArgs a) {
@@ -586,15 +595,24 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
 }
 
 // ---- copy-engine dispatch ----------------------------------------------------------------------
-// Stream order on this rank (host side in cuda_buffer_cuda.cpp): pack chunk 0..n-1 (SMs, local HBM)
-// -> an event per chunk -> a copy engine moves the chunk into each destination's staging slot -> a
-// one-block kernel publishes tail[me][0] = rows at the destination; meanwhile pack writes the own rows
-// and unpack copies arriving rows to the outputs. No flow control inside an operation: the host picks
-// this path only when the largest transfer fits a slot, on every rank alike (from notify's numbers).
+// Host side in cuda_buffer_cuda.cpp (CudaBuffer::dispatch_with_copy_engines); docs/normal-kernels.md.
+// Copy engines carry the rows: runs of consecutive tokens straight from x into the destination's
+// staging slot (or this rank's outputs), or SM-packed chunks when the list has too many runs; each
+// field has its own part of the slot, so the receiver's copy engine moves a chunk into its outputs
+// with one copy per field. Kernels here only wait, signal and write the small per-row fields. No flow
+// control inside an operation: the host picks this path only when the largest transfer fits a slot,
+// on every rank alike (from notify's numbers).
 
-// Every block of a copy-engine receive kernel calls this last. The last block to finish publishes
-// done = epoch to every rank (own rank too: the SM path's self-ring waits on it), so senders of the
-// next operation may overwrite our staging/rings.
+// done = epoch at every rank (own rank too: the SM path's self-ring waits on it), so senders of the
+// next operation may overwrite our staging/rings. The calling block's threads all call it.
+__device__ void publish_done(const CommArgs& comm, uint64_t epoch) {
+  const int R = comm.num_ranks, C = comm.num_channels;
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+    st_release_sys(sig(comm, i / C, comm.off_done, comm.rank * C + i % C), epoch);
+  }
+}
+
+// Every block of a copy-engine receive kernel calls this last; the last block to finish publishes done.
 __device__ void finish_copy_receive(const CommArgs& comm, uint64_t epoch) {
   __shared__ bool s_last;
   __syncthreads();
@@ -606,24 +624,65 @@ __device__ void finish_copy_receive(const CommArgs& comm, uint64_t epoch) {
     if (s_last) *reinterpret_cast<volatile unsigned*>(counter) = 0;  // the next launch follows in stream order
   }
   __syncthreads();
-  if (!s_last) return;
-  const int R = comm.num_ranks, C = comm.num_channels;
+  if (s_last) publish_done(comm, epoch);
+}
+
+__device__ __forceinline__ char* stage_slot_of(const CommArgs& comm, int owner, int src, int64_t slot_bytes) {
+  return comm.peers[owner] + comm.off_ring + stage_slot(src, owner, comm.num_ranks) * slot_bytes;
+}
+
+__global__ void __launch_bounds__(256)
+    copy_dispatch_begin_kernel(CommArgs comm, DispatchKernelArgs a, StageFields f, int64_t slot_bytes) {
+  __shared__ bool s_abort;
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  const uint64_t epoch = read_epoch(comm);
+  if (threadIdx.x == 0) s_abort = false;
+  __syncthreads();
   for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
-    st_release_sys(sig(comm, i / C, comm.off_done, comm.rank * C + i % C), epoch);
+    const int d = i / C, c = i % C;
+    if (d != me &&
+        !wait_geq(comm, sig(comm, me, comm.off_done, d * C + c), epoch - 1, kSiteCopyDispatchReleased, d, c)) {
+      s_abort = true;
+    }
+  }
+  __syncthreads();
+  if (s_abort) return;
+  const int64_t T = a.num_tokens;
+  const int K = a.num_topk;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  // One element per thread, consecutive threads at consecutive addresses (the remote stores coalesce).
+  for (int d = 0; d < R; ++d) {
+    if (d == me) continue;
+    const int64_t n = a.chan_start[d * (C + 1) + C];
+    const int32_t* list = a.list_tok + d * T;
+    char* slot = stage_slot_of(comm, d, me, slot_bytes);
+    for (int64_t i = first; i < n; i += stride) reinterpret_cast<int32_t*>(slot + f.src)[i] = list[i];
+    if (a.topk_idx == nullptr) continue;
+    for (int64_t e = first; e < n * K; e += stride) {
+      const int64_t i = e / K;
+      const LocalTopk v = local_topk(a, list[i], static_cast<int>(e - i * K), d);
+      if (a.topk_is_int64) {
+        reinterpret_cast<int64_t*>(slot + f.topk)[e] = v.id;
+      } else {
+        reinterpret_cast<int32_t*>(slot + f.topk)[e] = v.id;
+      }
+      if (a.topk_weights != nullptr) reinterpret_cast<float*>(slot + f.weights)[e] = v.weight;
+    }
   }
 }
 
-__global__ void __launch_bounds__(kNormalThreads) pack_kernel(CommArgs comm, DispatchKernelArgs a, char* send_stage,
-                                                              RowCounts send_offset, int chunk, int num_chunks) {
+__global__ void __launch_bounds__(kNormalThreads)
+    pack_fields_kernel(CommArgs comm, DispatchKernelArgs a, char* stage_x, char* stage_scales, RowCounts send_offset,
+                       unsigned pack_mask, int chunk, int num_chunks) {
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
-  const RowFormat f(a);
   const int lane = threadIdx.x & 31;
   const int64_t warp_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  const int64_t T = a.num_tokens;
+  const int64_t T = a.num_tokens, xb = a.x_row_bytes, sb = a.scale_row_bytes;
   int64_t begin[kMaxRanks], count[kMaxRanks], total = 0;
   for (int d = 0; d < R; ++d) {
-    const int64_t n = d == me ? 0 : a.chan_start[d * (C + 1) + C];
+    const int64_t n = d != me && ((pack_mask >> d) & 1u) ? a.chan_start[d * (C + 1) + C] : 0;
     begin[d] = chunk_begin(n, num_chunks, chunk);
     count[d] = chunk_begin(n, num_chunks, chunk + 1) - begin[d];
     total += count[d];
@@ -633,28 +692,30 @@ __global__ void __launch_bounds__(kNormalThreads) pack_kernel(CommArgs comm, Dis
     int64_t j = i;
     while (j >= count[d]) j -= count[d++];
     const int64_t row = begin[d] + j;
-    write_dispatch_row(a, f, a.list_tok[d * T + row], d, send_stage + (send_offset.v[d] + row) * a.row_bytes, lane);
+    const int64_t t = a.list_tok[d * T + row];
+    const int64_t p = send_offset.v[d] + row;
+    if (lane == 0) prefetch_l2(a.x + t * xb, xb);
+    warp_copy16(stage_x + p * xb, a.x + t * xb, xb, lane);
+    if (sb > 0) warp_copy_bytes(stage_scales + p * sb, a.x_scales + t * sb, sb, lane);
   }
 }
 
+// Items of kItemRows rows: this rank's own rows first (nothing to wait for), then every remote source's
+// rows, interleaved over sources so that early rows go first.
 __global__ void __launch_bounds__(kNormalThreads)
-    unpack_kernel(CommArgs comm, DispatchKernelArgs a, int64_t slot_bytes) {
+    unpack_fields_kernel(CommArgs comm, DispatchKernelArgs a, StageFields f, int64_t slot_bytes, uint64_t ce_tag) {
   constexpr int64_t kItemRows = 32;
   __shared__ bool s_abort;
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
   const RecvMetaLayout m{R, C, a.num_local_experts};
   const uint64_t epoch = read_epoch(comm);
-  const uint64_t tag = epoch << 32;
-  const RowFormat f(a);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const int64_t T = a.num_tokens, xb = a.x_row_bytes, sb = a.scale_row_bytes;
   int64_t max_rows = 0;
   for (int s = 0; s < R; ++s) {
     const int64_t n = a.recv_meta[m.chan_start(s, C)] - a.recv_meta[m.chan_start(s, 0)];
     if (s != me && n > max_rows) max_rows = n;
   }
-  // Own rows first (nothing to wait for), then items of kItemRows rows, interleaved over sources so
-  // that early rows of every source go first.
-  const int64_t T = a.num_tokens;
   const int64_t num_own = a.chan_start[me * (C + 1) + C];
   const int64_t num_own_items = (num_own + kItemRows - 1) / kItemRows;
   const int64_t num_items = num_own_items + (max_rows + kItemRows - 1) / kItemRows * (R - 1);
@@ -662,29 +723,72 @@ __global__ void __launch_bounds__(kNormalThreads)
     if (id < num_own_items) {
       const int64_t own_base = a.recv_meta[m.rank_prefix(me)];
       const int64_t end = (id + 1) * kItemRows < num_own ? (id + 1) * kItemRows : num_own;
+      // This item's rows and the next own item's: the copies below read from L2.
+      for (int64_t i = id * kItemRows + threadIdx.x; i < end; i += blockDim.x)
+        prefetch_l2(a.x + a.list_tok[me * T + i] * xb, xb);
+      if (id + gridDim.x < num_own_items && threadIdx.x >= kItemRows && threadIdx.x < 2 * kItemRows) {
+        const int64_t i = (id + gridDim.x) * kItemRows + threadIdx.x - kItemRows;
+        if (i < num_own) prefetch_l2(a.x + a.list_tok[me * T + i] * xb, xb);
+      }
       for (int64_t i = id * kItemRows + warp; i < end; i += num_warps) {
-        write_dispatch_output(a, f, a.list_tok[me * T + i], me, own_base + i, lane);
+        const int64_t t = a.list_tok[me * T + i], p = own_base + i;
+        warp_copy16(a.out_x + p * xb, a.x + t * xb, xb, lane);
+        if (sb > 0) warp_copy_bytes(a.out_scales + p * sb, a.x_scales + t * sb, sb, lane);
+        if (lane < a.num_topk && a.topk_idx != nullptr && a.out_topk_idx != nullptr) {
+          const LocalTopk v = local_topk(a, t, lane, me);
+          store_topk_out(a, p, lane, v.id, v.weight);
+        }
+        if (lane == 0) a.out_src_idx[p] = static_cast<int32_t>(t);
       }
       continue;
     }
     const int64_t item = id - num_own_items;
-    const int slot = static_cast<int>(item % (R - 1));
-    const int src = (slot + me + 1) % R;  // stage_slot(src, me) == slot
+    const int slot_id = static_cast<int>(item % (R - 1));
+    const int src = (slot_id + me + 1) % R;  // stage_slot(src, me) == slot_id
     const int64_t n = a.recv_meta[m.chan_start(src, C)] - a.recv_meta[m.chan_start(src, 0)];
     const int64_t begin = item / (R - 1) * kItemRows;
     if (begin >= n) continue;
     const int64_t end = begin + kItemRows < n ? begin + kItemRows : n;
+    const char* slot = stage_slot_of(comm, me, src, slot_bytes);
+    const auto* src_ids = reinterpret_cast<const int32_t*>(slot + f.src);
+    const bool whole = a.recv_meta[m.whole_tokens(src)] > 0;
     if (threadIdx.x == 0) {
-      // Acquire: the copy engine's rows landed before the signal kernel's release (stream order).
-      s_abort = !wait_geq(comm, sig(comm, me, comm.off_tail, src * C), tag + static_cast<uint64_t>(end),
-                          kSiteCopyDispatchRows, src, 0);
+      // Acquire: the copy engine's rows (and the begin kernel's fields, written before the first copy)
+      // landed before the signal (stream order). Whole x: the signal counts tokens, so wait for the
+      // first signal of this operation, then for the token of the item's last row.
+      const uint64_t* tail = sig(comm, me, comm.off_ce_tail, src);
+      bool ok = true;
+      int64_t need = end;
+      if (whole) {
+        ok = wait_geq(comm, tail, ce_tag, kSiteCopyDispatchRows, src, 0);
+        need = ok ? static_cast<int64_t>(*reinterpret_cast<const volatile int32_t*>(src_ids + end - 1)) + 1 : 0;
+      }
+      s_abort = !ok || !wait_geq(comm, tail, ce_tag + static_cast<uint64_t>(need), kSiteCopyDispatchRows, src, 0);
     }
     __syncthreads();
     if (s_abort) return;
-    const char* rows = comm.peers[me] + comm.off_ring + slot * slot_bytes;
     const int64_t out_base = a.recv_meta[m.rank_prefix(src)];
-    for (int64_t i = begin + warp; i < end; i += num_warps)
-      read_dispatch_row(a, f, rows + i * a.row_bytes, out_base + i, lane);
+    if (threadIdx.x < end - begin) {
+      const int64_t i = begin + threadIdx.x;
+      prefetch_l2(slot + f.x + (whole ? __ldcg(src_ids + i) : i) * xb, xb);
+    }
+    for (int64_t i = begin + warp; i < end; i += num_warps) {
+      const int64_t p = out_base + i;
+      const int32_t token = __ldcg(src_ids + i);
+      const int64_t row = whole ? token : i;
+      warp_copy16_coherent(a.out_x + p * xb, slot + f.x + row * xb, xb, lane);
+      if (sb > 0) warp_copy_bytes(a.out_scales + p * sb, slot + f.scales + row * sb, sb, lane);
+      if (lane < a.num_topk && a.out_topk_idx != nullptr) {
+        const int64_t e = i * a.num_topk + lane;
+        const int32_t id = a.topk_is_int64
+                               ? static_cast<int32_t>(__ldcg(reinterpret_cast<const long long*>(slot + f.topk) + e))
+                               : __ldcg(reinterpret_cast<const int32_t*>(slot + f.topk) + e);
+        const float w =
+            a.out_topk_weights != nullptr ? __ldcg(reinterpret_cast<const float*>(slot + f.weights) + e) : 0.f;
+        store_topk_out(a, p, lane, id, w);
+      }
+      if (lane == 0) a.out_src_idx[p] = token;
+    }
     __syncthreads();
   }
   finish_copy_receive(comm, epoch);
@@ -701,11 +805,10 @@ __global__ void wait_released_kernel(CommArgs comm, int32_t site) {
 
 // NOTE: launched after the copies (events), so the rows are in the destination's memory; the release
 // at system scope orders this flag after them for the destination's acquire.
-__global__ void signal_rows_kernel(CommArgs comm, RowCounts rows) {
-  const uint64_t tag = read_epoch(comm) << 32;
+__global__ void signal_rows_kernel(CommArgs comm, RowCounts rows, uint64_t ce_tag) {
   const int d = threadIdx.x;
   if (d < comm.num_ranks && d != comm.rank && rows.v[d] >= 0) {
-    st_release_sys(sig(comm, d, comm.off_tail, comm.rank * comm.num_channels), tag + static_cast<uint64_t>(rows.v[d]));
+    st_release_sys(sig(comm, d, comm.off_ce_tail, comm.rank), ce_tag + static_cast<uint64_t>(rows.v[d]));
   }
 }
 
@@ -723,6 +826,9 @@ __device__ __forceinline__ uint32_t to_bf16(float f) {
 
 // One warp: out[tt] = bf16(sum of the rows (fp32, in the given order) + bias_0 + bias_1), and the same
 // sum of the top-k weights rows. Rows may be written by other GPUs or copy engines: loads skip L1.
+// kPairs: two source rows' loads in flight before either is added (more registers: blocks of at most
+// kReduceThreads threads).
+template <bool kPairs>
 __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t tt, const char* const* rows,
                                              const float* const* wrows, int num_src, int lane) {
   const int64_t H = a.hidden;
@@ -738,13 +844,14 @@ __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t
 #pragma unroll
       for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
     }
-    auto accumulate = [&](const int4* base, bool coherent) {
-      int4 in[kUnroll];
+    auto load = [&](const int4* base, bool coherent, int4* in) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t v = v0 + 32 * u;
         in[u] = v < num_chunks ? (coherent ? __ldcg(base + v) : __ldg(base + v)) : make_int4(0, 0, 0, 0);
       }
+    };
+    auto add = [&](const int4* in) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const uint32_t w[4] = {static_cast<uint32_t>(in[u].x), static_cast<uint32_t>(in[u].y),
@@ -756,9 +863,19 @@ __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t
         }
       }
     };
-    for (int j = 0; j < num_src; ++j) accumulate(reinterpret_cast<const int4*>(rows[j]), true);
+    // The sum order stays j = 0, 1, 2, ... either way.
+    for (int j = 0; j < num_src; j += kPairs ? 2 : 1) {
+      int4 in0[kUnroll], in1[kUnroll];
+      load(reinterpret_cast<const int4*>(rows[j]), true, in0);
+      if (kPairs && j + 1 < num_src) load(reinterpret_cast<const int4*>(rows[j + 1]), true, in1);
+      add(in0);
+      if (kPairs && j + 1 < num_src) add(in1);
+    }
     for (const uint16_t* bias : biases) {
-      if (bias != nullptr) accumulate(reinterpret_cast<const int4*>(bias + tt * H), false);
+      if (bias == nullptr) continue;
+      int4 in[kUnroll];
+      load(reinterpret_cast<const int4*>(bias + tt * H), false, in);
+      add(in);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -882,7 +999,7 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
       }
       const float* wrows[kMaxRanks];
       for (int j = 0; j < num_src; ++j) wrows[j] = reinterpret_cast<const float*>(rows[j] + x_bytes);
-      reduce_token(a, tt, rows, wrows, num_src, lane);
+      reduce_token<false>(a, tt, rows, wrows, num_src, lane);
     }
     // Rows consumed per source rank: one count per rank over the processed tokens.
     const bool mine = threadIdx.x < num_ready;
@@ -904,18 +1021,24 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
 // Copy-engine combine, receive side (see the dispatch notes above): windows of tokens, each block
 // waits until every remote rank's rows up to its window's end arrived, then reduces it. Own rows are
 // read from the combine input.
-__global__ void __launch_bounds__(kNormalThreads)
-    combine_reduce_kernel(CommArgs comm, CombineKernelArgs a, int64_t slot_bytes, int64_t weights_offset) {
+__global__ void __launch_bounds__(kReduceThreads)
+    combine_reduce_kernel(CommArgs comm, CombineKernelArgs a, int64_t slot_bytes, int64_t weights_offset,
+                          uint64_t ce_tag) {
   __shared__ bool s_abort;
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const int64_t kWindow = num_warps;  // one token per warp
   const uint64_t epoch = read_epoch(comm);
-  const uint64_t tag = epoch << 32;
   const int64_t T = a.num_tokens, H = a.hidden;
   const int K = a.num_topk;
   const int64_t own_base = a.recv_meta[RecvMetaLayout{R, C, 0}.rank_prefix(me)];
   const int64_t num_windows = (T + kWindow - 1) / kWindow;
+  // Token tt's row from rank r (which it went to): own rows in x, the others in r's staging slot.
+  auto row_of = [&](int64_t tt, int r) -> const char* {
+    const int64_t li = a.excl_pos[r * (T + 1) + tt];
+    if (r == me) return reinterpret_cast<const char*>(a.x + (own_base + li) * H);
+    return comm.peers[me] + comm.off_ring + stage_slot(r, me, R) * slot_bytes + li * H * 2;
+  };
   for (int64_t w = blockIdx.x; w < num_windows; w += gridDim.x) {
     const int64_t t0 = w * kWindow, t1 = t0 + kWindow < T ? t0 + kWindow : T;
     if (threadIdx.x == 0) s_abort = false;
@@ -923,7 +1046,7 @@ __global__ void __launch_bounds__(kNormalThreads)
     if (threadIdx.x < R && static_cast<int>(threadIdx.x) != me) {
       const int r = threadIdx.x;
       const int64_t need = a.excl_pos[r * (T + 1) + t1];  // rows of tokens < t1 that went to r
-      if (need > 0 && !wait_geq(comm, sig(comm, me, comm.off_tail, r * C), tag + static_cast<uint64_t>(need),
+      if (need > 0 && !wait_geq(comm, sig(comm, me, comm.off_ce_tail, r), ce_tag + static_cast<uint64_t>(need),
                                 kSiteCopyCombineRows, r, 0)) {
         s_abort = true;
       }
@@ -937,17 +1060,15 @@ __global__ void __launch_bounds__(kNormalThreads)
       for (int r = 0; r < R; ++r) {
         if (!a.is_token_in_rank[tt * R + r]) continue;
         const int64_t li = a.excl_pos[r * (T + 1) + tt];
-        if (r == me) {
-          rows[num_src] = reinterpret_cast<const char*>(a.x + (own_base + li) * H);
-          wrows[num_src] = a.topk_weights + (own_base + li) * K;
-        } else {
-          const char* slot = comm.peers[me] + comm.off_ring + stage_slot(r, me, R) * slot_bytes;
-          rows[num_src] = slot + li * H * 2;
-          wrows[num_src] = reinterpret_cast<const float*>(slot + weights_offset) + li * K;
-        }
+        rows[num_src] = row_of(tt, r);
+        wrows[num_src] = r == me ? a.topk_weights + (own_base + li) * K
+                                 : reinterpret_cast<const float*>(comm.peers[me] + comm.off_ring +
+                                                                  stage_slot(r, me, R) * slot_bytes + weights_offset) +
+                                       li * K;
         ++num_src;
       }
-      reduce_token(a, tt, rows, wrows, num_src, lane);
+      if (lane < num_src) prefetch_l2(rows[lane], H * 2);
+      reduce_token<true>(a, tt, rows, wrows, num_src, lane);
     }
     __syncthreads();
   }
@@ -982,10 +1103,10 @@ void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream) {
 }
 
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
-                   int num_local_experts, int expert_alignment, int32_t* recv_meta, int32_t* recv_expert_counts,
-                   cudaStream_t stream) {
+                   int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta,
+                   int32_t* recv_expert_counts, cudaStream_t stream) {
   notify_kernel<<<1, 256, 0, stream>>>(comm, chan_start, num_tokens_per_expert, num_local_experts, expert_alignment,
-                                       recv_meta, recv_expert_counts);
+                                       num_tokens, whole, recv_meta, recv_expert_counts);
 }
 
 void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, cudaStream_t stream) {
@@ -996,27 +1117,34 @@ void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, cudaStr
   combine_kernel<<<comm.num_channels * 2, kNormalThreads, 0, stream>>>(comm, args);
 }
 
-void launch_pack(const CommArgs& comm, const DispatchKernelArgs& args, char* send_stage, const RowCounts& send_offset,
-                 int chunk, int num_chunks, int num_blocks, cudaStream_t stream) {
-  pack_kernel<<<num_blocks, kNormalThreads, 0, stream>>>(comm, args, send_stage, send_offset, chunk, num_chunks);
+void launch_copy_dispatch_begin(const CommArgs& comm, const DispatchKernelArgs& args, const StageFields& fields,
+                                int64_t slot_bytes, cudaStream_t stream) {
+  copy_dispatch_begin_kernel<<<16, 256, 0, stream>>>(comm, args, fields, slot_bytes);
 }
 
-void launch_unpack(const CommArgs& comm, const DispatchKernelArgs& args, int64_t slot_bytes, int num_blocks,
-                   cudaStream_t stream) {
-  unpack_kernel<<<num_blocks, kNormalThreads, 0, stream>>>(comm, args, slot_bytes);
+void launch_pack_fields(const CommArgs& comm, const DispatchKernelArgs& args, char* stage_x, char* stage_scales,
+                        const RowCounts& send_offset, unsigned pack_mask, int chunk, int num_chunks, int num_blocks,
+                        cudaStream_t stream) {
+  pack_fields_kernel<<<num_blocks, kNormalThreads, 0, stream>>>(comm, args, stage_x, stage_scales, send_offset,
+                                                                pack_mask, chunk, num_chunks);
+}
+
+void launch_unpack_fields(const CommArgs& comm, const DispatchKernelArgs& args, const StageFields& fields,
+                          int64_t slot_bytes, uint64_t ce_tag, int num_blocks, cudaStream_t stream) {
+  unpack_fields_kernel<<<num_blocks, kNormalThreads, 0, stream>>>(comm, args, fields, slot_bytes, ce_tag);
 }
 
 void launch_wait_released(const CommArgs& comm, int32_t site, cudaStream_t stream) {
   wait_released_kernel<<<1, 512, 0, stream>>>(comm, site);
 }
 
-void launch_signal_rows(const CommArgs& comm, const RowCounts& rows, cudaStream_t stream) {
-  signal_rows_kernel<<<1, 32, 0, stream>>>(comm, rows);
+void launch_signal_rows(const CommArgs& comm, const RowCounts& rows, uint64_t ce_tag, cudaStream_t stream) {
+  signal_rows_kernel<<<1, 32, 0, stream>>>(comm, rows, ce_tag);
 }
 
 void launch_combine_reduce(const CommArgs& comm, const CombineKernelArgs& args, int64_t slot_bytes,
-                           int64_t weights_offset, int num_blocks, cudaStream_t stream) {
-  combine_reduce_kernel<<<num_blocks, kNormalThreads, 0, stream>>>(comm, args, slot_bytes, weights_offset);
+                           int64_t weights_offset, uint64_t ce_tag, int num_blocks, cudaStream_t stream) {
+  combine_reduce_kernel<<<num_blocks, kReduceThreads, 0, stream>>>(comm, args, slot_bytes, weights_offset, ce_tag);
 }
 
 }  // namespace epx::cuda

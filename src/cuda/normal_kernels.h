@@ -13,9 +13,10 @@ inline constexpr int kMaxChannels = 64;        // num_sms / 2, num_sms <= 128
 inline constexpr int kMaxLocalExperts = 1024;  // notify carries one count per local expert
 inline constexpr int kMaxTopk = 16;
 inline constexpr int kMaxExperts = 8192;  // the layout kernel counts experts in shared memory
-// Notify slot: [0] the source's largest row count to one remote destination, [1, C + 2) channel
-// prefixes, [C + 2, C + 2 + E_local) expert counts, then the source's ring area in KiB.
-inline constexpr int kNotifyInts = 2 + kMaxChannels + 1 + kMaxLocalExperts;
+// Notify slot: [0] the source's largest staging need (rows) to one remote destination, [1, C + 2)
+// channel prefixes, [C + 2, C + 2 + E_local) expert counts, then the source's ring area in KiB and its
+// token count if it sends whole x to this destination (0: packed rows).
+inline constexpr int kNotifyInts = 3 + kMaxChannels + 1 + kMaxLocalExperts;
 inline constexpr int kLayoutThreads = 256;
 inline constexpr int kLayoutClusterBlocks = 8;  // portable cluster size
 inline constexpr int kLayoutClusterThreads = 1024;
@@ -23,6 +24,7 @@ inline constexpr int64_t kLayoutClusterEntries = int64_t{1} << 18;  // T * K up 
 inline constexpr int kMaxCopyChunks = 8;                            // copy-engine path: chunks per destination
 inline constexpr int64_t kCopyChunkRows = 1024;                     // target rows per chunk
 inline constexpr int kNormalThreads = 768;                          // 24 warps: split evenly over 2, 4 or 8 peers
+inline constexpr int kReduceThreads = 512;  // copy-engine combine's reduction: registers for two rows in flight
 
 // Written by the device into mapped pinned host memory: the first failure of an operation. code != 0
 // also tells every other wait of the buffer to give up (abort).
@@ -66,9 +68,12 @@ struct CommArgs {
   int64_t off_notify_flag;   // uint64 [2][R src]
   int64_t off_notify;        // int32 [2][R src][kNotifyInts]
   int64_t off_copy_counter;  // uint32: blocks of the copy-engine receive kernel that finished (local only)
-  int64_t off_ring;          // ring rows [R src][C][ring_rows][row_bytes]; or the copy-engine staging slots
-  int64_t ring_bytes;        // bytes available for rings
-  int64_t signal_bytes;      // bytes [0, off_ring) zeroed by a reset
+  // uint64 [R src]: rows (or tokens) the source's copy engine delivered into my staging, tagged with the
+  // copy-engine operation count (ce_tag: a host counter, so a stream can write it without a kernel).
+  int64_t off_ce_tail;
+  int64_t off_ring;      // ring rows [R src][C][ring_rows][row_bytes]; or the copy-engine staging slots
+  int64_t ring_bytes;    // bytes available for rings
+  int64_t signal_bytes;  // bytes [0, off_ring) zeroed by a reset
   uint64_t timeout_ns;
   // Device aliases of mapped host records: [0] timeouts (also the abort signal of every wait of this
   // rank), [1] bad values (topk_idx out of range, worst-token overflow), which abort nothing.
@@ -84,11 +89,13 @@ struct RecvMetaLayout {
   __host__ __device__ int expert_count(int j) const { return num_recv() + 1 + j; }
   // Rows this rank sends to each destination (its own lists).
   __host__ __device__ int send_count(int r) const { return expert_count(num_local_experts) + r; }
-  // Largest row count from one rank to another rank (the same on every rank): sizes the staging.
+  // Largest staging need (rows) from one rank to another rank (the same on every rank): sizes the staging.
   __host__ __device__ int max_pair_rows() const { return send_count(num_ranks); }
   // Smallest ring area of all ranks, KiB (the same on every rank).
   __host__ __device__ int min_ring_kib() const { return max_pair_rows() + 1; }
-  __host__ __device__ int size() const { return min_ring_kib() + 1; }
+  // Source s's token count when it sends its whole x to this rank (whole_copy), else 0.
+  __host__ __device__ int whole_tokens(int s) const { return min_ring_kib() + 1 + s; }
+  __host__ __device__ int size() const { return whole_tokens(num_ranks); }
 };
 
 // ---- copy-engine path (docs/normal-kernels.md) -----------------------------------------------------
@@ -107,6 +114,21 @@ __host__ __device__ inline int64_t chunk_begin(int64_t n, int num_chunks, int j)
 
 struct RowCounts {
   int64_t v[kMaxRanks];
+};
+
+// Copy-engine dispatch: a source sends its whole x (every token, one copy per chunk, the receiver picks
+// its rows) to a destination that gets at least 15/16 of its tokens, else SM-packed rows. Both sides
+// decide with this rule (`enabled` comes from the sender through notify).
+__host__ __device__ inline bool whole_copy(int64_t rows, int64_t num_tokens, bool enabled) {
+  return enabled && rows > 0 && rows * 16 >= num_tokens * 15;
+}
+
+// Where the copy-engine dispatch keeps each field of `cap` rows in a staging slot (byte offsets from
+// the slot; absent fields take no bytes): x rows, scale rows, top-k ids (the output's integer type),
+// top-k weights, source token ids. x and scale rows are indexed by token when the source sends whole x,
+// else by row; the other fields always by row.
+struct StageFields {
+  int64_t x, scales, topk, weights, src, end;
 };
 
 struct DispatchKernelArgs {
@@ -164,9 +186,10 @@ void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int 
 void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ranks, int num_channels,
                  int32_t* excl_pos, int32_t* list_tok, int32_t* chan_start, cudaStream_t stream);
 void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream);
+// Notify also tells each destination whether this rank sends it whole x (whole_copy with `whole`).
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
-                   int num_local_experts, int expert_alignment, int32_t* recv_meta, int32_t* recv_expert_counts,
-                   cudaStream_t stream);
+                   int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta,
+                   int32_t* recv_expert_counts, cudaStream_t stream);
 void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, cudaStream_t stream);
 
 // Copy-engine dispatch. pack: rows of chunk `chunk` of every remote destination's list into
@@ -177,17 +200,30 @@ void launch_pack(const CommArgs& comm, const DispatchKernelArgs& args, char* sen
                  int chunk, int num_chunks, int num_blocks, cudaStream_t stream);
 void launch_unpack(const CommArgs& comm, const DispatchKernelArgs& args, int64_t slot_bytes, int num_blocks,
                    cudaStream_t stream);
+// Copy-engine dispatch with field-separated staging (StageFields). begin: waits until every peer released
+// the previous operation, then writes the source ids, top-k ids and weights of the rows for each remote
+// destination into its slot. pack_fields: chunk `chunk` of the destinations in pack_mask (bit per rank)
+// by SMs into `stage` (x at stage_x, scales at stage_scales, row send_offset[dst] + i). unpack_fields:
+// this rank's own rows into the outputs, then every remote source's rows from its slot as they arrive
+// (ce_tail[src] >= ce_tag + rows, or tokens when the source sends whole x); the last block publishes done.
+void launch_copy_dispatch_begin(const CommArgs& comm, const DispatchKernelArgs& args, const StageFields& fields,
+                                int64_t slot_bytes, cudaStream_t stream);
+void launch_pack_fields(const CommArgs& comm, const DispatchKernelArgs& args, char* stage_x, char* stage_scales,
+                        const RowCounts& send_offset, unsigned pack_mask, int chunk, int num_chunks, int num_blocks,
+                        cudaStream_t stream);
+void launch_unpack_fields(const CommArgs& comm, const DispatchKernelArgs& args, const StageFields& fields,
+                          int64_t slot_bytes, uint64_t ce_tag, int num_blocks, cudaStream_t stream);
 // Before a copy engine writes into peers' staging: wait until every remote destination released the
 // previous operation (done >= epoch - 1 on every channel). One block.
 void launch_wait_released(const CommArgs& comm, int32_t site, cudaStream_t stream);
-// After a copy into peers' staging completed: tail[me][0] at destination d = (epoch << 32) | rows.v[d]
-// for every remote d with rows.v[d] >= 0.
-void launch_signal_rows(const CommArgs& comm, const RowCounts& rows, cudaStream_t stream);
+// After a copy into peers' staging completed: ce_tail[me] at destination d = ce_tag + rows.v[d] for every
+// remote d with rows.v[d] >= 0.
+void launch_signal_rows(const CommArgs& comm, const RowCounts& rows, uint64_t ce_tag, cudaStream_t stream);
 void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, cudaStream_t stream);
 // Copy-engine combine, receive side: the rows of every remote rank arrive in its staging slot (x rows
 // from 0, top-k weights rows from weights_offset); own rows are read from args.x. Tokens are reduced in
 // windows once every rank's rows up to the window's end arrived; the last block publishes done.
 void launch_combine_reduce(const CommArgs& comm, const CombineKernelArgs& args, int64_t slot_bytes,
-                           int64_t weights_offset, int num_blocks, cudaStream_t stream);
+                           int64_t weights_offset, uint64_t ce_tag, int num_blocks, cudaStream_t stream);
 
 }  // namespace epx::cuda

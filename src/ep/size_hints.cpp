@@ -27,9 +27,12 @@ int64_t normal_buffer_size_hint(int64_t hidden, int num_ranks, int num_sms, int6
   // The largest row: bf16 data, fp32 scales per 128 channels, top-k ids and weights, source index.
   const int64_t row_bytes = align16(hidden * 2 + (hidden + 127) / 128 * 4 + 8 * kMaxTopk + 4);
   const int64_t rings = int64_t{num_ranks} * num_channels * kDefaultRingRows * row_bytes;
-  // Copy-engine staging (src/cuda/cuda_buffer_cuda.cpp, copy_slot_bytes): the ring area, rounded down to
-  // KiB, split into one 256-byte aligned slot per peer, each holding up to T rows (2 KiB covers the rounding).
-  const int64_t slot = (max_tokens_per_rank * row_bytes + 255) / 256 * 256 + 2048;
+  // Copy-engine staging (src/cuda/cuda_buffer_cuda.cpp, stage_fields and copy_slot_bytes): the ring area,
+  // rounded down to KiB, split into one 256-byte aligned slot per peer, each holding the fields of up to T
+  // rows in separate 256-byte aligned parts: data, scales, int64 top-k ids, weights, source index (the five
+  // alignments and the rounding take at most 3 KiB).
+  const int64_t staged_row = hidden * 2 + (hidden + 127) / 128 * 4 + 12 * kMaxTopk + 4;
+  const int64_t slot = max_tokens_per_rank * staged_row + 3072;
   const int64_t staging = num_ranks > 1 && max_tokens_per_rank > 0 ? int64_t{num_ranks - 1} * slot : 0;
   return kSignalBytes + (rings > staging ? rings : staging);
 }

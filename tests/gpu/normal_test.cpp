@@ -412,6 +412,22 @@ TEST_F(NormalGpuTest, Ep2SmPathForced) {
   ::unsetenv("EPX_NORMAL_COPY_ENGINE");
 }
 
+// The copy-engine path with every destination's rows packed by SMs first (EPX_COPY_WHOLE=0; EP2 at this
+// shape would copy whole x), fp8 with scales and int32 top-k ids.
+TEST_F(NormalGpuTest, Ep2PackedCopiesFp8) {
+  ::setenv("EPX_COPY_WHOLE", "0", 1);
+  Case c;
+  c.devices = two_ranks();
+  c.tokens = {3000, 4096};
+  c.hidden = 7168;
+  c.num_topk = 8;
+  c.num_experts = 256;
+  c.fp8 = true;
+  c.topk_int32 = true;
+  run_and_compare(c);
+  ::unsetenv("EPX_COPY_WHOLE");
+}
+
 TEST_F(NormalGpuTest, Ep2SmallShapesAndInt32Topk) {
   for (int64_t t : {0, 1, 127}) {
     Case c;

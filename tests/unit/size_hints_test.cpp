@@ -8,13 +8,14 @@ namespace epx {
 namespace {
 
 // The copy-engine path (src/cuda/cuda_buffer_cuda.cpp, copy_slot_bytes) takes the region past the 1 MiB signal
-// area, rounds it down to KiB, splits it into one 256-byte aligned slot per peer, and needs T rows of the largest
-// row (bf16 data, fp32 scales, top-16 ids and weights, source index; 16-byte aligned) in a slot.
+// area, rounds it down to KiB, splits it into one 256-byte aligned slot per peer, and needs the fields of T rows
+// in a slot, each field 256-byte aligned (stage_fields): bf16 data, fp32 scales, top-16 int64 ids, fp32 weights,
+// int32 source index.
 TEST(SizeHints, NormalHintCoversCopyEngineStaging) {
   for (int ranks : {1, 2, 4, 8}) {
     for (int64_t hidden : {2048, 7168}) {
       const int64_t rings = normal_buffer_size_hint(hidden, ranks, 24);
-      const int64_t row = (hidden * 2 + hidden / 128 * 4 + 8 * 16 + 4 + 15) / 16 * 16;
+      auto up256 = [](int64_t v) { return (v + 255) / 256 * 256; };
       int64_t previous = rings;
       for (int64_t tokens : {1, 128, 4096, 16384}) {
         const int64_t hint = normal_buffer_size_hint(hidden, ranks, 24, tokens);
@@ -23,7 +24,9 @@ TEST(SizeHints, NormalHintCoversCopyEngineStaging) {
         if (ranks > 1) {
           const int64_t ring_bytes = (hint - (int64_t{1} << 20)) >> 10 << 10;
           const int64_t slot = ring_bytes / (ranks - 1) / 256 * 256;
-          EXPECT_GE(slot, tokens * row) << ranks << " ranks, hidden " << hidden << ", " << tokens << " tokens";
+          const int64_t fields = up256(tokens * hidden * 2) + up256(tokens * hidden / 128 * 4) +
+                                 up256(tokens * 8 * 16) + up256(tokens * 4 * 16) + up256(tokens * 4);
+          EXPECT_GE(slot, fields) << ranks << " ranks, hidden " << hidden << ", " << tokens << " tokens";
         }
         previous = hint;
       }
