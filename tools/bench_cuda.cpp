@@ -231,34 +231,38 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
         res = buffer->dispatch(a);
       });
       host_s[1] = t_last_host_s;
-      g.barrier();
-      const double cached_s = time_on_stream(stream, warm, iters, [&](int i) {
+      // Each phase's call, timed twice: synchronized after every call, and back to back.
+      auto cached_call = [&](int i) {
         DispatchArgs a;
         a.x = xs[i & 1];
         a.handle = res.handle;
         a.stream = stream;
         DispatchResult again = buffer->dispatch(a);
-      });
-      host_s[2] = t_last_host_s;
-      g.barrier();
-      const double fp8_s = time_on_stream(stream, warm, iters, [&](int) {
+      };
+      auto fp8_call = [&] {
         DispatchArgs a;
         a.x = x8;
         a.x_scales = sc;
         a.handle = res.handle;
         a.stream = stream;
         DispatchResult again = buffer->dispatch(a);
-      });
-      host_s[3] = t_last_host_s;
+      };
       CombineResult comb;
-      g.barrier();
-      const double comb_s = time_on_stream(stream, warm, iters, [&](int) {
+      auto combine_call = [&] {
         CombineArgs a;
         a.x = res.recv_x;
         a.handle = res.handle;
         a.stream = stream;
         comb = buffer->combine(a);
-      });
+      };
+      g.barrier();
+      const double cached_s = time_on_stream(stream, warm, iters, cached_call);
+      host_s[2] = t_last_host_s;
+      g.barrier();
+      const double fp8_s = time_on_stream(stream, warm, iters, fp8_call);
+      host_s[3] = t_last_host_s;
+      g.barrier();
+      const double comb_s = time_on_stream(stream, warm, iters, combine_call);
       host_s[4] = t_last_host_s;
       // The same calls back to back (the host ahead of the GPU, as in a model step): time per call.
       constexpr int kCalls = 10;
@@ -268,30 +272,11 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
                                     [&] { layout = buffer->get_dispatch_layout(topk, E, stream); });
       g.barrier();
       int pipe_i = 0;
-      pipe_s[2] = time_back_to_back(stream, warm, iters, kCalls, [&] {
-        DispatchArgs a;
-        a.x = xs[pipe_i++ & 1];
-        a.handle = res.handle;
-        a.stream = stream;
-        DispatchResult again = buffer->dispatch(a);
-      });
+      pipe_s[2] = time_back_to_back(stream, warm, iters, kCalls, [&] { cached_call(pipe_i++); });
       g.barrier();
-      pipe_s[3] = time_back_to_back(stream, warm, iters, kCalls, [&] {
-        DispatchArgs a;
-        a.x = x8;
-        a.x_scales = sc;
-        a.handle = res.handle;
-        a.stream = stream;
-        DispatchResult again = buffer->dispatch(a);
-      });
+      pipe_s[3] = time_back_to_back(stream, warm, iters, kCalls, fp8_call);
       g.barrier();
-      pipe_s[4] = time_back_to_back(stream, warm, iters, kCalls, [&] {
-        CombineArgs a;
-        a.x = res.recv_x;
-        a.handle = res.handle;
-        a.stream = stream;
-        comb = buffer->combine(a);
-      });
+      pipe_s[4] = time_back_to_back(stream, warm, iters, kCalls, combine_call);
       // Check: identity experts give x * (ranks the token visited), exact for small integers.
       std::vector<uint16_t> out(T * H);
       cuda_ok(cudaMemcpyAsync(out.data(), comb.x.data(), out.size() * 2, cudaMemcpyDeviceToHost, stream), "download");

@@ -19,6 +19,7 @@
 #include <latch>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "core/cuda_alloc.h"
 #include "epx/buffer.h"
@@ -397,36 +398,29 @@ TEST_F(NormalGpuTest, Ep2Bf16DeepSeekShape) {
   run_and_compare(c);
 }
 
-// The same shape on the SM-only path (EPX_NORMAL_COPY_ENGINE=0; the default buffer would take the
-// copy-engine path for it), so both paths stay tested.
-TEST_F(NormalGpuTest, Ep2SmPathForced) {
-  ::setenv("EPX_NORMAL_COPY_ENGINE", "0", 1);
+// A DeepSeek-shaped EP2 case (hidden 7168, top-8 of 256) run with the tuning knob `knob` = 0 (the buffers
+// read it when they are made), so that the path it turns off elsewhere stays tested.
+void run_with_knob_off(const char* knob, std::vector<int64_t> tokens, bool fp8) {
+  ::setenv(knob, "0", 1);
   Case c;
   c.devices = two_ranks();
-  c.tokens = {2048, 1500};
+  c.tokens = std::move(tokens);
   c.hidden = 7168;
   c.num_topk = 8;
   c.num_experts = 256;
-  c.biases = true;
+  c.biases = !fp8;
+  c.fp8 = fp8;
+  c.topk_int32 = fp8;
   run_and_compare(c);
-  ::unsetenv("EPX_NORMAL_COPY_ENGINE");
+  ::unsetenv(knob);
 }
 
-// The copy-engine path with every destination's rows packed by SMs first (EPX_COPY_WHOLE=0; EP2 at this
-// shape would copy whole x), fp8 with scales and int32 top-k ids.
-TEST_F(NormalGpuTest, Ep2PackedCopiesFp8) {
-  ::setenv("EPX_COPY_WHOLE", "0", 1);
-  Case c;
-  c.devices = two_ranks();
-  c.tokens = {3000, 4096};
-  c.hidden = 7168;
-  c.num_topk = 8;
-  c.num_experts = 256;
-  c.fp8 = true;
-  c.topk_int32 = true;
-  run_and_compare(c);
-  ::unsetenv("EPX_COPY_WHOLE");
-}
+// The SM-only path (the default buffer would take the copy-engine path for this shape), with biases.
+TEST_F(NormalGpuTest, Ep2SmPathForced) { run_with_knob_off("EPX_NORMAL_COPY_ENGINE", {2048, 1500}, false); }
+
+// The copy-engine path with every destination's rows packed by SMs first (EP2 at this shape would copy
+// whole x), fp8 with scales and int32 top-k ids.
+TEST_F(NormalGpuTest, Ep2PackedCopiesFp8) { run_with_knob_off("EPX_COPY_WHOLE", {3000, 4096}, true); }
 
 TEST_F(NormalGpuTest, Ep2SmallShapesAndInt32Topk) {
   for (int64_t t : {0, 1, 127}) {
