@@ -54,10 +54,13 @@ class CudaDispatchHandle final : public DispatchHandle {
   std::vector<int32_t> meta_host;           // recv_meta on the host; empty when unknown (worst-token mode)
 };
 
-// EPX_NORMAL_COPY_ENGINE=0 keeps the normal path on SMs only (for comparison; must match on all ranks).
-bool copy_engines_enabled() {
-  const char* v = std::getenv("EPX_NORMAL_COPY_ENGINE");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+// An environment switch: unset -> fallback, "0" -> off, anything else -> on. The normal path's knobs
+// (docs/normal-kernels.md): EPX_NORMAL_COPY_ENGINE=0 keeps it on SMs only; EPX_COPY_WHOLE=0 packs every
+// destination's rows by SMs (no whole-x copies); both must match on every rank. EPX_STREAM_SIGNALS=0
+// signals with a kernel; EPX_NORMAL_TIMELINE=1 prints stage times.
+bool env_flag(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : std::strcmp(v, "0") != 0;
 }
 
 // Copies that one call enqueues together: one cudaMemcpyBatchAsync where the runtime has it. Measured on
@@ -110,8 +113,7 @@ struct CopyBatch {
 using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 WriteValue64 stream_write_value() {
   static const WriteValue64 fn = []() -> WriteValue64 {
-    const char* v = std::getenv("EPX_STREAM_SIGNALS");
-    if (v != nullptr && std::strcmp(v, "0") == 0) return nullptr;
+    if (!env_flag("EPX_STREAM_SIGNALS", true)) return nullptr;
     void* p = nullptr;
     cudaDriverEntryPointQueryResult status{};
     if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &p, 12000, cudaEnableDefault, &status) !=
@@ -131,10 +133,7 @@ WriteValue64 stream_write_value() {
 // since the end of the call before it.
 class StageTimeline {
  public:
-  StageTimeline() {
-    const char* v = std::getenv("EPX_NORMAL_TIMELINE");
-    on_ = v != nullptr && std::strcmp(v, "0") != 0;
-  }
+  StageTimeline() : on_(env_flag("EPX_NORMAL_TIMELINE", false)) {}
   ~StageTimeline() {
     for (auto& c : calls_) {
       for (cudaEvent_t e : c.events) cudaEventDestroy(e);
@@ -192,13 +191,6 @@ class StageTimeline {
   Call calls_[kSlots];
   uint64_t next_ = 0;
 };
-
-// A tuning knob of the copy-engine dispatch (docs/normal-kernels.md; must match on every rank):
-// EPX_COPY_WHOLE=0 packs every destination's rows by SMs (no whole-x copies).
-bool env_flag(const char* name, bool fallback) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? fallback : std::strcmp(v, "0") != 0;
-}
 
 class CudaBuffer final : public Buffer {
  public:
@@ -373,9 +365,9 @@ class CudaBuffer final : public Buffer {
   // The side streams fork from `stream` (start_side_streams) and join it again at the end of the call.
   void start_side_streams(Stream stream);
   void join_side_streams(Stream stream);
-  // After copy_stream_'s copies of chunk j: tail[me][0] = rows.v[d] at every remote d with rows.v[d] >= 0.
+  // After copy_stream_'s copies of chunk j: ce_tail[me] = ce_tag + rows.v[d] at every remote d with
+  // rows.v[d] >= 0 (from signal_stream_).
   void signal_rows(const RowCounts& rows, int j);
-  void advance_epoch(Stream stream) { launch_advance_epoch(comm_, stream); }
   // The tag of this copy-engine operation's ce_tail signals: a host count (the same on every rank: all
   // take the copy-engine path alike), never replayed by a graph (the path is not taken under capture).
   uint64_t ce_tag() const { return ce_seq_ << 32; }
@@ -394,11 +386,10 @@ class CudaBuffer final : public Buffer {
   int device_ = 0;
   int num_channels_ = 1;
   int num_blocks_ = 1;  // blocks of the copy-engine path's kernels (num_sms)
-  bool copy_engines_ = copy_engines_enabled();
+  bool copy_engines_ = env_flag("EPX_NORMAL_COPY_ENGINE", true);
   bool whole_copies_ = env_flag("EPX_COPY_WHOLE", true);
-
   cudaStream_t copy_stream_ = nullptr;    // copy-engine transfers into peers' staging
-  cudaStream_t signal_stream_ = nullptr;  // the kernels that announce finished transfers (no stream signals)
+  cudaStream_t signal_stream_ = nullptr;  // announces finished transfers (stream writes, else a kernel)
   WriteValue64 write_value_ = stream_write_value();
   uint64_t ce_seq_ = 0;  // copy-engine operations so far (ce_tag)
   cudaEvent_t ev_start_ = nullptr, ev_copies_done_ = nullptr, ev_signals_done_ = nullptr;
@@ -419,9 +410,7 @@ class CudaBuffer final : public Buffer {
 
 void CudaBuffer::open_peers() {
   peer_regions_ = open_peer_regions(*group_, cgroup_->single_process(), region_, device_);
-  for (int r = 0; r < num_ranks_; ++r) {
-    comm_.peers[r] = peer_regions_.ptrs[r];
-  }
+  for (int r = 0; r < num_ranks_; ++r) comm_.peers[r] = peer_regions_.ptrs[r];
 }
 
 void CudaBuffer::request_reset() {
@@ -500,11 +489,10 @@ void CudaBuffer::signal_rows(const RowCounts& rows, int j) {
   // The signal goes on its own stream after an event, so that the copy stream moves on to the next
   // chunk at once (a write on the copy stream itself waits for the copy and a memory barrier first:
   // measured 5% slower, docs/perf-notes.md).
-  cudaStream_t s = signal_stream_;
   check_cuda(cudaEventRecord(ev_copy_[j], copy_stream_), "cudaEventRecord");
   check_cuda(cudaStreamWaitEvent(signal_stream_, ev_copy_[j], 0), "cudaStreamWaitEvent");
   if (write_value_ == nullptr) {
-    launch_signal_rows(comm_, rows, ce_tag(), s);
+    launch_signal_rows(comm_, rows, ce_tag(), signal_stream_);
     return;
   }
   // NOTE: the write follows the copies (stream order) and, by default, a system-scope memory barrier:
@@ -512,8 +500,8 @@ void CudaBuffer::signal_rows(const RowCounts& rows, int j) {
   for (int d = 0; d < num_ranks_; ++d) {
     if (d == rank_ || rows.v[d] < 0) continue;
     auto* addr = reinterpret_cast<uint64_t*>(comm_.peers[d] + comm_.off_ce_tail) + rank_;
-    const CUresult r =
-        write_value_(s, reinterpret_cast<CUdeviceptr>(addr), ce_tag() + static_cast<uint64_t>(rows.v[d]), 0);
+    const CUresult r = write_value_(signal_stream_, reinterpret_cast<CUdeviceptr>(addr),
+                                    ce_tag() + static_cast<uint64_t>(rows.v[d]), 0);
     if (r != CUDA_SUCCESS) {
       detail::raise(ErrorCode::kCudaError, "cuStreamWriteValue64 (signal rows) failed: error {}", static_cast<int>(r));
     }
@@ -746,7 +734,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
     const RecvMetaLayout m{R, C, handle->num_local_experts};
     handle->recv_meta = empty(DType::kInt32, {m.size()}, stream);
     handle->recv_expert_counts = empty(DType::kInt32, {handle->num_local_experts}, stream);
-    advance_epoch(stream);
+    launch_advance_epoch(comm_, stream);
     launch_notify(comm_, handle->chan_start.data_as<int32_t>(), per_expert, handle->num_local_experts,
                   args.expert_alignment, T, whole_copies_ && copy_engines_, handle->recv_meta.data_as<int32_t>(),
                   handle->recv_expert_counts.data_as<int32_t>(), stream);
@@ -763,7 +751,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
       handle->meta_host.assign(meta_host_, meta_host_ + m.size());
     }
   }
-  if (cached) advance_epoch(stream);
+  if (cached) launch_advance_epoch(comm_, stream);
   if (args.num_worst_tokens == 0 && handle->num_recv_ < 0) {
     // A cached dispatch without num_worst_tokens after a worst-token dispatch: learn the counts now.
     const RecvMetaLayout m{num_ranks_, num_channels_, handle->num_local_experts};
@@ -871,7 +859,7 @@ CombineResult CudaBuffer::combine(const CombineArgs& args) {
   k.recv_meta = handle->recv_meta.data_as<const int32_t>();
   k.ring_rows = ring_rows;
   k.row_bytes = row_bytes;
-  advance_epoch(stream);
+  launch_advance_epoch(comm_, stream);
   // Copy-engine staging per source: x rows, then the top-k weights rows from weights_offset.
   int64_t slot_bytes = 0, weights_offset = 0;
   if (!handle->meta_host.empty() && !capturing(stream)) {

@@ -151,12 +151,6 @@ __device__ __forceinline__ void warp_copy16_coherent(char* dst, const char* src,
   warp_copy16_impl<true>(dst, src, bytes, lane);
 }
 
-// Asks L2 to fetch `bytes` (16-byte aligned, a multiple of 16) for loads that follow: one instruction
-// puts a whole row in flight, which a warp's loads alone (a few lines per lane) do not.
-__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(static_cast<uint32_t>(bytes)) : "memory");
-}
-
 __device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int64_t bytes, int lane) {
   if ((bytes & 3) == 0 && (reinterpret_cast<uintptr_t>(dst) & 3) == 0 && (reinterpret_cast<uintptr_t>(src) & 3) == 0) {
     for (int64_t i = lane; i < bytes / 4; i += 32)
@@ -595,24 +589,16 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
 }
 
 // ---- copy-engine dispatch ----------------------------------------------------------------------
-// Host side in cuda_buffer_cuda.cpp (CudaBuffer::dispatch_with_copy_engines); docs/normal-kernels.md.
-// Copy engines carry the rows: runs of consecutive tokens straight from x into the destination's
-// staging slot (or this rank's outputs), or SM-packed chunks when the list has too many runs; each
-// field has its own part of the slot, so the receiver's copy engine moves a chunk into its outputs
-// with one copy per field. Kernels here only wait, signal and write the small per-row fields. No flow
-// control inside an operation: the host picks this path only when the largest transfer fits a slot,
-// on every rank alike (from notify's numbers).
+// Host side in cuda_buffer_cuda.cpp (CudaBuffer::send_with_copy_engines); docs/normal-kernels.md.
+// Copy engines carry every NVLink byte: a source's whole x (token-indexed) to a destination that gets
+// at least 15/16 of its tokens, else SM-packed chunks (row-indexed); each field has its own part of the
+// slot. Kernels here wait, write the small per-row fields, pack, and move rows out of the staging. No
+// flow control inside an operation: the host picks this path only when the largest transfer fits a
+// slot, on every rank alike (from notify's numbers).
 
-// done = epoch at every rank (own rank too: the SM path's self-ring waits on it), so senders of the
-// next operation may overwrite our staging/rings. The calling block's threads all call it.
-__device__ void publish_done(const CommArgs& comm, uint64_t epoch) {
-  const int R = comm.num_ranks, C = comm.num_channels;
-  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
-    st_release_sys(sig(comm, i / C, comm.off_done, comm.rank * C + i % C), epoch);
-  }
-}
-
-// Every block of a copy-engine receive kernel calls this last; the last block to finish publishes done.
+// Every block of a copy-engine receive kernel calls this last. The last block to finish publishes
+// done = epoch to every rank (own rank too: the SM path's self-ring waits on it), so senders of the
+// next operation may overwrite our staging/rings.
 __device__ void finish_copy_receive(const CommArgs& comm, uint64_t epoch) {
   __shared__ bool s_last;
   __syncthreads();
@@ -624,7 +610,27 @@ __device__ void finish_copy_receive(const CommArgs& comm, uint64_t epoch) {
     if (s_last) *reinterpret_cast<volatile unsigned*>(counter) = 0;  // the next launch follows in stream order
   }
   __syncthreads();
-  if (s_last) publish_done(comm, epoch);
+  if (!s_last) return;
+  const int R = comm.num_ranks, C = comm.num_channels;
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+    st_release_sys(sig(comm, i / C, comm.off_done, comm.rank * C + i % C), epoch);
+  }
+}
+
+// Every thread of the block calls it: waits until every remote destination released the previous
+// operation (done >= epoch - 1 on every channel); false if a wait gave up.
+__device__ bool peers_released(const CommArgs& comm, int32_t site) {
+  __shared__ bool s_failed;
+  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
+  const uint64_t epoch = read_epoch(comm);
+  if (threadIdx.x == 0) s_failed = false;
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+    const int d = i / C, c = i % C;
+    if (d != me && !wait_geq(comm, sig(comm, me, comm.off_done, d * C + c), epoch - 1, site, d, c)) s_failed = true;
+  }
+  __syncthreads();
+  return !s_failed;
 }
 
 __device__ __forceinline__ char* stage_slot_of(const CommArgs& comm, int owner, int src, int64_t slot_bytes) {
@@ -633,20 +639,8 @@ __device__ __forceinline__ char* stage_slot_of(const CommArgs& comm, int owner, 
 
 __global__ void __launch_bounds__(256)
     copy_dispatch_begin_kernel(CommArgs comm, DispatchKernelArgs a, StageFields f, int64_t slot_bytes) {
-  __shared__ bool s_abort;
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
-  const uint64_t epoch = read_epoch(comm);
-  if (threadIdx.x == 0) s_abort = false;
-  __syncthreads();
-  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
-    const int d = i / C, c = i % C;
-    if (d != me &&
-        !wait_geq(comm, sig(comm, me, comm.off_done, d * C + c), epoch - 1, kSiteCopyDispatchReleased, d, c)) {
-      s_abort = true;
-    }
-  }
-  __syncthreads();
-  if (s_abort) return;
+  if (!peers_released(comm, kSiteCopyDispatchReleased)) return;
   const int64_t T = a.num_tokens;
   const int K = a.num_topk;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -694,7 +688,6 @@ __global__ void __launch_bounds__(kNormalThreads)
     const int64_t row = begin[d] + j;
     const int64_t t = a.list_tok[d * T + row];
     const int64_t p = send_offset.v[d] + row;
-    if (lane == 0) prefetch_l2(a.x + t * xb, xb);
     warp_copy16(stage_x + p * xb, a.x + t * xb, xb, lane);
     if (sb > 0) warp_copy_bytes(stage_scales + p * sb, a.x_scales + t * sb, sb, lane);
   }
@@ -723,13 +716,6 @@ __global__ void __launch_bounds__(kNormalThreads)
     if (id < num_own_items) {
       const int64_t own_base = a.recv_meta[m.rank_prefix(me)];
       const int64_t end = (id + 1) * kItemRows < num_own ? (id + 1) * kItemRows : num_own;
-      // This item's rows and the next own item's: the copies below read from L2.
-      for (int64_t i = id * kItemRows + threadIdx.x; i < end; i += blockDim.x)
-        prefetch_l2(a.x + a.list_tok[me * T + i] * xb, xb);
-      if (id + gridDim.x < num_own_items && threadIdx.x >= kItemRows && threadIdx.x < 2 * kItemRows) {
-        const int64_t i = (id + gridDim.x) * kItemRows + threadIdx.x - kItemRows;
-        if (i < num_own) prefetch_l2(a.x + a.list_tok[me * T + i] * xb, xb);
-      }
       for (int64_t i = id * kItemRows + warp; i < end; i += num_warps) {
         const int64_t t = a.list_tok[me * T + i], p = own_base + i;
         warp_copy16(a.out_x + p * xb, a.x + t * xb, xb, lane);
@@ -768,10 +754,6 @@ __global__ void __launch_bounds__(kNormalThreads)
     __syncthreads();
     if (s_abort) return;
     const int64_t out_base = a.recv_meta[m.rank_prefix(src)];
-    if (threadIdx.x < end - begin) {
-      const int64_t i = begin + threadIdx.x;
-      prefetch_l2(slot + f.x + (whole ? __ldcg(src_ids + i) : i) * xb, xb);
-    }
     for (int64_t i = begin + warp; i < end; i += num_warps) {
       const int64_t p = out_base + i;
       const int32_t token = __ldcg(src_ids + i);
@@ -794,14 +776,7 @@ __global__ void __launch_bounds__(kNormalThreads)
   finish_copy_receive(comm, epoch);
 }
 
-__global__ void wait_released_kernel(CommArgs comm, int32_t site) {
-  const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
-  const uint64_t epoch = read_epoch(comm);
-  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
-    const int d = i / C, c = i % C;
-    if (d != me) wait_geq(comm, sig(comm, me, comm.off_done, d * C + c), epoch - 1, site, d, c);
-  }
-}
+__global__ void wait_released_kernel(CommArgs comm, int32_t site) { peers_released(comm, site); }
 
 // NOTE: launched after the copies (events), so the rows are in the destination's memory; the release
 // at system scope orders this flag after them for the destination's acquire.
@@ -1033,12 +1008,6 @@ __global__ void __launch_bounds__(kReduceThreads)
   const int K = a.num_topk;
   const int64_t own_base = a.recv_meta[RecvMetaLayout{R, C, 0}.rank_prefix(me)];
   const int64_t num_windows = (T + kWindow - 1) / kWindow;
-  // Token tt's row from rank r (which it went to): own rows in x, the others in r's staging slot.
-  auto row_of = [&](int64_t tt, int r) -> const char* {
-    const int64_t li = a.excl_pos[r * (T + 1) + tt];
-    if (r == me) return reinterpret_cast<const char*>(a.x + (own_base + li) * H);
-    return comm.peers[me] + comm.off_ring + stage_slot(r, me, R) * slot_bytes + li * H * 2;
-  };
   for (int64_t w = blockIdx.x; w < num_windows; w += gridDim.x) {
     const int64_t t0 = w * kWindow, t1 = t0 + kWindow < T ? t0 + kWindow : T;
     if (threadIdx.x == 0) s_abort = false;
@@ -1060,14 +1029,16 @@ __global__ void __launch_bounds__(kReduceThreads)
       for (int r = 0; r < R; ++r) {
         if (!a.is_token_in_rank[tt * R + r]) continue;
         const int64_t li = a.excl_pos[r * (T + 1) + tt];
-        rows[num_src] = row_of(tt, r);
-        wrows[num_src] = r == me ? a.topk_weights + (own_base + li) * K
-                                 : reinterpret_cast<const float*>(comm.peers[me] + comm.off_ring +
-                                                                  stage_slot(r, me, R) * slot_bytes + weights_offset) +
-                                       li * K;
+        if (r == me) {
+          rows[num_src] = reinterpret_cast<const char*>(a.x + (own_base + li) * H);
+          wrows[num_src] = a.topk_weights + (own_base + li) * K;
+        } else {
+          const char* slot = stage_slot_of(comm, me, r, slot_bytes);
+          rows[num_src] = slot + li * H * 2;
+          wrows[num_src] = reinterpret_cast<const float*>(slot + weights_offset) + li * K;
+        }
         ++num_src;
       }
-      if (lane < num_src) prefetch_l2(rows[lane], H * 2);
       reduce_token<true>(a, tt, rows, wrows, num_src, lane);
     }
     __syncthreads();

@@ -192,14 +192,6 @@ void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_
                    int32_t* recv_expert_counts, cudaStream_t stream);
 void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, cudaStream_t stream);
 
-// Copy-engine dispatch. pack: rows of chunk `chunk` of every remote destination's list into
-// `send_stage` at row send_offset[dst] + i, in the ring row format. unpack: this rank's own rows straight
-// into the outputs (first), then waits for every remote source's rows in its staging slot
-// (tail[src][0]) and copies them to the outputs; its last block publishes done.
-void launch_pack(const CommArgs& comm, const DispatchKernelArgs& args, char* send_stage, const RowCounts& send_offset,
-                 int chunk, int num_chunks, int num_blocks, cudaStream_t stream);
-void launch_unpack(const CommArgs& comm, const DispatchKernelArgs& args, int64_t slot_bytes, int num_blocks,
-                   cudaStream_t stream);
 // Copy-engine dispatch with field-separated staging (StageFields). begin: waits until every peer released
 // the previous operation, then writes the source ids, top-k ids and weights of the rows for each remote
 // destination into its slot. pack_fields: chunk `chunk` of the destinations in pack_mask (bit per rank)
