@@ -1,0 +1,173 @@
+"""Tensor traffic between Python frameworks and the native module.
+
+Inputs cross as DLPack/buffer-protocol arrays; bf16 and fp8 travel as (uint16/uint8 array, DType) pairs
+when the framework cannot name the type itself. Outputs come back as (array, DType) pairs with bf16 as
+uint16 and fp8 as uint8, and are viewed back here:
+
+* torch inputs -> torch outputs. Memory epx allocates during the call comes from torch's caching
+  allocator (see ``Allocations``), and the returned tensors are views of those allocations, so
+  ``record_stream`` and CUDA-graph memory pools work as for any torch tensor.
+* anything else -> numpy outputs (CPU). bf16/fp8 are viewed as ml_dtypes types when ml_dtypes is
+  installed, else returned as uint16/uint8.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _epx
+
+try:  # optional: numpy has no bf16/fp8 types of its own
+    import ml_dtypes as _ml
+except ImportError:  # pragma: no cover - exercised only without ml_dtypes
+    _ml = None
+
+
+def _torch():
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def is_torch(t: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(t, torch.Tensor)
+
+
+def any_torch(*ts: Any) -> bool:
+    return any(is_torch(t) for t in ts)
+
+
+def bf16(array: Any):
+    """Marks a uint16 array (any framework) as bfloat16 bits."""
+    return (array, _epx.DType.bfloat16)
+
+
+def fp8(array: Any):
+    """Marks a uint8 array (any framework) as float8 e4m3fn bits."""
+    return (array, _epx.DType.float8_e4m3)
+
+
+def to_arg(t: Any):
+    """An input for the native module: None, an array, or (array, DType)."""
+    if t is None or isinstance(t, tuple):
+        return t
+    torch = _torch()
+    if torch is not None and isinstance(t, torch.Tensor):
+        if t.dtype == torch.float8_e4m3fn:
+            return (t.view(torch.uint8), _epx.DType.float8_e4m3)
+        if t.dtype == torch.bfloat16:
+            return (t.view(torch.int16), _epx.DType.bfloat16)
+        return t
+    if isinstance(t, np.ndarray) and _ml is not None:
+        if t.dtype == _ml.bfloat16:
+            return (t.view(np.uint16), _epx.DType.bfloat16)
+        if t.dtype == _ml.float8_e4m3fn:
+            return (t.view(np.uint8), _epx.DType.float8_e4m3)
+    return t
+
+
+def cuda_stream_of(stream: Any, *tensors: Any):
+    """The stream argument: the given one, else torch's current stream when an input is a CUDA tensor."""
+    if stream is not None:
+        return stream
+    for t in tensors:
+        if is_torch(t) and t.is_cuda:
+            return _torch().cuda.current_stream(t.device).cuda_stream
+    return None
+
+
+_TORCH_DTYPES = {}
+
+
+def _torch_dtype(dtype):
+    torch = _torch()
+    if not _TORCH_DTYPES:
+        D = _epx.DType
+        _TORCH_DTYPES.update({
+            D.bfloat16: torch.bfloat16, D.float8_e4m3: torch.float8_e4m3fn, D.float32: torch.float32,
+            D.int32: torch.int32, D.int64: torch.int64, D.bool: torch.bool, D.uint8: torch.uint8})
+    return _TORCH_DTYPES[dtype]
+
+
+def _numpy_view(a: np.ndarray, dtype) -> np.ndarray:
+    if _ml is not None:
+        if dtype == _epx.DType.bfloat16:
+            return a.view(_ml.bfloat16)
+        if dtype == _epx.DType.float8_e4m3:
+            return a.view(_ml.float8_e4m3fn)
+    return a
+
+
+class Allocations:
+    """The Python side of a Buffer's allocator: per thread, either torch allocations or the default.
+
+    While a call with torch inputs runs (``with allocations.torch():``), epx's output allocations come
+    from ``torch.empty(nbytes, dtype=uint8)`` on the call's stream; outputs are then returned as views
+    of them. Otherwise the callback returns None and epx uses its default allocator.
+    """
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def __call__(self, nbytes: int, device_index: int, stream: int):
+        state = getattr(self._local, "state", None)
+        if state is None:
+            return None
+        torch = _torch()
+        if state["cuda"]:
+            device = torch.device("cuda", device_index)
+            if stream:
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+                    t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            else:
+                t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        else:
+            t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        state["made"].append(t)
+        return t
+
+    def torch(self, cuda: bool):
+        allocations = self
+
+        class _Scope:
+            def __enter__(self_scope):
+                allocations._local.state = {"cuda": cuda, "made": []}
+                return allocations._local.state
+
+            def __exit__(self_scope, *exc):
+                allocations._local.state = None
+                return False
+
+        return _Scope()
+
+
+class Outputs:
+    """Converts the native module's (array, DType) outputs into the caller's framework."""
+
+    def __init__(self, use_torch: bool, made=None):
+        self.use_torch = use_torch
+        self.made = made or []
+
+    def __call__(self, out):
+        if out is None:
+            return None
+        array, dtype = out
+        if not self.use_torch:
+            return _numpy_view(array, dtype)
+        torch = _torch()
+        shape = tuple(array.shape)
+        t = torch.from_dlpack(array)
+        ptr = t.data_ptr()
+        nbytes = t.numel() * t.element_size()
+        for base in self.made:  # a view of the torch allocation it lives in, so torch owns the memory
+            start = base.data_ptr()
+            if start <= ptr and ptr + nbytes <= start + base.numel():
+                off = ptr - start
+                return base[off:off + nbytes].view(_torch_dtype(dtype)).view(shape)
+        if dtype in (_epx.DType.bfloat16, _epx.DType.float8_e4m3):
+            return t.view(_torch_dtype(dtype))
+        return t

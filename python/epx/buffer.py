@@ -1,0 +1,180 @@
+"""epx.Buffer: expert-parallel dispatch and combine for numpy and torch (the contract: include/epx/buffer.h).
+
+Every call is collective: each rank of the group makes the same sequence of calls (an idle rank passes
+zero tokens). Inputs are torch tensors, numpy arrays or anything with ``__dlpack__``; outputs are torch
+tensors when an input is a torch tensor, numpy arrays otherwise. ``stream`` defaults to torch's current
+stream for CUDA tensors. The GIL is released while a call waits, so rank threads run in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+from . import _epx
+from ._tensors import Allocations, Outputs, any_torch, cuda_stream_of, is_torch, to_arg
+
+
+@dataclass
+class Layout:
+    """Routing layout of one batch (see get_dispatch_layout)."""
+
+    num_tokens_per_rank: Any  # int32 [num_ranks]
+    num_tokens_per_expert: Any  # int32 [num_experts]
+    is_token_in_rank: Any  # bool [T, num_ranks]
+
+
+@dataclass
+class DispatchResult:
+    """Rows ordered by source rank, then source token index (include/epx/buffer.h: DispatchResult)."""
+
+    recv_x: Any  # [N, H], the dtype of x
+    recv_x_scales: Any  # [N, H / 128] with fp8 x, else None
+    recv_topk_idx: Any  # [N, K] local expert id or -1; None in cached mode
+    recv_topk_weights: Any  # [N, K] float32; None when not given / cached mode
+    recv_src_idx: Any  # int32 [N]
+    num_recv_tokens_per_expert: List[int]  # per local expert, rounded to expert_alignment; [] in worst-token mode
+    recv_expert_counts: Any  # int32 [num_local_experts] on the device
+    handle: _epx.DispatchHandle
+
+
+@dataclass
+class CombineResult:
+    x: Any  # [T, H] bf16
+    topk_weights: Any  # [T, K] float32 when given, else None
+
+
+@dataclass
+class LowLatencyDispatchResult:
+    """Outputs live in the buffer (valid until the second-next low-latency call of the same kind)."""
+
+    recv_x: Any  # [E_local, R * M, H] bf16, or fp8 with use_fp8
+    recv_x_scales: Any  # [E_local, R * M, H / 128] float32 or uint8 (UE8M0); only with use_fp8
+    recv_count: Any  # int32 [E_local]
+    recv_src_info: Any  # int32 [E_local, R * M]
+    recv_layout_range: Any  # int64 [E_local, R]: (begin << 32) | count
+    handle: _epx.LowLatencyHandle
+    recv_hook: Optional[Callable[[], None]]  # set iff return_recv_hook
+
+
+@dataclass
+class LowLatencyCombineResult:
+    x: Any  # [T, H] bf16
+    recv_hook: Optional[Callable[[], None]]
+
+
+class Buffer:
+    """One rank's expert-parallel communication buffer.
+
+    group: an epx.Group (epx.host_groups, epx.cuda_groups, epx.Group.from_process_group ...).
+    num_normal_bytes / num_low_latency_bytes: peer memory for the two paths (0 normal: a default size;
+    0 low-latency: none, and low_latency_* raise). num_sms: SMs the normal kernels may use (cuda).
+    """
+
+    def __init__(self, group: _epx.Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0,
+                 num_sms: int = 24):
+        self._allocations = Allocations()
+        self._native = _epx.Buffer.create(group, num_normal_bytes=num_normal_bytes,
+                                          num_low_latency_bytes=num_low_latency_bytes, num_sms=num_sms,
+                                          allocator=self._allocations)
+        self.group = group
+
+    @property
+    def rank(self) -> int:
+        return self._native.rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self._native.num_ranks
+
+    def _call(self, method: Callable, inputs: tuple, **kwargs):
+        """Runs a native call with torch allocations when an input is a torch tensor."""
+        use_torch = any_torch(*inputs)
+        if not use_torch:
+            return method(**kwargs), Outputs(False)
+        cuda = any(is_torch(t) and t.is_cuda for t in inputs)
+        with self._allocations.torch(cuda) as state:
+            out = method(**kwargs)
+            return out, Outputs(True, state["made"])
+
+    def get_dispatch_layout(self, topk_idx: Any, num_experts: int, stream: Any = None) -> Layout:
+        """Per-rank and per-expert token counts and is_token_in_rank of topk_idx [T, K] (not collective)."""
+        out, conv = self._call(self._native.get_dispatch_layout, (topk_idx,), topk_idx=to_arg(topk_idx),
+                               num_experts=num_experts, stream=cuda_stream_of(stream, topk_idx))
+        return Layout(*(conv(o) for o in out))
+
+    def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, num_experts: int = 0,
+                 x_scales: Any = None, layout: Optional[Layout] = None,
+                 handle: Optional[_epx.DispatchHandle] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, stream: Any = None) -> DispatchResult:
+        """Normal dispatch: sends each token of x [T, H] to the ranks of its experts.
+
+        x: bf16, or fp8 e4m3 with x_scales [T, H / 128] (float32 or uint8 UE8M0). Cached mode: pass the
+        handle of an earlier dispatch instead of topk_idx/topk_weights/layout. num_worst_tokens > 0 fixes
+        the output rows (no host sync on the cuda backend).
+        """
+        native_layout = None
+        if layout is not None:
+            native_layout = tuple(to_arg(t) for t in (layout.num_tokens_per_rank, layout.num_tokens_per_expert,
+                                                      layout.is_token_in_rank))
+        out, conv = self._call(self._native.dispatch, (x, topk_idx), x=to_arg(x), x_scales=to_arg(x_scales),
+                               topk_idx=to_arg(topk_idx), topk_weights=to_arg(topk_weights),
+                               num_experts=num_experts, layout=native_layout, handle=handle,
+                               expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                               stream=cuda_stream_of(stream, x))
+        return DispatchResult(
+            recv_x=conv(out["recv_x"]), recv_x_scales=conv(out["recv_x_scales"]),
+            recv_topk_idx=conv(out["recv_topk_idx"]), recv_topk_weights=conv(out["recv_topk_weights"]),
+            recv_src_idx=conv(out["recv_src_idx"]), num_recv_tokens_per_expert=list(out["num_recv_tokens_per_expert"]),
+            recv_expert_counts=conv(out["recv_expert_counts"]), handle=out["handle"])
+
+    def combine(self, x: Any, handle: _epx.DispatchHandle, topk_weights: Any = None, *, bias_0: Any = None,
+                bias_1: Any = None, stream: Any = None) -> CombineResult:
+        """Normal combine: out[t] = bf16(sum of the rows of t over the ranks it went to + biases), fp32 sums."""
+        out, conv = self._call(self._native.combine, (x,), x=to_arg(x), topk_weights=to_arg(topk_weights),
+                               bias_0=to_arg(bias_0), bias_1=to_arg(bias_1), handle=handle,
+                               stream=cuda_stream_of(stream, x))
+        return CombineResult(x=conv(out["x"]), topk_weights=conv(out["topk_weights"]))
+
+    def low_latency_dispatch(self, x: Any, topk_idx: Any, max_tokens_per_rank: int, num_experts: int, *,
+                             use_fp8: bool = False, use_ue8m0: bool = False, return_recv_hook: bool = False,
+                             cumulative_recv_counts: Any = None, stream: Any = None) -> LowLatencyDispatchResult:
+        """Low-latency dispatch: fixed shapes, no host sync on the cuda backend (CUDA-graph capturable)."""
+        fmt = _epx.ScaleFormat.ue8m0 if use_ue8m0 else _epx.ScaleFormat.float32
+        out = self._native.low_latency_dispatch(
+            x=to_arg(x), topk_idx=to_arg(topk_idx), max_tokens_per_rank=max_tokens_per_rank,
+            num_experts=num_experts, use_fp8=use_fp8, scale_format=fmt, return_recv_hook=return_recv_hook,
+            cumulative_recv_counts=to_arg(cumulative_recv_counts), stream=cuda_stream_of(stream, x))
+        conv = Outputs(any_torch(x, topk_idx))  # buffer-owned memory: nothing is allocated
+        return LowLatencyDispatchResult(
+            recv_x=conv(out["recv_x"]), recv_x_scales=conv(out["recv_x_scales"]), recv_count=conv(out["recv_count"]),
+            recv_src_info=conv(out["recv_src_info"]), recv_layout_range=conv(out["recv_layout_range"]),
+            handle=out["handle"], recv_hook=out["recv_hook"])
+
+    def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: _epx.LowLatencyHandle, *,
+                            return_recv_hook: bool = False, out: Any = None,
+                            stream: Any = None) -> LowLatencyCombineResult:
+        """Low-latency combine: out[t] = bf16(sum_k w[t,k] * x[expert][slot of (t,k)]), fp32 accumulation."""
+        res, conv = self._call(self._native.low_latency_combine, (x, topk_idx), x=to_arg(x),
+                               topk_idx=to_arg(topk_idx), topk_weights=to_arg(topk_weights), handle=handle,
+                               return_recv_hook=return_recv_hook, out=to_arg(out),
+                               stream=cuda_stream_of(stream, x))
+        result = conv(res["x"])
+        if out is not None:
+            result = out
+        return LowLatencyCombineResult(x=result, recv_hook=res["recv_hook"])
+
+    def mask_rank(self, rank: int) -> None:
+        """Low-latency path: skip `rank` (local to this rank's buffer; becomes symmetric after one call)."""
+        self._native.mask_rank(rank)
+
+    def clear_rank_mask(self) -> None:
+        self._native.clear_rank_mask()
+
+    def rank_mask(self) -> List[bool]:
+        """[num_ranks], True = masked."""
+        return list(self._native.rank_mask())
+
+    def clean_low_latency_buffer(self) -> None:
+        """Collective: zero the low-latency buffer (signals, sequence numbers, mask) and forget its shapes."""
+        self._native.clean_low_latency_buffer()
