@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_TESTS=OFF >/dev/null
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_TESTS=OFF -DEPX_BUILD_BENCH=OFF \
+  -DEPX_PYTHON=OFF >/dev/null
 cmake --build build -j "$(nproc)" --target epx_cli
 ./build/epx bench --json build/bench.json "$@"

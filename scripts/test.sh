@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The test command: installs what the tests need (Debian packages by name), builds epx (with the CUDA
-# backend when a toolkit is present, else host-only), runs every CPU test, runs them again under
-# AddressSanitizer + UndefinedBehaviorSanitizer (host-only build), runs `epx bench` on the host backend,
-# and checks that an installed epx is usable through find_package(epx).
+# The test command: installs what the tests need (Debian packages and PyPI packages by name), builds epx
+# and its Python extension (with the CUDA backend when a toolkit is present, else host-only), runs every
+# CPU test, installs the Python package with `pip install .` from the same build tree and runs pytest on
+# it (host backend, numpy), runs the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer
+# (host-only build), runs `epx bench` on the host backend, and checks that an installed epx is usable
+# through find_package(epx). An empty test run is a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -10,17 +12,26 @@ jobs=$(nproc)
 bash scripts/install-deps.sh
 
 echo "== build (warnings are errors)"
-cmake -S . -B build -G Ninja -DEPX_WERROR=ON -DCMAKE_BUILD_TYPE=Release >/dev/null
+# Every option is set explicitly: scripts/bench.sh shares build/ and turns tests off there.
+cmake -S . -B build -G Ninja -DEPX_WERROR=ON -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_TESTS=ON \
+  -DEPX_BUILD_BENCH=ON -DEPX_PYTHON=ON >/dev/null
 cmake --build build -j "$jobs"
 echo "== CPU tests"
-ctest --test-dir build --output-on-failure -j "$jobs"
+ctest --test-dir build --output-on-failure -j "$jobs" --no-tests=error
+
+echo "== Python package: pip install . (reusing build/, nothing recompiles) and pytest on the host backend"
+python3 -m pip install -q --disable-pip-version-check --no-build-isolation -C build-dir=build . 2>/dev/null ||
+  python3 -m pip install -q --disable-pip-version-check --no-build-isolation --break-system-packages \
+    -C build-dir=build .
+(cd build && python3 -c "import epx, sys; print('epx', epx.__version__, 'from', epx.__file__)" &&
+  python3 -m pytest -q -p no:cacheprovider ../python/tests)
 
 echo "== CPU tests under AddressSanitizer + UndefinedBehaviorSanitizer (host-only build)"
 cmake -S . -B build-asan -G Ninja -DEPX_CUDA=OFF -DEPX_WERROR=ON -DEPX_BUILD_BENCH=OFF \
   -DEPX_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build-asan -j "$jobs"
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
-  ctest --test-dir build-asan --output-on-failure -j "$jobs"
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" --no-tests=error
 
 echo "== epx bench on the host backend"
 ./build/epx bench --host --quiet --warmup 1 --iters 3 --json build/bench-host.json

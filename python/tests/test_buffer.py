@@ -1,0 +1,248 @@
+"""epx.Buffer on the host backend (ranks as threads) against numpy references.
+
+Routing: every rank draws its own tokens; token t of rank r picks K distinct experts uniformly at
+random, and about one token in five gets one -1 ("no expert") entry. Experts are split evenly over ranks.
+"""
+
+import numpy as np
+import pytest
+
+import epx
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = ml_dtypes.bfloat16
+
+
+def make_inputs(rank, num_tokens, hidden, num_topk, num_experts, seed=0):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    x = rng.standard_normal((num_tokens, hidden)).astype(BF16)
+    idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(num_tokens)]).astype(np.int64)
+    if num_tokens:
+        masked = rng.random(num_tokens) < 0.2
+        idx[masked, rng.integers(0, num_topk, masked.sum())] = -1
+    weights = rng.random((num_tokens, num_topk)).astype(np.float32)
+    return x, idx.reshape(num_tokens, num_topk), weights
+
+
+def run(num_ranks, fn, timeout_ms=60_000):
+    groups = epx.host_groups(num_ranks, timeout_ms=timeout_ms)
+    return epx.run_host_ranks(groups, fn)
+
+
+def test_import_and_version():
+    assert epx.version() == epx.__version__
+    assert isinstance(epx.built_with_cuda(), bool)
+    assert issubclass(epx.InvalidArgumentError, ValueError)
+    assert issubclass(epx.TimeoutError, TimeoutError)
+    assert issubclass(epx.InvalidArgumentError, epx.Error)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_normal_dispatch_combine_matches_reference(num_ranks):
+    T, H, K, E = 33, 256, 4, 8 * num_ranks
+    inputs = [make_inputs(r, T - r, H, K, E, seed=num_ranks) for r in range(num_ranks)]
+    local = E // num_ranks
+
+    def body(rank, group):
+        buffer = epx.Buffer(group)
+        x, idx, w = inputs[rank]
+        layout = buffer.get_dispatch_layout(idx, E)
+        recv = buffer.dispatch(x, idx, w, num_experts=E, layout=layout)
+        # Reference: rows by source rank, then token; local expert ids; weights where local.
+        rows, src, tidx, tw = [], [], [], []
+        for s, (xs, ids, ws) in enumerate(inputs):
+            for t in range(xs.shape[0]):
+                mine = (ids[t] >= 0) & (ids[t] // local == rank)
+                if not mine.any():
+                    continue
+                rows.append(xs[t])
+                src.append(t)
+                tidx.append(np.where(mine, ids[t] - rank * local, -1))
+                tw.append(np.where(mine, ws[t], 0))
+        assert recv.recv_x.dtype == BF16 and recv.recv_x.shape == (len(rows), H)
+        np.testing.assert_array_equal(recv.recv_x.view(np.uint16), np.array(rows).view(np.uint16))
+        np.testing.assert_array_equal(recv.recv_src_idx, src)
+        np.testing.assert_array_equal(recv.recv_topk_idx, np.array(tidx).reshape(-1, K))
+        np.testing.assert_array_equal(recv.recv_topk_weights, np.array(tw, np.float32).reshape(-1, K))
+        counts = np.bincount(np.array(tidx)[np.array(tidx) >= 0], minlength=local) if tidx else np.zeros(local)
+        assert recv.num_recv_tokens_per_expert == counts.tolist()
+        np.testing.assert_array_equal(recv.recv_expert_counts, counts)
+        np.testing.assert_array_equal(layout.num_tokens_per_rank,
+                                      [sum(((i >= 0) & (i // local == d)).any() for i in idx)
+                                       for d in range(num_ranks)])
+
+        # Combine: expert output = received row * 2; each token comes back once per rank it went to.
+        expert_out = (recv.recv_x.astype(np.float32) * 2).astype(BF16)
+        out = buffer.combine(expert_out, recv.handle, recv.recv_topk_weights)
+        dest = np.array([[((i >= 0) & (i // local == d)).any() for d in range(num_ranks)] for i in idx])
+        expect = (x.astype(np.float32) * 2) * dest.sum(1, keepdims=True)
+        np.testing.assert_allclose(out.x.astype(np.float32), expect, rtol=2 ** -7, atol=1e-6)
+        np.testing.assert_array_equal(out.topk_weights, np.where(idx >= 0, w, 0))
+
+        # Cached mode: same routes, new data, no topk.
+        again = buffer.dispatch((x.astype(np.float32) + 1).astype(BF16), handle=recv.handle)
+        assert again.recv_topk_idx is None
+        np.testing.assert_array_equal(again.recv_x.view(np.uint16),
+                                      (recv.recv_x.astype(np.float32) + 1).astype(BF16).view(np.uint16))
+        return True
+
+    assert all(run(num_ranks, body))
+
+
+def test_worst_tokens_and_alignment():
+    num_ranks, T, H, K, E = 4, 16, 128, 2, 16
+    inputs = [make_inputs(r, T, H, K, E, seed=7) for r in range(num_ranks)]
+
+    def body(rank, group):
+        buffer = epx.Buffer(group)
+        x, idx, w = inputs[rank]
+        exact = buffer.dispatch(x, idx, w, num_experts=E, expert_alignment=4)
+        assert all(c % 4 == 0 for c in exact.num_recv_tokens_per_expert)
+        worst = buffer.dispatch(x, idx, w, num_experts=E, num_worst_tokens=num_ranks * T)
+        n = exact.recv_x.shape[0]
+        assert worst.recv_x.shape == (num_ranks * T, H)
+        assert worst.num_recv_tokens_per_expert == []
+        np.testing.assert_array_equal(worst.recv_x[:n].view(np.uint16), exact.recv_x.view(np.uint16))
+        assert (worst.recv_src_idx[n:] == -1).all() and (worst.recv_topk_idx[n:] == -1).all()
+        return n
+
+    assert min(run(num_ranks, body)) > 0
+
+
+def test_fp8_dispatch_carries_scales():
+    num_ranks, T, H, K, E = 2, 8, 256, 2, 4
+    rng = np.random.default_rng(3)
+    data = [(rng.integers(0, 0x7e, (T, H), dtype=np.uint8), rng.random((T, H // 128)).astype(np.float32),
+             make_inputs(r, T, H, K, E)[1]) for r in range(num_ranks)]
+
+    def body(rank, group):
+        buffer = epx.Buffer(group)
+        q, s, idx = data[rank]
+        recv = buffer.dispatch(epx.fp8(q), idx, num_experts=E, x_scales=s)
+        rows = [(d[0][t], d[1][t]) for d in data for t in range(T)
+                if ((d[2][t] >= 0) & (d[2][t] // (E // num_ranks) == rank)).any()]
+        got = recv.recv_x.view(np.uint8) if recv.recv_x.dtype != np.uint8 else recv.recv_x
+        np.testing.assert_array_equal(got, np.array([r[0] for r in rows]))
+        np.testing.assert_array_equal(recv.recv_x_scales, np.array([r[1] for r in rows]))
+        return True
+
+    assert all(run(num_ranks, body))
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_low_latency_packed_rows_and_combine(num_ranks):
+    T, H, K, E, M = 12, 256, 4, 4 * num_ranks, 16
+    local = E // num_ranks
+    inputs = [make_inputs(r, T - r, H, K, E, seed=11) for r in range(num_ranks)]
+    nbytes = epx.low_latency_buffer_size_hint(M, H, num_ranks, E)
+
+    def body(rank, group):
+        buffer = epx.Buffer(group, num_low_latency_bytes=nbytes)
+        x, idx, w = inputs[rank]
+        d = buffer.low_latency_dispatch(x, idx, M, E)
+        assert d.recv_x.shape == (local, num_ranks * M, H)
+        for e in range(local):
+            ge = rank * local + e
+            # Packed: rows [0, count) by source rank, then source token (then k).
+            expect = [(s, t) for s in range(num_ranks) for t in range(inputs[s][1].shape[0])
+                      for k in range(K) if inputs[s][1][t, k] == ge]
+            count = int(d.recv_count[e])
+            assert count == len(expect)
+            np.testing.assert_array_equal(d.recv_src_info[e, :count], [t for _, t in expect])
+            rows = np.array([inputs[s][0][t] for s, t in expect]).reshape(-1, H)
+            np.testing.assert_array_equal(d.recv_x[e, :count].view(np.uint16), rows.view(np.uint16))
+            begin = 0
+            for s in range(num_ranks):
+                n = sum(1 for src, _ in expect if src == s)
+                rng = int(d.recv_layout_range[e, s])
+                assert (rng >> 32, rng & 0xFFFFFFFF) == (begin, n)
+                begin += n
+        # Combine with identity experts: out[t] = sum_k w[t,k] * x[t] over valid k.
+        c = buffer.low_latency_combine(d.recv_x, idx, w, d.handle)
+        expect = x.astype(np.float32) * np.where(idx >= 0, w, 0).sum(1, keepdims=True)
+        np.testing.assert_allclose(c.x.astype(np.float32), expect, rtol=2 ** -6, atol=1e-5)
+        # Hooks: send now, receive later.
+        h = buffer.low_latency_dispatch(x, idx, M, E, return_recv_hook=True)
+        h.recv_hook()
+        np.testing.assert_array_equal(h.recv_count, d.recv_count)
+        return True
+
+    assert all(run(num_ranks, body))
+
+
+def test_bad_input_raises_named_errors():
+    def body(rank, group):
+        buffer = epx.Buffer(group)
+        x, idx, w = make_inputs(rank, 4, 128, 2, 8)
+        with pytest.raises(epx.InvalidArgumentError) as err:
+            buffer.dispatch(x.astype(np.float32), idx, w, num_experts=8)
+        assert err.value.code == "invalid_argument" and "x" in str(err.value)
+        bad = idx.copy()
+        bad[0, 0] = 8
+        with pytest.raises(ValueError, match="topk_idx"):
+            buffer.get_dispatch_layout(bad, 8)
+        with pytest.raises(ValueError, match="x"):
+            buffer.dispatch(np.zeros((2, 2, 2, 2, 2), np.float32), idx, num_experts=8)
+        with pytest.raises(ValueError, match="stream"):
+            buffer.dispatch(x, idx, num_experts=8, stream="not a stream")
+        with pytest.raises(epx.InvalidArgumentError):
+            buffer.mask_rank(rank)
+        return True
+
+    assert all(run(2, body))
+    with pytest.raises(ValueError, match="num_ranks"):
+        epx.host_groups(0)
+
+
+def test_timeout_is_a_timeout_error():
+    groups = epx.host_groups(2, timeout_ms=200)
+
+    def body(rank, group):
+        if rank == 0:
+            with pytest.raises(TimeoutError) as err:
+                group.barrier()
+            assert isinstance(err.value, epx.TimeoutError) and err.value.code == "timeout"
+        return True
+
+    assert all(epx.run_host_ranks(groups, body))
+
+
+def test_rank_mask_round_trip():
+    def body(rank, group):
+        buffer = epx.Buffer(group, num_low_latency_bytes=epx.low_latency_buffer_size_hint(8, 128, 4, 8))
+        assert buffer.rank_mask() == [False] * 4
+        buffer.mask_rank((rank + 1) % 4)
+        assert buffer.rank_mask()[(rank + 1) % 4]
+        buffer.clear_rank_mask()
+        assert buffer.rank_mask() == [False] * 4
+        return True
+
+    assert all(run(4, body))
+
+
+def test_run_host_ranks_reraises_first_error_by_rank():
+    def body(rank, group):
+        if rank >= 1:
+            raise KeyError(rank)
+        return rank
+
+    with pytest.raises(KeyError) as err:
+        epx.run_host_ranks(epx.host_groups(3), body)
+    assert err.value.args == (1,)
+
+
+def test_torch_cpu_tensors_come_back_as_torch():
+    torch = pytest.importorskip("torch")
+    T, H, K, E = 6, 128, 2, 4
+
+    def body(rank, group):
+        buffer = epx.Buffer(group)
+        x, idx, w = make_inputs(rank, T, H, K, E)
+        xt = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+        recv = buffer.dispatch(xt, torch.from_numpy(idx), torch.from_numpy(w), num_experts=E)
+        assert isinstance(recv.recv_x, torch.Tensor) and recv.recv_x.dtype == torch.bfloat16
+        out = buffer.combine(recv.recv_x, recv.handle)
+        assert isinstance(out.x, torch.Tensor) and out.x.shape == (T, H)
+        return True
+
+    assert all(run(2, body))
