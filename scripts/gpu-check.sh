@@ -3,13 +3,23 @@
 # GPU machine. Uses prebuilt binaries from $EPX_GPU_BIN (default .carry/bin: epx and epx_gpu_*),
 # else builds into build-gpu-check (needs GoogleTest etc. installed). Logs and JSON go to $OUT (or
 # ./gpu-check-out); at most a handful of files, since the device tool brings back only 8.
-# Usage: scripts/gpu-check.sh [--quick]   (--quick: tests only, bench at 24 SMs)
+# The Python package is built there too (build-gpu-py, the machine's Python 3.12 + torch) and its tests
+# run: python/tests (host backend, numpy and torch CPU) and python/tests/gpu (CUDA, torch); DeepEP's own
+# public suites run unchanged against the epx.deep_ep shim when a DeepEP checkout is carried in
+# .carry/DeepEP (git-ignored; only its tests/ are used, nothing of it is built).
+# Usage: scripts/gpu-check.sh [--quick] [--python-only]
+#   --quick: tests only, bench at 24 SMs; --python-only: only the Python package and its tests
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-check-out}
 BIN=${EPX_GPU_BIN:-$ROOT/.carry/bin}
 QUICK=0
-[ "${1:-}" = "--quick" ] && QUICK=1
+PYTHON_ONLY=0
+for arg in "$@"; do
+  [ "$arg" = "--quick" ] && QUICK=1
+  [ "$arg" = "--python-only" ] && PYTHON_ONLY=1
+done
+PY=${EPX_PYTHON:-/opt/torch/.venv/bin/python3}
 mkdir -p "$OUT"
 export EPX_LL_TIMING_JSON=${EPX_LL_TIMING_JSON:-$OUT/ll_timing.json}  # low-latency timing test
 LOG=$OUT/gpu-check.log
@@ -19,12 +29,67 @@ PIP_NVIDIA=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
 export LD_LIBRARY_PATH=$PIP_NVIDIA/nccl/lib:$PIP_NVIDIA/cublas/lib:$PIP_NVIDIA/cu13/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 
+# One build tree for the library, the CLI, the GPU tests and the Python extension. The GPU machine has
+# no -dev packages: their headers/CMake configs are carried in .carry/deps (copied from a Debian machine).
+BUILD=$ROOT/build-gpu
+configure_gpu_build() {
+  [ -f "$BUILD/build.ninja" ] && return 0
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_TESTS=ON -DEPX_BUILD_BENCH=OFF \
+    -DEPX_PYTHON=ON -DPython_EXECUTABLE="$PY" -DEPX_NCCL_ROOT="$PIP_NVIDIA/nccl" \
+    -DCMAKE_PREFIX_PATH="$ROOT/.carry/deps;$ROOT/.carry/deps/lib/x86_64-linux-gnu/cmake;$ROOT/.carry/deps/share/cmake" \
+    >>"$LOG" 2>&1
+}
+
+declare -a NAMES RESULTS
+status=0
+record() {  # name, rc[, extra]
+  NAMES+=("$1")
+  RESULTS+=("rc=$2${3:+ $3}")
+  [ "$2" -eq 0 ] || status=1
+}
+
+# ---- the Python package (built here: the machine's Python differs from the developers') ----
+if [ -x "$PY" ]; then
+  echo "== python package build ($PY)" >>"$LOG"
+  start=$(date +%s)
+  configure_gpu_build && ninja -C "$BUILD" _epx >>"$LOG" 2>&1
+  rc=$?
+  record "python build" $rc "$(($(date +%s) - start))s"
+  if [ $rc -eq 0 ]; then
+    export PYTHONPATH=$BUILD/python
+    for suite in "python/tests --ignore=python/tests/gpu" python/tests/gpu; do
+      echo "== pytest $suite" >>"$LOG"
+      start=$(date +%s)
+      (cd "$ROOT" && timeout 400 "$PY" -m pytest -q -p no:cacheprovider $suite) >>"$LOG" 2>&1
+      rc=$?
+      record "pytest ${suite%% *}" $rc "$(($(date +%s) - start))s $(grep -E '[0-9]+ (passed|failed)' "$LOG" | tail -1)"
+    done
+    if [ -d "$ROOT/.carry/DeepEP/tests" ]; then
+      for suite in test_intranode.py test_low_latency.py; do
+        echo "== DeepEP tests/$suite against the epx.deep_ep shim" >>"$LOG"
+        start=$(date +%s)
+        (cd "$ROOT/.carry/DeepEP/tests" && PYTHONPATH=$ROOT/python/deep_ep_shim:$PYTHONPATH \
+          timeout 300 "$PY" $suite --num-processes 2) >"$OUT/deepep_${suite%.py}.log" 2>&1
+        rc=$?
+        record "DeepEP $suite (shim)" $rc "$(($(date +%s) - start))s"
+      done
+    fi
+    unset PYTHONPATH
+  fi
+fi
+if [ $PYTHON_ONLY -eq 1 ]; then
+  echo; echo "gpu-check summary (log: $LOG)"
+  for i in "${!NAMES[@]}"; do printf '  %-34s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
+  exit $status
+fi
+
 if [ ! -x "$BIN/epx" ]; then
-  echo "no prebuilt binaries in $BIN: building" | tee -a "$LOG"
-  cmake -S "$ROOT" -B "$ROOT/build-gpu-check" -G Ninja -DCMAKE_BUILD_TYPE=Release >>"$LOG" 2>&1 &&
-    ninja -C "$ROOT/build-gpu-check" >>"$LOG" 2>&1 || { echo "build failed (see $LOG)"; exit 1; }
-  BIN=$ROOT/build-gpu-check
-  cp "$ROOT"/build-gpu-check/tests/epx_gpu_* "$BIN"/ 2>/dev/null || true
+  echo "no prebuilt binaries in $BIN: building in $BUILD" | tee -a "$LOG"
+  start=$(date +%s)
+  configure_gpu_build && ninja -C "$BUILD" >>"$LOG" 2>&1 || { echo "build failed (see $LOG)"; tail -30 "$LOG"; exit 1; }
+  record "C++ build" 0 "$(($(date +%s) - start))s"
+  BIN=$BUILD
+  cp "$BUILD"/tests/epx_gpu_* "$BIN"/ 2>/dev/null || true
 fi
 
 {
@@ -33,8 +98,6 @@ fi
   nvidia-smi topo -m 2>&1 | head -8
 } >>"$LOG"
 
-declare -a NAMES RESULTS
-status=0
 for t in "$BIN"/epx_gpu_*; do
   [ -x "$t" ] || continue
   name=$(basename "$t")

@@ -38,6 +38,7 @@ from ._epx import (  # noqa: F401
     version,
 )
 from ._tensors import bf16, fp8  # noqa: F401
+from .distributed import group_from_nccl_comm, group_from_process_group  # noqa: F401
 from .buffer import (  # noqa: F401
     Buffer,
     CombineResult,
@@ -48,6 +49,8 @@ from .buffer import (  # noqa: F401
 )
 
 __version__ = version()
+Group.from_process_group = staticmethod(group_from_process_group)
+Group.from_nccl_comm = staticmethod(group_from_nccl_comm)
 
 
 def run_host_ranks(groups: Sequence[Group], fn: Callable[[int, Group], Any]) -> List[Any]:
