@@ -1,5 +1,7 @@
 # Finds NCCL: the CUDA toolkit's copy, or pip's nvidia-nccl package, or EPX_NCCL_ROOT / NCCL_ROOT.
-# Defines the INTERFACE target epx_nccl.
+# Defines two INTERFACE targets: epx_nccl_headers (nccl.h only: the epx library loads libnccl.so.2 on first
+# use, src/cuda/nccl_loader.h) and epx_nccl (headers + the library, for executables that call NCCL
+# themselves). The library found here is only linked by those executables.
 set(_epx_nccl_hints ${EPX_NCCL_ROOT} $ENV{EPX_NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_LIBRARY_ROOT})
 execute_process(COMMAND python3 -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))"
   OUTPUT_VARIABLE _epx_pip_nccl OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
@@ -19,6 +21,7 @@ if(NOT EPX_NCCL_INCLUDE_DIR OR NOT EPX_NCCL_LIBRARY)
   return()
 endif()
 message(STATUS "epx: NCCL ${EPX_NCCL_LIBRARY} (headers ${EPX_NCCL_INCLUDE_DIR})")
+add_library(epx_nccl_headers INTERFACE)
+target_include_directories(epx_nccl_headers INTERFACE ${EPX_NCCL_INCLUDE_DIR})
 add_library(epx_nccl INTERFACE)
-target_include_directories(epx_nccl INTERFACE ${EPX_NCCL_INCLUDE_DIR})
-target_link_libraries(epx_nccl INTERFACE ${EPX_NCCL_LIBRARY})
+target_link_libraries(epx_nccl INTERFACE epx_nccl_headers ${EPX_NCCL_LIBRARY})

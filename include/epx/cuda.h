@@ -28,13 +28,14 @@ struct CudaGroupOptions {
 
 // One group per entry of `devices` (CUDA ordinals, repeats allowed; 1 to 8 entries). Hand groups[r] to
 // the thread that plays rank r; that thread's CUDA calls go to devices[r] (epx sets the device itself).
-// Throws kInvalidArgument for a bad ordinal or count.
+// Throws kInvalidArgument for a bad ordinal or count, kUnsupported when there is no CUDA driver or GPU.
 std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& devices,
                                                        const CudaGroupOptions& options = {});
 
 // A group over an existing NCCL communicator (one rank per GPU). The communicator must outlive the
 // group and must not be used concurrently with the group's collectives from another thread. The rank's
-// device is the communicator's. Throws kNcclError if the communicator cannot be queried.
+// device is the communicator's. Throws kNcclError if the communicator cannot be queried, kUnsupported if
+// NCCL cannot be loaded (epx loads libnccl.so.2, or $EPX_NCCL_LIBRARY, on first use; see the README).
 std::shared_ptr<Group> create_cuda_group(ncclComm_t comm, const CudaGroupOptions& options = {});
 
 }  // namespace epx

@@ -8,6 +8,7 @@
 #include "core/check.h"
 #include "cuda/cuda_group.h"
 #include "cuda/cuda_util.h"
+#include "cuda/nccl_loader.h"
 
 namespace epx::cuda {
 namespace {
@@ -36,7 +37,7 @@ class ThreadCudaGroup final : public CudaGroup {
 
 void check_nccl(ncclResult_t result, const char* what) {
   if (result != ncclSuccess) {
-    detail::raise(ErrorCode::kNcclError, "{} failed: {}", what, ncclGetErrorString(result));
+    detail::raise(ErrorCode::kNcclError, "{} failed: {}", what, nccl().GetErrorString(result));
   }
 }
 
@@ -44,9 +45,9 @@ void check_nccl(ncclResult_t result, const char* what) {
 class NcclCudaGroup final : public CudaGroup {
  public:
   NcclCudaGroup(ncclComm_t comm, const CudaGroupOptions& options) : comm_(comm), timeout_ms_(options.timeout_ms) {
-    check_nccl(ncclCommUserRank(comm, &rank_), "ncclCommUserRank");
-    check_nccl(ncclCommCount(comm, &num_ranks_), "ncclCommCount");
-    check_nccl(ncclCommCuDevice(comm, &device_), "ncclCommCuDevice");
+    check_nccl(nccl().CommUserRank(comm, &rank_), "ncclCommUserRank");
+    check_nccl(nccl().CommCount(comm, &num_ranks_), "ncclCommCount");
+    check_nccl(nccl().CommCuDevice(comm, &device_), "ncclCommCuDevice");
     DeviceGuard guard(device_);
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   }
@@ -77,7 +78,7 @@ class NcclCudaGroup final : public CudaGroup {
     }
     char* dev_send = static_cast<char*>(scratch_) + total;
     check_cuda(cudaMemcpyAsync(dev_send, send, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
-    check_nccl(ncclAllGather(dev_send, scratch_, bytes, ncclChar, comm_, stream_), "ncclAllGather");
+    check_nccl(nccl().AllGather(dev_send, scratch_, bytes, ncclChar, comm_, stream_), "ncclAllGather");
     check_cuda(cudaMemcpyAsync(recv, scratch_, total, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
     // NOTE: poll with a deadline instead of cudaStreamSynchronize so that a missing peer is a timeout.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
@@ -117,10 +118,7 @@ std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& d
   EPX_CHECK_ARG(num_ranks >= 1 && num_ranks <= 8, "devices must list 1 to 8 ranks, got {}", num_ranks);
   EPX_CHECK_ARG(options.timeout_ms >= 1, "timeout_ms must be >= 1, got {}", options.timeout_ms);
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    count = 0;
-  }
+  cuda::check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount (create_cuda_groups)");
   for (int r = 0; r < num_ranks; ++r) {
     EPX_CHECK_ARG(devices[r] >= 0 && devices[r] < count, "devices[{}] = {} is outside [0, {} visible GPUs)", r,
                   devices[r], count);

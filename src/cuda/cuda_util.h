@@ -7,11 +7,41 @@
 
 namespace epx::cuda {
 
+// What went wrong, for messages. NOTE: cudart is linked statically and loads libcuda.so.1 itself on the
+// first call; with no driver every call returns cudaErrorInsufficientDriver, whose own text ("driver
+// version is insufficient") does not say that the driver may be missing altogether.
+inline const char* cuda_error_text(cudaError_t err) {
+  switch (err) {
+    case cudaErrorInsufficientDriver:
+      return "no CUDA driver (libcuda.so.1) found, or it is older than the CUDA runtime epx was built with "
+             "(cudaErrorInsufficientDriver)";
+    case cudaErrorStubLibrary:
+      return "libcuda.so.1 is the CUDA toolkit's stub, not a driver (cudaErrorStubLibrary)";
+    case cudaErrorNoDevice:
+      return "no CUDA GPU is visible (cudaErrorNoDevice; check CUDA_VISIBLE_DEVICES)";
+    default:
+      return cudaGetErrorString(err);
+  }
+}
+
+// kUnsupported when the machine has no driver or GPU, kOutOfMemory for a failed allocation.
+inline ErrorCode cuda_error_code(cudaError_t err) {
+  switch (err) {
+    case cudaErrorMemoryAllocation:
+      return ErrorCode::kOutOfMemory;
+    case cudaErrorInsufficientDriver:
+    case cudaErrorStubLibrary:
+    case cudaErrorNoDevice:
+      return ErrorCode::kUnsupported;
+    default:
+      return ErrorCode::kCudaError;
+  }
+}
+
 inline void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error so later calls are not blamed
-    detail::raise(err == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kCudaError, "{} failed: {}",
-                  what, cudaGetErrorString(err));
+    detail::raise(cuda_error_code(err), "{} failed: {}", what, cuda_error_text(err));
   }
 }
 

@@ -10,6 +10,7 @@
 
 #include "core/check.h"
 #include "cuda/cuda_util.h"
+#include "cuda/nccl_loader.h"
 
 namespace epx::cuda {
 
@@ -41,7 +42,7 @@ std::unique_ptr<Entry> create_entry(Group& group) {
   dp.timeout_ms = group.timeout_ms();
   ncclUniqueId id{};
   if (group.rank() == 0) {
-    const ncclResult_t res = ncclGetUniqueId(&id);
+    const ncclResult_t res = nccl().GetUniqueId(&id);
     if (res != ncclSuccess) std::memset(&id, 0, sizeof(id));  // peers see an all-zero id and fail alike
   }
   std::vector<ncclUniqueId> ids(static_cast<size_t>(group.num_ranks()));
@@ -56,11 +57,11 @@ std::unique_ptr<Entry> create_entry(Group& group) {
   // rank that passed it calls the init right away.
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 1;
-  ncclResult_t res = ncclCommInitRankConfig(&dp.comm, group.num_ranks(), ids[0], group.rank(), &config);
+  ncclResult_t res = nccl().CommInitRankConfig(&dp.comm, group.num_ranks(), ids[0], group.rank(), &config);
   try {
     nccl_wait(dp, res, "ncclCommInitRankConfig (DP communicator)");
   } catch (...) {
-    if (dp.comm != nullptr) ncclCommAbort(dp.comm);
+    if (dp.comm != nullptr) nccl().CommAbort(dp.comm);
     throw;
   }
   check_cuda(cudaStreamCreateWithFlags(&dp.meta_stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
@@ -72,15 +73,15 @@ std::unique_ptr<Entry> create_entry(Group& group) {
 void nccl_wait(const DpComm& dp, ncclResult_t result, const char* what) {
   if (result == ncclSuccess) return;
   if (result != ncclInProgress) {
-    detail::raise(ErrorCode::kNcclError, "{} failed: {}", what, ncclGetErrorString(result));
+    detail::raise(ErrorCode::kNcclError, "{} failed: {}", what, nccl().GetErrorString(result));
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(dp.timeout_ms);
   while (true) {
     ncclResult_t state = ncclInProgress;
-    ncclCommGetAsyncError(dp.comm, &state);
+    nccl().CommGetAsyncError(dp.comm, &state);
     if (state == ncclSuccess) return;
     if (state != ncclInProgress) {
-      detail::raise(ErrorCode::kNcclError, "{} failed: {}", what, ncclGetErrorString(state));
+      detail::raise(ErrorCode::kNcclError, "{} failed: {}", what, nccl().GetErrorString(state));
     }
     if (std::chrono::steady_clock::now() > deadline) {
       detail::raise(ErrorCode::kTimeout, "{}: the peers did not join within {} ms", what, dp.timeout_ms);
@@ -99,7 +100,7 @@ DpComm& dp_comm(Group& group) {
         return it->second->dp;
       }
       // A different group at a recycled address: its communicator belongs to a group that is gone.
-      ncclCommAbort(it->second->dp.comm);
+      nccl().CommAbort(it->second->dp.comm);
       registry().erase(it);
     }
   }

@@ -40,7 +40,8 @@ struct DpComm {
 };
 
 // This group's communicator; the first call on a group is collective (every rank must make it).
-// Throws kNcclError, kCudaError, or kTimeout when a peer does not join within the group's timeout.
+// Throws kNcclError, kCudaError, kUnsupported when NCCL cannot be loaded (cuda/nccl_loader.h), or
+// kTimeout when a peer does not join within the group's timeout.
 DpComm& dp_comm(Group& group);
 
 // Raises kNcclError for a failed call. ncclInProgress (only from a nonblocking communicator) is polled

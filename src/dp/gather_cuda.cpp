@@ -19,6 +19,7 @@
 
 #include "core/check.h"
 #include "cuda/cuda_util.h"
+#include "cuda/nccl_loader.h"
 #include "dp/backends.h"
 #include "dp/comm_cuda.h"
 #include "dp/gather_kernels.h"
@@ -72,10 +73,10 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
       check_cuda(cudaMemsetAsync(mine + valid * row_bytes, 0, static_cast<size_t>(chunk - valid) * row_bytes, stream),
                  "cudaMemsetAsync (dp_gather padding)");
     }
-    nccl_wait(
-        dp,
-        ncclAllGather(mine, global.data, static_cast<size_t>(chunk * hidden), nccl_type(global.dtype), dp.comm, stream),
-        "ncclAllGather (dp_gather)");
+    nccl_wait(dp,
+              nccl().AllGather(mine, global.data, static_cast<size_t>(chunk * hidden), nccl_type(global.dtype), dp.comm,
+                               stream),
+              "ncclAllGather (dp_gather)");
     return;
   }
   check_cuda(cudaMemsetAsync(global.data, 0, static_cast<size_t>(plan.buffer_len) * row_bytes, stream),
@@ -86,8 +87,8 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
                "add_zero_copy (dp_gather)");
   }
   nccl_wait(dp,
-            ncclAllReduce(global.data, global.data, static_cast<size_t>(plan.buffer_len * hidden),
-                          nccl_type(global.dtype), ncclSum, dp.comm, stream),
+            nccl().AllReduce(global.data, global.data, static_cast<size_t>(plan.buffer_len * hidden),
+                             nccl_type(global.dtype), ncclSum, dp.comm, stream),
             "ncclAllReduce (dp_gather)");
 }
 
@@ -117,18 +118,18 @@ void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherP
   // (a reduce-scatter straight into `local` would need slot_len rows there, which differs by rank), and
   // on 2x H200 the grouped reduces beat ncclReduceScatter of the same bytes at 4096 and 8192 tokens per
   // rank (8192 x 7168 bf16: 405 vs 540 us), tie at 1024 and are up to 9 us slower below.
-  nccl_wait(dp, ncclGroupStart(), "ncclGroupStart (dp_scatter)");
+  nccl_wait(dp, nccl().GroupStart(), "ncclGroupStart (dp_scatter)");
   ncclResult_t first_error = ncclSuccess;
   for (int root = 0; root < group.num_ranks(); ++root) {
     const int dp_rank = layout.coords(root).attn_dp_rank;
     const int64_t n = plan.num_tokens[dp_rank] * hidden;
     if (n == 0) continue;
     // NOTE: recvbuff matters on the root only; the others pass their own local (possibly empty).
-    const ncclResult_t res = ncclReduce(row_ptr(global, plan.offsets[dp_rank]), local.data, static_cast<size_t>(n),
-                                        type, ncclSum, root, dp.comm, stream);
+    const ncclResult_t res = nccl().Reduce(row_ptr(global, plan.offsets[dp_rank]), local.data, static_cast<size_t>(n),
+                                           type, ncclSum, root, dp.comm, stream);
     if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
   }
-  const ncclResult_t end = ncclGroupEnd();
+  const ncclResult_t end = nccl().GroupEnd();
   nccl_wait(dp, first_error, "ncclReduce (dp_scatter)");
   nccl_wait(dp, end, "ncclGroupEnd (dp_scatter)");
   zero_tail(local, count, stream);
@@ -156,7 +157,7 @@ void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size
     void* mapped = nullptr;
     check_cuda(cudaHostGetDevicePointer(&mapped, dp.meta_host, 0), "cudaHostGetDevicePointer (metadata)");
     char* m = static_cast<char*>(mapped);
-    const ncclResult_t res = ncclAllGather(m + num_ranks * bytes, m, bytes, ncclChar, dp.comm, dp.meta_stream);
+    const ncclResult_t res = nccl().AllGather(m + num_ranks * bytes, m, bytes, ncclChar, dp.comm, dp.meta_stream);
     // NOTE: every rank sees the same NCCL build and memory kind, so all fall back together.
     if (res == ncclSuccess || res == ncclInProgress) {
       nccl_wait(dp, res, "ncclAllGather (metadata)");
@@ -165,7 +166,7 @@ void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size
       dp.meta_mapped = false;
       log(LogLevel::kWarn, fmt::format("epx cuda rank {}: NCCL refused mapped host memory for the batch-metadata "
                                        "all-gather ({}); using device copies from now on",
-                                       group.rank(), ncclGetErrorString(res)));
+                                       group.rank(), nccl().GetErrorString(res)));
     }
   }
   if (!done) {
@@ -176,7 +177,7 @@ void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size
     check_cuda(cudaMemcpyAsync(dev + num_ranks * bytes, host + num_ranks * bytes, bytes, cudaMemcpyHostToDevice,
                                dp.meta_stream),
                "cudaMemcpyAsync (metadata)");
-    nccl_wait(dp, ncclAllGather(dev + num_ranks * bytes, dev, bytes, ncclChar, dp.comm, dp.meta_stream),
+    nccl_wait(dp, nccl().AllGather(dev + num_ranks * bytes, dev, bytes, ncclChar, dp.comm, dp.meta_stream),
               "ncclAllGather (metadata)");
     check_cuda(cudaMemcpyAsync(host, dev, num_ranks * bytes, cudaMemcpyDeviceToHost, dp.meta_stream),
                "cudaMemcpyAsync (metadata)");
