@@ -132,6 +132,14 @@ NAMES+=("epx bench")
 RESULTS+=("rc=$rc")
 [ $rc -eq 0 ] || status=1
 
+# The same phases driven from Python (binding cost: target within 5% of the CLI's numbers).
+if ls "$BUILD"/python/epx/_epx*.so >/dev/null 2>&1; then
+  echo "== python -m epx.bench" >>"$LOG"
+  PYTHONPATH=$BUILD/python timeout 300 "$PY" -m epx.bench --sms 24 --compare "$OUT/bench.json" \
+    --json "$OUT/python_bench.json" >"$OUT/python_bench.txt" 2>>"$LOG"
+  record "python -m epx.bench" $?
+fi
+
 # DP gather/scatter + metadata sync, and the two-batch-overlap demo.
 for extra in dp tbo; do
   echo "== epx bench --$extra" >>"$LOG"
@@ -156,5 +164,5 @@ fi
 echo
 echo "gpu-check summary (log: $LOG)"
 for i in "${!NAMES[@]}"; do printf '  %-34s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
-cat "$OUT/bench.txt" "$OUT/bench_dp.txt" "$OUT/bench_tbo.txt" 2>/dev/null
+cat "$OUT/bench.txt" "$OUT/bench_dp.txt" "$OUT/bench_tbo.txt" "$OUT/python_bench.txt" 2>/dev/null
 exit $status
