@@ -1,6 +1,302 @@
-// Placeholder until the dp bindings land (being written in this session).
+// DP-attention bindings (include/epx/dp.h): rank arithmetic, padding mode, gather plan, dp_gather / dp_scatter
+// on DLPack tensors (GIL released), batch metadata and its per-step sync.
+#include "epx/dp.h"
+
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
 #include "bind.h"
+#include "epx/error.h"
+#include "epx/group.h"
 
 namespace epx::py {
-void register_dp(nb::module_&) {}
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+std::string py_bool(bool v) { return v ? "True" : "False"; }
+
+std::string list_repr(const std::vector<int64_t>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
+void bind_layout(nb::module_& m) {
+  nb::class_<ParallelSizes>(m, "ParallelSizes",
+                            "Parallel sizes of attention (dp x cp x tp) and MoE (dp x ep x tp) over the same "
+                            "world_size ranks; 0 = derived by ParallelLayout.")
+      .def(
+          "__init__",
+          [](ParallelSizes* self, int world_size, int attn_dp_size, int attn_cp_size, int attn_tp_size, int moe_ep_size,
+             int moe_dp_size, int moe_tp_size) {
+            new (self) ParallelSizes{world_size,  attn_dp_size, attn_cp_size, attn_tp_size,
+                                     moe_ep_size, moe_dp_size,  moe_tp_size};
+          },
+          nb::arg("world_size") = 1, nb::arg("attn_dp_size") = 1, nb::arg("attn_cp_size") = 1,
+          nb::arg("attn_tp_size") = 0, nb::arg("moe_ep_size") = 0, nb::arg("moe_dp_size") = 1,
+          nb::arg("moe_tp_size") = 0)
+      .def_rw("world_size", &ParallelSizes::world_size)
+      .def_rw("attn_dp_size", &ParallelSizes::attn_dp_size)
+      .def_rw("attn_cp_size", &ParallelSizes::attn_cp_size)
+      .def_rw("attn_tp_size", &ParallelSizes::attn_tp_size, "0: world_size / (attn_dp_size * attn_cp_size).")
+      .def_rw("moe_ep_size", &ParallelSizes::moe_ep_size, "0: world_size / (moe_dp_size * moe_tp_size).")
+      .def_rw("moe_dp_size", &ParallelSizes::moe_dp_size)
+      .def_rw("moe_tp_size", &ParallelSizes::moe_tp_size,
+              "0: world_size / (moe_ep_size * moe_dp_size); 1 when moe_ep_size is 0 too.")
+      .def("__repr__", [](const ParallelSizes& s) {
+        return "ParallelSizes(world_size=" + str(s.world_size) + ", attn_dp_size=" + str(s.attn_dp_size) +
+               ", attn_cp_size=" + str(s.attn_cp_size) + ", attn_tp_size=" + str(s.attn_tp_size) +
+               ", moe_ep_size=" + str(s.moe_ep_size) + ", moe_dp_size=" + str(s.moe_dp_size) +
+               ", moe_tp_size=" + str(s.moe_tp_size) + ")";
+      });
+
+  nb::class_<RankCoords>(m, "RankCoords", "A rank's coordinates in the attention and MoE layouts.")
+      .def_ro("attn_tp_rank", &RankCoords::attn_tp_rank)
+      .def_ro("attn_cp_rank", &RankCoords::attn_cp_rank)
+      .def_ro("attn_dp_rank", &RankCoords::attn_dp_rank)
+      .def_ro("moe_tp_rank", &RankCoords::moe_tp_rank)
+      .def_ro("moe_ep_rank", &RankCoords::moe_ep_rank)
+      .def_ro("moe_dp_rank", &RankCoords::moe_dp_rank)
+      .def("__repr__", [](const RankCoords& c) {
+        return "RankCoords(attn_tp_rank=" + str(c.attn_tp_rank) + ", attn_cp_rank=" + str(c.attn_cp_rank) +
+               ", attn_dp_rank=" + str(c.attn_dp_rank) + ", moe_tp_rank=" + str(c.moe_tp_rank) +
+               ", moe_ep_rank=" + str(c.moe_ep_rank) + ", moe_dp_rank=" + str(c.moe_dp_rank) + ")";
+      });
+
+  nb::enum_<ParallelGroupKind>(m, "ParallelGroupKind", "Which sub-groups ParallelLayout.groups() lists.")
+      .value("attn_tp", ParallelGroupKind::kAttnTp)
+      .value("attn_cp", ParallelGroupKind::kAttnCp)
+      .value("attn_dp", ParallelGroupKind::kAttnDp)
+      .value("moe_tp", ParallelGroupKind::kMoeTp)
+      .value("moe_ep", ParallelGroupKind::kMoeEp)
+      .value("moe_dp", ParallelGroupKind::kMoeDp);
+
+  nb::class_<ParallelLayout>(m, "ParallelLayout",
+                             "Rank arithmetic of DP attention (include/epx/dp.h):\n"
+                             "  attention rank = (attn_dp_rank * attn_cp + attn_cp_rank) * attn_tp + attn_tp_rank\n"
+                             "  MoE rank       = (moe_dp_rank * moe_ep + moe_ep_rank) * moe_tp + moe_tp_rank")
+      .def(
+          "__init__",
+          [](ParallelLayout* self, int world_size, int attn_dp_size, int attn_cp_size, int attn_tp_size,
+             int moe_ep_size, int moe_dp_size, int moe_tp_size) {
+            new (self) ParallelLayout(ParallelLayout::create(
+                {world_size, attn_dp_size, attn_cp_size, attn_tp_size, moe_ep_size, moe_dp_size, moe_tp_size}));
+          },
+          nb::arg("world_size"), nb::arg("attn_dp_size") = 1, nb::arg("attn_cp_size") = 1, nb::arg("attn_tp_size") = 0,
+          nb::arg("moe_ep_size") = 0, nb::arg("moe_dp_size") = 1, nb::arg("moe_tp_size") = 0,
+          "Derives the 0 sizes and checks every product equals world_size (1 to 1024); raises InvalidArgumentError "
+          "naming the size and the product it broke.")
+      .def_static("create", &ParallelLayout::create, nb::arg("sizes"))
+      .def_static("pure_dp", &ParallelLayout::pure_dp, nb::arg("world_size"),
+                  "Every rank its own DP rank: attn_dp = world, attn_tp = attn_cp = 1, moe_ep = world.")
+      .def_prop_ro("sizes", &ParallelLayout::sizes, "The sizes with every 0 derived.")
+      .def_prop_ro("world_size", &ParallelLayout::world_size)
+      .def_prop_ro("attn_dp_size", &ParallelLayout::attn_dp_size)
+      .def_prop_ro("attn_tp_size", &ParallelLayout::attn_tp_size)
+      .def_prop_ro("attn_cp_size", &ParallelLayout::attn_cp_size)
+      .def("coords", &ParallelLayout::coords, nb::arg("rank"))
+      .def("attn_rank", &ParallelLayout::attn_rank, nb::arg("attn_dp_rank"), nb::arg("attn_cp_rank"),
+           nb::arg("attn_tp_rank"))
+      .def("dp_leader", &ParallelLayout::dp_leader, nb::arg("attn_dp_rank"),
+           "The rank that contributes DP rank attn_dp_rank's data (attn_tp_rank 0, attn_cp_rank 0).")
+      .def("is_dp_leader", &ParallelLayout::is_dp_leader, nb::arg("rank"))
+      .def("groups", &ParallelLayout::groups, nb::arg("kind"),
+           "All groups of one kind, each an ascending list of ranks, ordered by their first rank.")
+      .def("group_of", &ParallelLayout::group_of, nb::arg("kind"), nb::arg("rank"))
+      .def("__repr__", [](const ParallelLayout& l) {
+        const ParallelSizes& s = l.sizes();
+        return "ParallelLayout(world_size=" + str(s.world_size) + ", attn_dp_size=" + str(s.attn_dp_size) +
+               ", attn_cp_size=" + str(s.attn_cp_size) + ", attn_tp_size=" + str(s.attn_tp_size) +
+               ", moe_ep_size=" + str(s.moe_ep_size) + ", moe_dp_size=" + str(s.moe_dp_size) +
+               ", moe_tp_size=" + str(s.moe_tp_size) + ")";
+      });
+}
+
+void bind_gather(nb::module_& m) {
+  nb::enum_<DpPaddingMode>(m, "DpPaddingMode", "How DP ranks' tokens sit in the global buffer.")
+      .value("MAX_LEN", DpPaddingMode::kMaxLen, "Each DP rank padded to the max count; all-gather.")
+      .value("SUM_LEN", DpPaddingMode::kSumLen, "Each DP rank at its prefix offset in a zeroed buffer; all-reduce.");
+
+  m.def(
+      "choose_padding_mode",
+      [](const std::vector<int64_t>& num_tokens_per_dp_rank, bool is_extend_in_batch, bool in_cuda_graph,
+         bool symmetric_a2a) {
+        return choose_padding_mode(num_tokens_per_dp_rank, {is_extend_in_batch, in_cuda_graph, symmetric_a2a});
+      },
+      nb::arg("num_tokens_per_dp_rank"), nb::arg("is_extend_in_batch") = false, nb::arg("in_cuda_graph") = false,
+      nb::arg("symmetric_a2a") = false,
+      "The mode of one step. First match wins: symmetric_a2a -> MAX_LEN; in_cuda_graph -> MAX_LEN; extend with "
+      "more than one DP rank -> SUM_LEN; MAX_LEN iff 2 * sum >= max * num_dp_ranks; else SUM_LEN.");
+
+  nb::class_<DpGatherPlan>(m, "DpGatherPlan", "Where every DP rank's tokens sit in the global buffer [buffer_len, H].")
+      .def_ro("mode", &DpGatherPlan::mode)
+      .def_ro("buffer_len", &DpGatherPlan::buffer_len, "Rows of the global buffer.")
+      .def_ro("slot_len", &DpGatherPlan::slot_len, "MAX_LEN: rows per DP rank; SUM_LEN: 0.")
+      .def_ro("num_tokens", &DpGatherPlan::num_tokens, "[num_dp_ranks] rows each DP rank contributes.")
+      .def_ro("offsets", &DpGatherPlan::offsets, "[num_dp_ranks] first row of each DP rank's tokens.")
+      .def("__repr__", [](const DpGatherPlan& p) {
+        return std::string("DpGatherPlan(mode=") + to_string(p.mode) + ", buffer_len=" + str(p.buffer_len) +
+               ", slot_len=" + str(p.slot_len) + ", num_tokens=" + list_repr(p.num_tokens) +
+               ", offsets=" + list_repr(p.offsets) + ")";
+      });
+
+  m.def(
+      "plan_dp_gather",
+      [](const std::vector<int64_t>& num_tokens_per_dp_rank, DpPaddingMode mode, int attn_tp_size) {
+        return plan_dp_gather(num_tokens_per_dp_rank, mode, attn_tp_size);
+      },
+      nb::arg("num_tokens_per_dp_rank"), nb::arg("mode"), nb::arg("attn_tp_size") = 1,
+      "MAX_LEN: slot_len = max count rounded up to attn_tp_size, offsets[d] = d * slot_len. SUM_LEN: offsets are "
+      "the exclusive prefix sums. Raises InvalidArgumentError for negative counts or sizes out of range.");
+
+  m.def(
+      "dp_gather",
+      [](Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, nb::handle local,
+         nb::handle global_buffer, nb::handle stream) {
+        const TensorView local_view = to_view(local, "local");
+        const TensorView global_view = to_view(global_buffer, "global_buffer");
+        const Stream s = to_stream(stream);
+        nb::gil_scoped_release release;
+        dp_gather(group, layout, plan, local_view, global_view, s);
+      },
+      nb::arg("group"), nb::arg("layout"), nb::arg("plan"), nb::arg("local"), nb::arg("global_buffer"),
+      nb::arg("stream") = nb::none(),
+      "Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] "
+      "rows of its leader's local at offsets[d]; other rows are zeroed. bf16 or fp32, contiguous. GIL released.");
+
+  nb::enum_<DpScatterKind>(m, "DpScatterKind", "What dp_scatter's global buffer holds.")
+      .value("slice", DpScatterKind::kSlice, "The same buffer on every rank: take this DP rank's rows.")
+      .value("reduce_scatter", DpScatterKind::kReduceScatter, "Partial buffers: sum over ranks (fp32, rank order).");
+
+  m.def(
+      "dp_scatter",
+      [](Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, nb::handle global_buffer,
+         nb::handle local, DpScatterKind kind, nb::handle stream) {
+        const TensorView global_view = to_view(global_buffer, "global_buffer");
+        const TensorView local_view = to_view(local, "local");
+        const Stream s = to_stream(stream);
+        nb::gil_scoped_release release;
+        dp_scatter(group, layout, plan, global_view, local_view, kind, s);
+      },
+      nb::arg("group"), nb::arg("layout"), nb::arg("plan"), nb::arg("global_buffer"), nb::arg("local"),
+      nb::arg("kind") = DpScatterKind::kSlice, nb::arg("stream") = nb::none(),
+      "Collective: local [>= num_tokens[my DP rank], H] receives this DP rank's rows of global_buffer (slice) or "
+      "of the sum of every rank's global_buffer (reduce_scatter); rows past the count are zeroed. GIL released.");
+}
+
+void bind_metadata(nb::module_& m) {
+  nb::enum_<ForwardMode>(m, "ForwardMode", "The kind of batch a DP rank runs in a step.")
+      .value("IDLE", ForwardMode::kIdle)
+      .value("EXTEND", ForwardMode::kExtend)
+      .value("DECODE", ForwardMode::kDecode)
+      .value("MIXED", ForwardMode::kMixed)
+      .value("TARGET_VERIFY", ForwardMode::kTargetVerify)
+      .value("DRAFT_EXTEND", ForwardMode::kDraftExtend);
+  m.attr("BATCH_METADATA_FIELDS") = kBatchMetadataFields;
+
+  nb::class_<BatchMetadata>(m, "BatchMetadata",
+                            "One DP rank's record for a step (11 fields, exchanged as 11 int64 per rank). The "
+                            "defaults are the record of a rank with no batch (idle()).")
+      .def(
+          "__init__",
+          [](BatchMetadata* self, int64_t num_tokens, int64_t num_tokens_for_logprob, bool can_run_decode_graph,
+             bool is_extend_in_batch, bool can_run_tbo, ForwardMode forward_mode, bool can_run_prefill_graph,
+             int64_t prefill_graph_max_prefix_len, bool can_run_draft_graph, bool is_health_check,
+             int64_t attention_pairs) {
+            new (self) BatchMetadata{
+                num_tokens,          num_tokens_for_logprob, can_run_decode_graph,  is_extend_in_batch,
+                can_run_tbo,         forward_mode,           can_run_prefill_graph, prefill_graph_max_prefix_len,
+                can_run_draft_graph, is_health_check,        attention_pairs};
+          },
+          nb::kw_only(), nb::arg("num_tokens") = 0, nb::arg("num_tokens_for_logprob") = 0,
+          nb::arg("can_run_decode_graph") = true, nb::arg("is_extend_in_batch") = false, nb::arg("can_run_tbo") = true,
+          nb::arg("forward_mode") = ForwardMode::kIdle, nb::arg("can_run_prefill_graph") = true,
+          nb::arg("prefill_graph_max_prefix_len") = 0, nb::arg("can_run_draft_graph") = true,
+          nb::arg("is_health_check") = false, nb::arg("attention_pairs") = 0)
+      .def_static("idle", &BatchMetadata::idle, "IDLE, 0 tokens, every graph/TBO vote 1.")
+      .def_rw("num_tokens", &BatchMetadata::num_tokens)
+      .def_rw("num_tokens_for_logprob", &BatchMetadata::num_tokens_for_logprob)
+      .def_rw("can_run_decode_graph", &BatchMetadata::can_run_decode_graph)
+      .def_rw("is_extend_in_batch", &BatchMetadata::is_extend_in_batch)
+      .def_rw("can_run_tbo", &BatchMetadata::can_run_tbo)
+      .def_rw("forward_mode", &BatchMetadata::forward_mode)
+      .def_rw("can_run_prefill_graph", &BatchMetadata::can_run_prefill_graph)
+      .def_rw("prefill_graph_max_prefix_len", &BatchMetadata::prefill_graph_max_prefix_len)
+      .def_rw("can_run_draft_graph", &BatchMetadata::can_run_draft_graph)
+      .def_rw("is_health_check", &BatchMetadata::is_health_check)
+      .def_rw("attention_pairs", &BatchMetadata::attention_pairs)
+      .def("__repr__", [](const BatchMetadata& b) {
+        return std::string("BatchMetadata(num_tokens=") + str(b.num_tokens) +
+               ", forward_mode=" + to_string(b.forward_mode) + ", is_extend_in_batch=" + py_bool(b.is_extend_in_batch) +
+               ", can_run_tbo=" + py_bool(b.can_run_tbo) + ", ...)";
+      });
+
+  nb::class_<GlobalBatchInfo>(m, "GlobalBatchInfo", "The agreed view of one step, identical on every rank.")
+      .def_ro("num_tokens", &GlobalBatchInfo::num_tokens, "[num_dp_ranks]")
+      .def_ro("num_tokens_for_logprob", &GlobalBatchInfo::num_tokens_for_logprob, "[num_dp_ranks]")
+      .def_ro("attention_pairs", &GlobalBatchInfo::attention_pairs, "[num_dp_ranks]")
+      .def_ro("can_run_decode_graph", &GlobalBatchInfo::can_run_decode_graph, "min over DP ranks")
+      .def_ro("can_run_prefill_graph", &GlobalBatchInfo::can_run_prefill_graph, "min")
+      .def_ro("can_run_draft_graph", &GlobalBatchInfo::can_run_draft_graph, "min")
+      .def_ro("is_extend_in_batch", &GlobalBatchInfo::is_extend_in_batch, "max")
+      .def_ro("is_health_check", &GlobalBatchInfo::is_health_check, "max")
+      .def_ro("prefill_graph_max_prefix_len", &GlobalBatchInfo::prefill_graph_max_prefix_len, "max")
+      .def_ro("forward_mode", &GlobalBatchInfo::forward_mode,
+              "The common mode of the non-idle DP ranks; IDLE when all are idle; None when they disagree.")
+      .def_ro("can_run_tbo", &GlobalBatchInfo::can_run_tbo,
+              "min of the votes, the non-idle ranks agree on a mode, and some rank is not idle.")
+      .def_ro("any_tokens", &GlobalBatchInfo::any_tokens, "Some DP rank has tokens: every rank runs a batch.")
+      .def("__repr__", [](const GlobalBatchInfo& g) {
+        return std::string("GlobalBatchInfo(num_tokens=") + list_repr(g.num_tokens) +
+               ", forward_mode=" + (g.forward_mode ? to_string(*g.forward_mode) : "None") +
+               ", can_run_tbo=" + py_bool(g.can_run_tbo) + ", any_tokens=" + py_bool(g.any_tokens) + ", ...)";
+      });
+
+  nb::class_<BatchSyncResult>(m, "BatchSyncResult", "The local result of one BatchMetadataSync.sync().")
+      .def_ro("global_info", &BatchSyncResult::global)
+      .def_ro("run_idle_batch", &BatchSyncResult::run_idle_batch,
+              "This rank has no batch but must run an idle one (global_info.any_tokens).")
+      .def_ro("runs_batch", &BatchSyncResult::runs_batch, "This rank runs a batch (its own or an idle one).")
+      .def_ro("step_wait_s", &BatchSyncResult::step_wait_s, "Seconds this sync waited for the slowest rank.")
+      .def_ro("wait_s", &BatchSyncResult::wait_s,
+              "This sync's wait plus the carried waits of earlier syncs in which this rank ran no batch.");
+
+  nb::class_<BatchMetadataSync>(m, "BatchMetadataSync",
+                                "Per-rank, stateful batch-metadata sync: one all-gather of the records per step "
+                                "(skipped when attn_dp_size == 1). Not thread-safe; one per rank.")
+      .def(nb::init<Group&, const ParallelLayout&>(), nb::arg("group"), nb::arg("layout"), nb::keep_alive<1, 2>(),
+           "Raises InvalidArgumentError unless layout.world_size == group.num_ranks. Keeps the group alive.")
+      .def(
+          "sync",
+          [](BatchMetadataSync& s, const std::optional<BatchMetadata>& local) {
+            nb::gil_scoped_release release;
+            return s.sync(local);
+          },
+          nb::arg("local").none(),
+          "Collective. local: this rank's record, or None for a rank with no batch. Raises InvalidArgumentError "
+          "for a bad record (before communicating), TimeoutError from the group. GIL released.")
+      .def_prop_ro("carried_wait_s", &BatchMetadataSync::carried_wait_s);
+
+  m.def(
+      "reduce_batch_metadata", [](const std::vector<BatchMetadata>& records) { return reduce_batch_metadata(records); },
+      nb::arg("records"),
+      "The reductions of sync() alone: one record per DP rank -> GlobalBatchInfo. Raises InvalidArgumentError "
+      "for an empty list.");
+}
+
+}  // namespace
+
+void register_dp(nb::module_& parent) {
+  nb::module_ m = parent.def_submodule("dp", "DP attention: rank layout, gather/scatter, batch metadata (epx/dp.h).");
+  bind_layout(m);
+  bind_gather(m);
+  bind_metadata(m);
+}
+
 }  // namespace epx::py

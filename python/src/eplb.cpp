@@ -1,6 +1,706 @@
-// Placeholder until the eplb bindings land (being written in this session).
+// EPLB bindings: placement, balancedness, ExpertLocation (+ JSON), replica choice, the load recorder, the
+// rebalance manager, relocation plans (+ the host-transport executor) and the synthetic loads.
+//
+// Arrays cross as nb::ndarray (numpy, torch CPU tensors, anything with __dlpack__ or the buffer protocol) and
+// are read once, in C++, into the flat vectors the core takes; results come back as numpy arrays owning the
+// core's vectors (no copy) with the shapes of include/epx/eplb/placement.h.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
 #include "bind.h"
+#include "epx/eplb/expert_location.h"
+#include "epx/eplb/manager.h"
+#include "epx/eplb/placement.h"
+#include "epx/eplb/recorder.h"
+#include "epx/eplb/relocation.h"
+#include "epx/eplb/synthetic.h"
+#include "epx/error.h"
+#include "epx/group.h"
 
 namespace epx::py {
-void register_eplb(nb::module_&) {}
+namespace {
+
+using namespace epx::eplb;
+using RoArray = nb::ndarray<nb::ro>;
+
+[[noreturn]] void bad(const std::string& message) { throw Error(ErrorCode::kInvalidArgument, message); }
+
+// ---- arrays in ----------------------------------------------------------------------------------------
+
+// A host array of `ndim` dimensions (any when ndim < 0). Throws kInvalidArgument naming `name`.
+RoArray host_array(nb::handle obj, const char* name, int ndim) {
+  RoArray array;
+  if (!nb::try_cast(obj, array)) {
+    bad(std::string(name) + ": expected an array (numpy, torch, DLPack), got " +
+        nb::cast<std::string>(nb::type_name(obj.type())));
+  }
+  if (array.device_type() != nb::device::cpu::value) {
+    bad(std::string(name) + ": must be in host memory (torch: call .cpu())");
+  }
+  if (ndim >= 0 && array.ndim() != static_cast<size_t>(ndim)) {
+    bad(std::string(name) + ": expected " + std::to_string(ndim) + " dimensions, got " + std::to_string(array.ndim()));
+  }
+  return array;
+}
+
+// Reads every element in row-major order, whatever the strides.
+template <typename In, typename Out>
+std::vector<Out> gather_values(const RoArray& array, const char* name) {
+  const size_t n = array.size(), nd = array.ndim();
+  std::vector<Out> out(n);
+  const auto* base = static_cast<const In*>(array.data());
+  std::vector<size_t> idx(nd, 0);
+  for (size_t i = 0; i < n; ++i) {
+    int64_t offset = 0;
+    for (size_t d = 0; d < nd; ++d) offset += static_cast<int64_t>(idx[d]) * array.stride(d);
+    const In v = base[offset];
+    if constexpr (std::is_integral_v<Out> && std::is_integral_v<In> && !std::is_same_v<In, bool>) {
+      if (!std::in_range<Out>(v)) {
+        bad(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(v) + " does not fit " +
+            std::to_string(sizeof(Out) * 8) + "-bit integers");
+      }
+    }
+    out[i] = static_cast<Out>(v);
+    for (size_t d = nd; d-- > 0;) {
+      if (++idx[d] < array.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+// Integer arrays of any width (and floating point ones when `allow_float`), converted to Out.
+template <typename Out>
+std::vector<Out> values_of(const RoArray& array, const char* name, bool allow_float) {
+  using Code = nb::dlpack::dtype_code;
+  const nb::dlpack::dtype dt = array.dtype();
+  const auto code = static_cast<Code>(dt.code);
+  if (dt.lanes == 1) {
+    if (code == Code::Int) {
+      switch (dt.bits) {
+        case 8:
+          return gather_values<int8_t, Out>(array, name);
+        case 16:
+          return gather_values<int16_t, Out>(array, name);
+        case 32:
+          return gather_values<int32_t, Out>(array, name);
+        case 64:
+          return gather_values<int64_t, Out>(array, name);
+      }
+    } else if (code == Code::UInt) {
+      switch (dt.bits) {
+        case 8:
+          return gather_values<uint8_t, Out>(array, name);
+        case 16:
+          return gather_values<uint16_t, Out>(array, name);
+        case 32:
+          return gather_values<uint32_t, Out>(array, name);
+        case 64:
+          return gather_values<uint64_t, Out>(array, name);
+      }
+    } else if (code == Code::Float && allow_float) {
+      if (dt.bits == 32) return gather_values<float, Out>(array, name);
+      if (dt.bits == 64) return gather_values<double, Out>(array, name);
+    }
+  }
+  bad(std::string(name) + ": expected " + (allow_float ? "a real-valued" : "an integer") +
+      " array, got DLPack type code " + std::to_string(dt.code) + " with " + std::to_string(dt.bits) + " bits");
+}
+
+template <typename Out>
+std::vector<Out> read_ints(nb::handle obj, const char* name, int ndim) {
+  return values_of<Out>(host_array(obj, name, ndim), name, false);
+}
+
+// weight [num_layers, num_logical] (any real or integer dtype) -> the core's rows.
+std::vector<std::vector<double>> read_weight(nb::handle obj) {
+  const RoArray array = host_array(obj, "weight", 2);
+  const std::vector<double> flat = values_of<double>(array, "weight", true);
+  const size_t rows = array.shape(0), cols = array.shape(1);
+  std::vector<std::vector<double>> weight(rows);
+  for (size_t r = 0; r < rows; ++r) weight[r].assign(flat.begin() + r * cols, flat.begin() + (r + 1) * cols);
+  return weight;
+}
+
+// phy2log [num_layers, num_physical] -> (flat, num_physical).
+std::pair<std::vector<int32_t>, int> read_phy2log(nb::handle obj, const char* name) {
+  const RoArray array = host_array(obj, name, 2);
+  return {values_of<int32_t>(array, name, false), static_cast<int>(array.shape(1))};
+}
+
+// ---- arrays out ---------------------------------------------------------------------------------------
+
+template <typename T>
+using NumpyArray = nb::ndarray<nb::numpy, T>;
+
+// A numpy array owning `values` (moved, not copied).
+template <typename T>
+NumpyArray<T> to_numpy(std::vector<T> values, std::initializer_list<size_t> shape) {
+  auto* held = new std::vector<T>(std::move(values));
+  nb::capsule owner(held, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return NumpyArray<T>(held->data(), shape, owner);
+}
+
+// A read-only numpy view of shared, immutable storage (kept alive by the array).
+template <typename T>
+NumpyArray<const T> shared_numpy(std::shared_ptr<const std::vector<T>> values, const T* data,
+                                 std::initializer_list<size_t> shape) {
+  auto* held = new std::shared_ptr<const std::vector<T>>(std::move(values));
+  nb::capsule owner(held, [](void* p) noexcept { delete static_cast<std::shared_ptr<const std::vector<T>>*>(p); });
+  return NumpyArray<const T>(data, shape, owner);
+}
+
+template <typename T>
+NumpyArray<T> span_copy(std::span<const T> values) {
+  return to_numpy(std::vector<T>(values.begin(), values.end()), {values.size()});
+}
+
+size_t sz(int64_t v) { return static_cast<size_t>(v); }
+
+// ---- placement ----------------------------------------------------------------------------------------
+
+void bind_placement(nb::module_& m) {
+  nb::enum_<Policy>(m, "Policy", "EPLB placement policy (include/epx/eplb/placement.h).")
+      .value("deepseek", Policy::kDeepSeek, "DeepSeek's published EPLB, reproduced exactly.")
+      .value("default", Policy::kDefault, "kDeepSeek improved by swaps and moves; never less balanced.");
+  m.def("policy_from_string", &policy_from_string, nb::arg("name"),
+        "'deepseek' or 'default' -> Policy; raises InvalidArgumentError otherwise.");
+
+  nb::class_<Placement>(m, "Placement",
+                        "Which logical expert each physical slot holds, per layer. Arrays are copies (numpy, int32).")
+      .def_ro("num_layers", &Placement::num_layers)
+      .def_ro("num_logical", &Placement::num_logical)
+      .def_ro("num_physical", &Placement::num_physical)
+      .def_ro("max_replicas", &Placement::max_replicas, "The largest replica count over all layers and experts.")
+      .def_ro("hierarchical", &Placement::hierarchical, "Groups were packed onto nodes (num_groups % num_nodes == 0).")
+      .def_prop_ro(
+          "phy2log",
+          [](const Placement& p) {
+            return to_numpy(p.phy2log, {sz(p.num_layers), sz(p.num_physical)});
+          },
+          nb::rv_policy::automatic, "int32 [num_layers, num_physical]: the logical expert of each physical slot.")
+      .def_prop_ro(
+          "log2phy",
+          [](const Placement& p) {
+            return to_numpy(p.log2phy, {sz(p.num_layers), sz(p.num_logical), sz(p.max_replicas)});
+          },
+          nb::rv_policy::automatic,
+          "int32 [num_layers, num_logical, max_replicas]: the slots of each logical expert, -1 padded.")
+      .def_prop_ro(
+          "logcnt",
+          [](const Placement& p) {
+            return to_numpy(p.logcnt, {sz(p.num_layers), sz(p.num_logical)});
+          },
+          nb::rv_policy::automatic, "int32 [num_layers, num_logical]: replica count of each logical expert (>= 1).")
+      .def("__repr__", [](const Placement& p) {
+        return "epx.eplb.Placement(num_layers=" + std::to_string(p.num_layers) +
+               ", num_logical=" + std::to_string(p.num_logical) + ", num_physical=" + std::to_string(p.num_physical) +
+               ", max_replicas=" + std::to_string(p.max_replicas) +
+               ", hierarchical=" + (p.hierarchical ? "True" : "False") + ")";
+      });
+
+  m.def(
+      "rebalance",
+      [](nb::handle weight, int num_physical, int num_gpus, int num_groups, int num_nodes, Policy policy) {
+        auto rows = read_weight(weight);
+        const PlacementShape shape{num_physical, num_groups, num_nodes, num_gpus};
+        nb::gil_scoped_release release;
+        return rebalance(rows, shape, policy);
+      },
+      nb::arg("weight"), nb::arg("num_physical"), nb::arg("num_gpus"), nb::arg("num_groups") = 1,
+      nb::arg("num_nodes") = 1, nb::arg("policy") = Policy::kDefault,
+      "A fresh placement for weight [num_layers, num_logical] (loads >= 0). Hierarchical when num_groups % "
+      "num_nodes == 0. Raises InvalidArgumentError naming the broken bound.");
+
+  nb::class_<MigrationResult>(m, "MigrationResult", "A migration-aware placement and what it moved.")
+      .def_ro("placement", &MigrationResult::placement)
+      .def_ro("moved_experts", &MigrationResult::moved_experts,
+              "Slots whose expert changes w.r.t. current, all layers.")
+      .def_ro("fresh_moved_experts", &MigrationResult::fresh_moved_experts,
+              "The same count for the fresh 'default' placement.")
+      .def_ro("fresh_balancedness", &MigrationResult::fresh_balancedness,
+              "Balancedness of the fresh placement under weight.");
+  m.def(
+      "rebalance_migration_aware",
+      [](nb::handle weight, nb::handle current_phy2log, int num_physical, int num_gpus, int num_groups, int num_nodes,
+         double max_balance_loss) {
+        auto rows = read_weight(weight);
+        auto [current, current_physical] = read_phy2log(current_phy2log, "current_phy2log");
+        if (current_physical != num_physical) {
+          bad("current_phy2log: " + std::to_string(current_physical) + " slots per layer, num_physical is " +
+              std::to_string(num_physical));
+        }
+        const PlacementShape shape{num_physical, num_groups, num_nodes, num_gpus};
+        nb::gil_scoped_release release;
+        return rebalance_migration_aware(rows, shape, current, MigrationOptions{max_balance_loss});
+      },
+      nb::arg("weight"), nb::arg("current_phy2log"), nb::arg("num_physical"), nb::arg("num_gpus"),
+      nb::arg("num_groups") = 1, nb::arg("num_nodes") = 1, nb::arg("max_balance_loss") = 0.01,
+      "Like rebalance(policy='default') but keeps experts of current_phy2log [num_layers, num_physical] in place "
+      "unless moving buys more than max_balance_loss of balancedness per layer.");
+
+  m.def(
+      "placement_from_phy2log",
+      [](nb::handle phy2log, int num_logical) {
+        auto [flat, num_physical] = read_phy2log(phy2log, "phy2log");
+        const int num_layers = num_physical > 0 ? static_cast<int>(flat.size() / num_physical) : 0;
+        return placement_from_phy2log(flat, num_layers, num_logical, num_physical);
+      },
+      nb::arg("phy2log"), nb::arg("num_logical"),
+      "Derives log2phy (slot order), logcnt and max_replicas from phy2log [num_layers, num_physical].");
+
+  m.def(
+      "balancedness_per_layer",
+      [](nb::handle weight, nb::handle phy2log, int num_gpus) {
+        auto rows = read_weight(weight);
+        auto [flat, num_physical] = read_phy2log(phy2log, "phy2log");
+        auto out = balancedness_per_layer(rows, flat, num_physical, num_gpus);
+        return to_numpy(std::move(out), {rows.size()});
+      },
+      nb::arg("weight"), nb::arg("phy2log"), nb::arg("num_gpus"),
+      "float64 [num_layers]: mean GPU load / max GPU load of each layer (1 for a layer without load).");
+  m.def(
+      "balancedness",
+      [](nb::handle weight, nb::handle phy2log, int num_gpus) {
+        auto rows = read_weight(weight);
+        auto [flat, num_physical] = read_phy2log(phy2log, "phy2log");
+        return balancedness(rows, flat, num_physical, num_gpus);
+      },
+      nb::arg("weight"), nb::arg("phy2log"), nb::arg("num_gpus"), "The mean of balancedness_per_layer.");
+  m.def(
+      "count_moved_experts",
+      [](nb::handle old_phy2log, nb::handle new_phy2log) {
+        return count_moved_experts(read_ints<int32_t>(old_phy2log, "old_phy2log", -1),
+                                   read_ints<int32_t>(new_phy2log, "new_phy2log", -1));
+      },
+      nb::arg("old_phy2log"), nb::arg("new_phy2log"),
+      "Slots whose logical expert differs between two placements of equal shape, all layers.");
+  m.def(
+      "trivial_phy2log",
+      [](int num_layers, int num_logical, int num_physical) {
+        return to_numpy(trivial_phy2log(num_layers, num_logical, num_physical), {sz(num_layers), sz(num_physical)});
+      },
+      nb::arg("num_layers"), nb::arg("num_logical"), nb::arg("num_physical"),
+      "int32 [num_layers, num_physical]: slot i holds logical expert i % num_logical.");
+}
+
+// ---- expert location ----------------------------------------------------------------------------------
+
+void bind_location(nb::module_& m) {
+  nb::class_<ExpertLocation>(
+      m, "ExpertLocation",
+      "Where each layer's experts live at run time (include/epx/eplb/expert_location.h). Slot s lives on GPU\n"
+      "s // slots_per_gpu, GPU g on node g // gpus_per_node. A value: copies are independent.")
+      .def(
+          "__init__",
+          [](ExpertLocation* self, int num_gpus, int num_nodes, nb::handle phy2log, int num_logical) {
+            auto [flat, num_physical] = read_phy2log(phy2log, "phy2log");
+            const int num_layers = num_physical > 0 ? static_cast<int>(flat.size() / num_physical) : 0;
+            new (self) ExpertLocation(num_layers, num_logical, num_physical, num_gpus, num_nodes, std::move(flat));
+          },
+          nb::arg("num_gpus"), nb::arg("num_nodes"), nb::arg("phy2log"), nb::arg("num_logical"),
+          "From phy2log [num_layers, num_physical]. Raises InvalidArgumentError when an expert has no replica, "
+          "slots do not divide over GPUs or GPUs over nodes.")
+      .def_static("trivial", &ExpertLocation::trivial, nb::arg("num_layers"), nb::arg("num_logical"),
+                  nb::arg("num_physical"), nb::arg("num_gpus"), nb::arg("num_nodes") = 1,
+                  "Slot i holds logical expert i % num_logical in every layer.")
+      .def_static("from_placement", &ExpertLocation::from_placement, nb::arg("placement"), nb::arg("num_gpus"),
+                  nb::arg("num_nodes"))
+      .def_static("from_json", &ExpertLocation::from_json, nb::arg("text"),
+                  "Parses to_json()'s text; raises InvalidArgumentError naming the bad field.")
+      .def("to_json", &ExpertLocation::to_json,
+           "JSON {num_layers, num_logical, num_physical, num_gpus, num_nodes, phy2log: [[...] per layer]}.")
+      .def_prop_ro("num_layers", &ExpertLocation::num_layers)
+      .def_prop_ro("num_logical", &ExpertLocation::num_logical)
+      .def_prop_ro("num_physical", &ExpertLocation::num_physical)
+      .def_prop_ro("num_gpus", &ExpertLocation::num_gpus)
+      .def_prop_ro("num_nodes", &ExpertLocation::num_nodes)
+      .def_prop_ro("slots_per_gpu", &ExpertLocation::slots_per_gpu)
+      .def_prop_ro("gpus_per_node", &ExpertLocation::gpus_per_node)
+      .def_prop_ro("max_replicas", &ExpertLocation::max_replicas,
+                   "The largest replica count over all layers and experts.")
+      .def("gpu_of_slot", &ExpertLocation::gpu_of_slot, nb::arg("slot"))
+      .def_prop_ro(
+          "phy2log_table",
+          [](const ExpertLocation& loc) {
+            auto table = loc.phy2log_table();
+            const int32_t* data = table->data();
+            return shared_numpy(std::move(table), data, {sz(loc.num_layers()), sz(loc.num_physical())});
+          },
+          nb::rv_policy::automatic,
+          "int32 [num_layers, num_physical], read-only; unchanged by later set_layer() calls.")
+      .def(
+          "phy2log", [](const ExpertLocation& loc, int layer) { return span_copy(loc.phy2log(layer)); },
+          nb::arg("layer"), "int32 [num_physical]: the logical expert of each slot of `layer`.")
+      .def(
+          "replicas",
+          [](const ExpertLocation& loc, int layer, int expert) { return span_copy(loc.replicas(layer, expert)); },
+          nb::arg("layer"), nb::arg("expert"), "int32 [replica_count]: the slots holding `expert`, ascending.")
+      .def("replica_count", &ExpertLocation::replica_count, nb::arg("layer"), nb::arg("expert"))
+      .def(
+          "set_layer",
+          [](ExpertLocation& loc, int layer, nb::handle phy2log) {
+            const auto flat = read_ints<int32_t>(phy2log, "phy2log", 1);
+            loc.set_layer(layer, flat);
+          },
+          nb::arg("layer"), nb::arg("phy2log"), "Replaces one layer's placement (int [num_physical]); validated.")
+      .def("__eq__", [](const ExpertLocation& a, const ExpertLocation& b) { return a == b; })
+      .def("__copy__", [](const ExpertLocation& loc) { return ExpertLocation(loc); })
+      .def(
+          "__deepcopy__", [](const ExpertLocation& loc, nb::handle) { return ExpertLocation(loc); }, nb::arg("memo"))
+      .def("__repr__", [](const ExpertLocation& loc) {
+        return "epx.eplb.ExpertLocation(num_layers=" + std::to_string(loc.num_layers()) +
+               ", num_logical=" + std::to_string(loc.num_logical()) +
+               ", num_physical=" + std::to_string(loc.num_physical()) + ", num_gpus=" + std::to_string(loc.num_gpus()) +
+               ", num_nodes=" + std::to_string(loc.num_nodes()) + ")";
+      });
+
+  nb::enum_<ReplicaChoice>(m, "ReplicaChoice", "How a token picks one replica of each of its logical experts.")
+      .value("static", ReplicaChoice::kStatic, "A local replica if any, else one fixed per (source GPU, expert).")
+      .value("dynamic", ReplicaChoice::kDynamic, "Uniform among the replicas, hashed per (seed, layer, token, k).");
+  m.def(
+      "choose_replicas",
+      [](const ExpertLocation& location, int layer, nb::handle topk_logical, int gpu, ReplicaChoice mode, uint64_t seed,
+         bool rank_invariant, int64_t first_token) {
+        const RoArray array = host_array(topk_logical, "topk_logical", 2);
+        const int num_topk = static_cast<int>(array.shape(1));
+        const auto logical = values_of<int64_t>(array, "topk_logical", false);
+        std::vector<int64_t> physical(logical.size());
+        choose_replicas(location, layer, logical, num_topk, physical, gpu, {mode, seed, rank_invariant}, first_token);
+        return to_numpy(std::move(physical), {array.shape(0), array.shape(1)});
+      },
+      nb::arg("location"), nb::arg("layer"), nb::arg("topk_logical"), nb::arg("gpu"),
+      nb::arg("mode") = ReplicaChoice::kStatic, nb::arg("seed") = 0, nb::arg("rank_invariant") = false,
+      nb::arg("first_token") = 0,
+      "int64 [num_tokens, num_topk]: the physical slot of each logical id of topk_logical [num_tokens, num_topk] "
+      "(-1 stays -1) for a token on `gpu`.");
+}
+
+// ---- recorder and manager -----------------------------------------------------------------------------
+
+// NOTE: LoadRecorder has no shape accessors; utilization_per_layer over the whole buffer returns one value per
+// layer and costs O(layers * slots), the same order as the loads it shapes.
+size_t num_layers_of(const LoadRecorder& r) {
+  return std::max<size_t>(r.utilization_per_layer(std::numeric_limits<int>::max()).size(), 1);
+}
+
+void bind_recorder(nb::module_& m) {
+  nb::enum_<RecordMode>(m, "RecordMode", "What the load recorder keeps besides per-step counts.")
+      .value("stat", RecordMode::kStat, "Per-step counts only.")
+      .value("per_pass", RecordMode::kPerPass, "Also each forward pass's counts (passes()).")
+      .value("per_token", RecordMode::kPerToken, "Also each token's chosen slots (tokens()).");
+
+  nb::class_<LoadRecorder>(m, "LoadRecorder",
+                           "Per-step, per-layer, per-slot expert counts in a ring of buffer_steps steps. Not "
+                           "thread-safe: one per rank.")
+      .def(
+          "__init__",
+          [](LoadRecorder* self, int num_layers, int num_logical, int num_physical, int num_gpus, int buffer_steps,
+             RecordMode mode) {
+            new (self) LoadRecorder(num_layers, num_logical, num_physical, num_gpus, {buffer_steps, mode});
+          },
+          nb::arg("num_layers"), nb::arg("num_logical"), nb::arg("num_physical"), nb::arg("num_gpus"),
+          nb::arg("buffer_steps") = 1000, nb::arg("mode") = RecordMode::kStat)
+      .def(
+          "record_pass",
+          [](LoadRecorder& r, const ExpertLocation& location, nb::handle physical_counts) {
+            r.record_pass(location, read_ints<int64_t>(physical_counts, "physical_counts", -1));
+          },
+          nb::arg("location"), nb::arg("physical_counts"),
+          "Adds one forward pass's counts [num_layers, num_physical] (mapped to experts by location).")
+      .def(
+          "record_tokens",
+          [](LoadRecorder& r, const ExpertLocation& location, int layer, nb::handle topk_physical) {
+            r.record_tokens(location, layer, read_ints<int64_t>(topk_physical, "topk_physical", -1));
+          },
+          nb::arg("location"), nb::arg("layer"), nb::arg("topk_physical"),
+          "per_token mode: the slots this pass's tokens chose in `layer` ([num_tokens, num_topk], -1 ignored).")
+      .def("end_step", &LoadRecorder::end_step, "Closes the step; it enters the ring (evicting the oldest).")
+      .def_prop_ro("num_steps", &LoadRecorder::num_steps, "Steps closed so far.")
+      .def_prop_ro("buffer_steps", &LoadRecorder::buffer_steps)
+      .def_prop_ro("steps_in_buffer", &LoadRecorder::steps_in_buffer)
+      .def_prop_ro("mode", &LoadRecorder::mode)
+      .def(
+          "physical_loads",
+          [](const LoadRecorder& r, int window) {
+            auto v = r.physical_loads(window);
+            const size_t num_layers = num_layers_of(r);
+            return to_numpy(std::move(v), {num_layers, v.size() / num_layers});
+          },
+          nb::arg("window"), "int64 [num_layers, num_physical] over the last `window` steps.")
+      .def(
+          "logical_loads",
+          [](const LoadRecorder& r, int window) {
+            auto v = r.logical_loads(window);
+            const size_t num_layers = num_layers_of(r);
+            return to_numpy(std::move(v), {num_layers, v.size() / num_layers});
+          },
+          nb::arg("window"), "int64 [num_layers, num_logical] over the last `window` steps.")
+      .def(
+          "utilization_per_layer",
+          [](const LoadRecorder& r, int window) {
+            auto v = r.utilization_per_layer(window);
+            return to_numpy(std::move(v), {v.size()});
+          },
+          nb::arg("window"), "float64 [num_layers]: (mean GPU load + 1e-5) / (max GPU load + 1e-5).")
+      .def("utilization", &LoadRecorder::utilization, nb::arg("window"), "utilization_per_layer averaged over layers.")
+      .def(
+          "passes",
+          [](const LoadRecorder& r) {
+            nb::list out;
+            const size_t num_layers = num_layers_of(r);
+            for (auto& p : r.passes()) {
+              const size_t n = p.counts.size();
+              out.append(nb::make_tuple(p.step, to_numpy(std::move(p.counts), {num_layers, n / num_layers})));
+            }
+            return out;
+          },
+          "per_pass mode: [(step, int32 [num_layers, num_physical])], oldest first.")
+      .def(
+          "tokens",
+          [](const LoadRecorder& r) {
+            nb::list out;
+            for (auto& t : r.tokens()) {
+              const size_t n = t.topk_physical.size();
+              out.append(nb::make_tuple(t.step, t.layer, to_numpy(std::move(t.topk_physical), {n})));
+            }
+            return out;
+          },
+          "per_token mode: [(step, layer, int32 topk_physical (flat))], oldest first.")
+      .def("clear", &LoadRecorder::clear, "Drops everything recorded (num_steps keeps counting).");
+}
+
+void bind_manager(nb::module_& m) {
+  nb::class_<LayerUpdate>(m, "LayerUpdate", "One layer switched to a new placement: relocate old -> new.")
+      .def_ro("layer", &LayerUpdate::layer)
+      .def_prop_ro(
+          "old_phy2log", [](const LayerUpdate& u) { return to_numpy(u.old_phy2log, {u.old_phy2log.size()}); },
+          nb::rv_policy::automatic, "int32 [num_physical]")
+      .def_prop_ro(
+          "new_phy2log", [](const LayerUpdate& u) { return to_numpy(u.new_phy2log, {u.new_phy2log.size()}); },
+          nb::rv_policy::automatic, "int32 [num_physical]");
+  nb::class_<StepReport>(m, "StepReport", "What one RebalanceManager.step() did.")
+      .def_ro("step", &StepReport::step, "Index of the step just recorded.")
+      .def_ro("utilization", &StepReport::utilization, "Over the whole buffer, at this step.")
+      .def_ro("rebalance_computed", &StepReport::rebalance_computed)
+      .def_ro("rebalance_skipped", &StepReport::rebalance_skipped,
+              "A rebalance was due but utilization was >= the threshold.")
+      .def_ro("updates", &StepReport::updates, "Layers switched to the new placement in this step.")
+      .def_ro("moved_experts", &StepReport::moved_experts, "Slots that changed in `updates`.");
+
+  nb::class_<RebalanceManager>(m, "RebalanceManager",
+                               "Records load every forward pass, periodically computes a new placement and applies "
+                               "it layers_per_step layers per step. Not thread-safe.")
+      .def(
+          "__init__",
+          [](RebalanceManager* self, const ExpertLocation& initial, int buffer_steps, RecordMode record_mode,
+             int num_groups, int rebalance_every_steps, double utilization_threshold, int layers_per_step,
+             Policy policy, bool migration_aware, double max_balance_loss) {
+            ManagerOptions options;
+            options.num_groups = num_groups;
+            options.rebalance_every_steps = rebalance_every_steps;
+            options.utilization_threshold = utilization_threshold;
+            options.layers_per_step = layers_per_step;
+            options.policy = policy;
+            options.migration_aware = migration_aware;
+            options.migration.max_balance_loss = max_balance_loss;
+            new (self) RebalanceManager(initial, {buffer_steps, record_mode}, options);
+          },
+          nb::arg("initial"), nb::arg("buffer_steps") = 1000, nb::arg("record_mode") = RecordMode::kStat,
+          nb::arg("num_groups") = 1, nb::arg("rebalance_every_steps") = 1000, nb::arg("utilization_threshold") = 0.9,
+          nb::arg("layers_per_step") = 0, nb::arg("policy") = Policy::kDefault, nb::arg("migration_aware") = true,
+          nb::arg("max_balance_loss") = 0.01)
+      .def(
+          "step",
+          [](RebalanceManager& mgr, nb::handle physical_counts) {
+            const auto counts = read_ints<int64_t>(physical_counts, "physical_counts", -1);
+            nb::gil_scoped_release release;
+            return mgr.step(counts);
+          },
+          nb::arg("physical_counts"),
+          "Once per forward pass: records counts [num_layers, num_physical] under location, closes the step, and "
+          "rebalances every rebalance_every_steps steps (unless utilization >= the threshold).")
+      .def_prop_ro(
+          "location", [](const RebalanceManager& mgr) { return mgr.location(); },
+          "A copy of the placement in force (pending layers applied so far).")
+      .def_prop_ro(
+          "recorder", [](RebalanceManager& mgr) -> LoadRecorder& { return mgr.recorder(); },
+          nb::rv_policy::reference_internal, "The manager's own LoadRecorder (lives as long as the manager).")
+      .def_prop_ro("num_pending_layers", &RebalanceManager::num_pending_layers)
+      .def_prop_ro("num_rebalances", &RebalanceManager::num_rebalances)
+      .def_prop_ro("total_moved_experts", &RebalanceManager::total_moved_experts);
+}
+
+// ---- relocation ---------------------------------------------------------------------------------------
+
+// One weight tensor of a rank: a C-contiguous host array [num_slots, ...] of any dtype.
+struct SlotArray {
+  void* data = nullptr;
+  size_t bytes_per_slot = 0;
+};
+
+SlotArray slot_array(nb::handle obj, const std::string& name, int num_slots) {
+  nb::ndarray<nb::device::cpu, nb::c_contig> array;
+  if (!nb::try_cast(obj, array, /*convert=*/false) || array.ndim() < 1) {  // no silent copy of an output
+    bad(name + ": expected a writable, C-contiguous host array [slots, ...], got " +
+        nb::cast<std::string>(nb::type_name(obj.type())));
+  }
+  if (array.shape(0) != static_cast<size_t>(num_slots)) {
+    bad(name + ": " + std::to_string(array.shape(0)) + " slots, the plan has " + std::to_string(num_slots));
+  }
+  return {array.data(), num_slots > 0 ? array.nbytes() / static_cast<size_t>(num_slots) : 0};
+}
+
+void bind_relocation(nb::module_& m) {
+  nb::enum_<SlotAction>(m, "SlotAction", "How a destination slot gets its weights.")
+      .value("unchanged", SlotAction::kUnchanged)
+      .value("local_copy", SlotAction::kLocalCopy)
+      .value("same_round_copy", SlotAction::kSameRoundCopy)
+      .value("peer_intra_node", SlotAction::kPeerIntraNode)
+      .value("peer_inter_node", SlotAction::kPeerInterNode)
+      .value("lost", SlotAction::kLost, "Every old replica sat on a failed rank: the caller must reload it.")
+      .value("dead_rank", SlotAction::kDeadRank, "The destination rank failed: nothing is done for it.");
+
+  nb::class_<SlotPlan>(m, "SlotPlan", "The plan of one destination slot.")
+      .def_ro("action", &SlotPlan::action)
+      .def_ro("expert", &SlotPlan::expert, "Logical expert the slot must hold.")
+      .def_ro("src_rank", &SlotPlan::src_rank)
+      .def_ro("src_slot", &SlotPlan::src_slot, "Local slot index on src_rank (an old slot, or a new one).")
+      .def("__repr__", [](const SlotPlan& s) {
+        return std::string("SlotPlan(") + to_string(s.action) + ", expert=" + std::to_string(s.expert) +
+               ", src_rank=" + std::to_string(s.src_rank) + ", src_slot=" + std::to_string(s.src_slot) + ")";
+      });
+
+  nb::class_<RelocationPlan>(m, "RelocationPlan", "How every destination slot of one layer gets its weights.")
+      .def_ro("num_ranks", &RelocationPlan::num_ranks)
+      .def_ro("num_nodes", &RelocationPlan::num_nodes)
+      .def_ro("old_slots_per_rank", &RelocationPlan::old_slots_per_rank)
+      .def_ro("new_slots_per_rank", &RelocationPlan::new_slots_per_rank)
+      .def_ro("slots", &RelocationPlan::slots, "[num_ranks * new_slots_per_rank] SlotPlan, by destination slot.")
+      .def_prop_ro(
+          "lost_experts", [](const RelocationPlan& p) { return to_numpy(p.lost_experts, {p.lost_experts.size()}); },
+          nb::rv_policy::automatic, "int32, ascending: experts whose every old replica sat on a failed rank.")
+      .def("count", &RelocationPlan::count, nb::arg("action"))
+      .def_prop_ro("num_transfers", &RelocationPlan::num_transfers, "Destination slots whose weights cross ranks.");
+
+  m.def(
+      "plan_relocation",
+      [](nb::handle old_phy2log, nb::handle new_phy2log, int num_ranks, int num_nodes,
+         const std::vector<bool>& failed_ranks) {
+        const auto old_flat = read_ints<int32_t>(old_phy2log, "old_phy2log", 1);
+        const auto new_flat = read_ints<int32_t>(new_phy2log, "new_phy2log", 1);
+        return plan_relocation(old_flat, new_flat, num_ranks, num_nodes, failed_ranks);
+      },
+      nb::arg("old_phy2log"), nb::arg("new_phy2log"), nb::arg("num_ranks"), nb::arg("num_nodes") = 1,
+      nb::arg("failed_ranks") = std::vector<bool>{},
+      "Plans one layer: old_phy2log [num_ranks * old_slots_per_rank] -> new_phy2log [num_ranks * "
+      "new_slots_per_rank]. failed_ranks: empty or one bool per rank.");
+
+  nb::class_<RelocationStats>(m, "RelocationStats", "What relocate_weights() moved on this rank.")
+      .def_ro("num_rounds", &RelocationStats::num_rounds)
+      .def_ro("slots_received", &RelocationStats::slots_received)
+      .def_ro("slots_sent", &RelocationStats::slots_sent)
+      .def_ro("local_copies", &RelocationStats::local_copies)
+      .def_ro("bytes_received", &RelocationStats::bytes_received)
+      .def_ro("bytes_sent", &RelocationStats::bytes_sent);
+
+  m.def(
+      "relocate_weights_host",
+      [](const RelocationPlan& plan, std::shared_ptr<Group> group, const std::vector<nb::handle>& old_slots,
+         const std::vector<nb::handle>& new_slots, int max_slots_per_round, const std::vector<bool>& failed_ranks) {
+        if (old_slots.size() != new_slots.size()) {
+          bad("old_slots and new_slots: " + std::to_string(old_slots.size()) + " and " +
+              std::to_string(new_slots.size()) + " tensors, must be equal");
+        }
+        ExpertWeights weights;
+        for (size_t i = 0; i < old_slots.size(); ++i) {
+          const std::string old_name = "old_slots[" + std::to_string(i) + "]";
+          const std::string new_name = "new_slots[" + std::to_string(i) + "]";
+          const SlotArray old_array = slot_array(old_slots[i], old_name, plan.old_slots_per_rank);
+          const SlotArray new_array = slot_array(new_slots[i], new_name, plan.new_slots_per_rank);
+          if (old_array.bytes_per_slot != new_array.bytes_per_slot) {
+            bad(new_name + ": " + std::to_string(new_array.bytes_per_slot) + " bytes per slot, " + old_name + " has " +
+                std::to_string(old_array.bytes_per_slot));
+          }
+          weights.old_slots.push_back(old_array.data);
+          weights.new_slots.push_back(new_array.data);
+          weights.bytes_per_slot.push_back(old_array.bytes_per_slot);
+        }
+        nb::gil_scoped_release release;
+        auto transport = make_host_transport(*group, failed_ranks);
+        RelocationOptions options;
+        options.max_slots_per_round = max_slots_per_round;
+        return relocate_weights(plan, weights, *transport, options);
+      },
+      nb::arg("plan"), nb::arg("group"), nb::arg("old_slots"), nb::arg("new_slots"), nb::arg("max_slots_per_round") = 8,
+      nb::arg("failed_ranks") = std::vector<bool>{},
+      "Executes `plan` for group.rank over the host transport (host groups; collective over live ranks). "
+      "old_slots[i] [old_slots_per_rank, ...] and new_slots[i] [new_slots_per_rank, ...]: contiguous host arrays, "
+      "disjoint or identical (in place). GIL released.");
+}
+
+// ---- synthetic loads ----------------------------------------------------------------------------------
+
+void bind_synthetic(nb::module_& m) {
+  m.def(
+      "zipf_loads",
+      [](int num_layers, int num_logical, double exponent, double total_per_layer, uint64_t seed) {
+        const auto rows = zipf_loads(num_layers, num_logical, exponent, total_per_layer, seed);
+        std::vector<double> flat;
+        flat.reserve(sz(num_layers) * sz(num_logical));
+        for (const auto& row : rows) flat.insert(flat.end(), row.begin(), row.end());
+        return to_numpy(std::move(flat), {sz(num_layers), sz(num_logical)});
+      },
+      nb::arg("num_layers"), nb::arg("num_logical"), nb::arg("exponent"), nb::arg("total_per_layer"), nb::arg("seed"),
+      "float64 [num_layers, num_logical]: Zipf(exponent) popularity over a random expert order per layer.");
+
+  nb::class_<DriftingZipf>(m, "DriftingZipf",
+                           "A Zipf load whose popularity order drifts (adjacent swaps with probability `drift` per "
+                           "advance()). Deterministic for a seed.")
+      .def(nb::init<int, int, double, double, double, uint64_t>(), nb::arg("num_layers"), nb::arg("num_logical"),
+           nb::arg("exponent"), nb::arg("tokens_per_step"), nb::arg("drift"), nb::arg("seed"))
+      .def(
+          "expected",
+          [](const DriftingZipf& z) {
+            const auto rows = z.expected();
+            std::vector<double> flat;
+            for (const auto& row : rows) flat.insert(flat.end(), row.begin(), row.end());
+            const size_t cols = rows.empty() ? 0 : rows[0].size();
+            return to_numpy(std::move(flat), {rows.size(), cols});
+          },
+          "float64 [num_layers, num_logical]: expected load at the current step.")
+      .def(
+          "sample",
+          [](DriftingZipf& z) {
+            const size_t num_layers = z.expected().size();  // NOTE: no accessor; O(layers * experts), like sample()
+            auto v = z.sample();
+            return to_numpy(std::move(v), {num_layers, v.size() / num_layers});
+          },
+          "int64 [num_layers, num_logical]: one step's counts (expected + noise).")
+      .def("advance", &DriftingZipf::advance);
+}
+
+}  // namespace
+
+void register_eplb(nb::module_& parent) {
+  nb::module_ m = parent.def_submodule("eplb", "Expert-parallel load balancing (include/epx/eplb/*.h).");
+  bind_placement(m);
+  bind_location(m);
+  bind_recorder(m);
+  bind_manager(m);
+  bind_relocation(m);
+  bind_synthetic(m);
+}
+
 }  // namespace epx::py
