@@ -55,11 +55,23 @@ class DispatchHandle {
   virtual int64_t num_tokens() const = 0;  // T of the dispatching rank
   // Rows received (exact). -1 in worst-token mode on the cuda backend, where the host never learns it.
   virtual int64_t num_recv_tokens() const = 0;
+  // int32 [num_ranks, num_ranks] on the group's device: entry [i][j] = tokens that ranks 0..i send to rank j
+  // (cumulative over source ranks; DeepEP's rank_prefix_matrix, `handle[0]`). The same on every rank, so rank
+  // j's rows from source s are [m[s-1][j], m[s][j]) (m[-1] = 0). Written by the fresh dispatch that made the
+  // handle, on its stream (cuda backend: valid once that stream reached it; no host sync); cached dispatches
+  // share it. Treat it as read-only.
+  virtual const Tensor& rank_prefix_matrix() const = 0;
 };
 
 struct DispatchArgs {
-  TensorView x;             // [T, H]; bf16, or fp8 e4m3 with x_scales
-  TensorView x_scales;      // [T, H / 128]; fp32 or uint8 (UE8M0 exponents); only with fp8 x
+  TensorView x;  // [T, H]; bf16, or fp8 e4m3 with x_scales
+  // Only with fp8 x, required then. Any strides (e.g. column-major, as DeepGEMM writes them). One of:
+  //   fp32  [T, H / 128]: one scale per 128 channels;
+  //   uint8 [T, H / 128]: UE8M0 exponents (ScaleFormat::kUE8M0);
+  //   int32 [T, ceil(H / 512)]: packed UE8M0, four exponents per element: byte j (little-endian) of element i
+  //         holds channel block 4 * i + j; the bytes past block H / 128 - 1 are padding, moved unchanged.
+  // The cuda backend moves non-contiguous scales through a contiguous copy (one small kernel, T * S elements).
+  TensorView x_scales;
   TensorView topk_idx;      // [T, K]; int64 or int32; -1 = no expert. Absent in cached mode.
   TensorView topk_weights;  // [T, K] fp32; optional. Absent in cached mode.
   int64_t num_experts = 0;  // ignored in cached mode
@@ -74,6 +86,11 @@ struct DispatchArgs {
   // the cuda backend). Must be >= the rows actually received, else kInvalidArgument (host) or a
   // recorded overflow error raised on the next call (cuda).
   int64_t num_worst_tokens = 0;
+  // SMs this call may occupy (DeepEP's Config.num_sms): 0 = BufferOptions::num_sms; else in [1, that value]
+  // (the cuda backend sizes its channels and rings by the buffer's value; more is kInvalidArgument). Ranks
+  // may pass different values, and a handle works with any value. cuda: the SM path launches
+  // 2 * max(1, num_sms / 2) blocks, the copy-engine path's kernels num_sms blocks. host: checked, no effect.
+  int num_sms = 0;
   Stream stream = nullptr;
 };
 
@@ -83,7 +100,7 @@ struct DispatchResult {
   // backend writes zeros there, and 0 weights). Cached mode: recv_topk_idx / recv_topk_weights are
   // absent. recv_topk_weights is absent when topk_weights is.
   Tensor recv_x;             // [N, H], the dtype of x
-  Tensor recv_x_scales;      // [N, H / 128], the dtype of x_scales; only with fp8 x
+  Tensor recv_x_scales;      // [N, x_scales.shape[1]], contiguous, the dtype (and packing) of x_scales; fp8 only
   Tensor recv_topk_idx;      // [N, K], the dtype of topk_idx: local expert id, or -1 if not local
   Tensor recv_topk_weights;  // [N, K] fp32: the weight where recv_topk_idx >= 0, else 0
   Tensor recv_src_idx;       // int32 [N]: the token's index on its source rank
@@ -91,6 +108,7 @@ struct DispatchResult {
   // Host-visible except in worst-token mode, where it is empty (see recv_expert_counts).
   std::vector<int32_t> num_recv_tokens_per_expert;
   Tensor recv_expert_counts;  // int32 [num_local_experts] on the device: same numbers, always filled
+  Tensor rank_prefix_matrix;  // int32 [R, R] on the device: handle->rank_prefix_matrix() (the same tensor)
   std::shared_ptr<const DispatchHandle> handle;
 };
 
@@ -100,6 +118,7 @@ struct CombineArgs {
   TensorView bias_0;        // [T, H] bf16; optional, added once per token
   TensorView bias_1;        // [T, H] bf16; optional
   std::shared_ptr<const DispatchHandle> handle;
+  int num_sms = 0;  // as DispatchArgs::num_sms (need not match the dispatch's)
   Stream stream = nullptr;
 };
 
@@ -184,10 +203,15 @@ class Buffer {
   // Not collective. topk_idx: [T, K] int64 or int32 on the group's device.
   virtual Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream = nullptr) = 0;
 
-  // Normal (high-throughput) dispatch. Without num_worst_tokens the call waits on the host for the
-  // receive counts (one device-to-host copy) before allocating outputs.
+  // Normal (high-throughput) dispatch. Host syncs on the cuda backend (the host backend always runs to
+  // completion): a fresh dispatch (no handle) without num_worst_tokens waits on the host for the receive
+  // counts (one device-to-host copy and a stream synchronize) before allocating outputs. Worst-token mode
+  // (fresh or cached) and cached mode do not wait, except a cached dispatch without num_worst_tokens whose
+  // handle came from a worst-token dispatch: it learns the counts once (the same wait), and so does every
+  // such call with that handle. Also: the first call after a timeout synchronizes to reset the signals.
   virtual DispatchResult dispatch(const DispatchArgs& args) = 0;
-  // Normal combine: the reverse of the dispatch that made args.handle.
+  // Normal combine: the reverse of the dispatch that made args.handle. No host sync on the cuda backend
+  // (except the reset after a timeout, as dispatch).
   virtual CombineResult combine(const CombineArgs& args) = 0;
 
   // Low-latency dispatch/combine: fixed shapes, no host sync on the cuda backend.

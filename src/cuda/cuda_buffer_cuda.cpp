@@ -37,6 +37,7 @@ class CudaDispatchHandle final : public DispatchHandle {
  public:
   int64_t num_tokens() const override { return num_tokens_; }
   int64_t num_recv_tokens() const override { return num_recv_; }
+  const Tensor& rank_prefix_matrix() const override { return rank_prefix; }
 
   const void* owner = nullptr;  // the buffer that made it
   int num_channels = 0;
@@ -50,6 +51,7 @@ class CudaDispatchHandle final : public DispatchHandle {
   Tensor chan_start;                        // int32 [R][C + 1]
   Tensor recv_meta;                         // int32 RecvMetaLayout
   Tensor recv_expert_counts;                // int32 [E_local]
+  Tensor rank_prefix;                       // int32 [R, R], written by notify
   std::vector<int32_t> expert_counts_host;  // empty when unknown
   std::vector<int32_t> meta_host;           // recv_meta on the host; empty when unknown (worst-token mode)
 };
@@ -204,7 +206,7 @@ class CudaBuffer final : public Buffer {
     EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kMaxRanks,
               "the cuda backend supports up to {} ranks per host, got {}", kMaxRanks, num_ranks_);
     num_channels_ = std::clamp(options.num_sms / 2, 1, kMaxChannels);
-    num_blocks_ = std::max(1, options.num_sms);
+    num_sms_ = std::max(1, options.num_sms);
     EPX_CHECK_ARG(options.num_sms <= 2 * kMaxChannels, "num_sms must be <= {} on the cuda backend, got {}",
                   2 * kMaxChannels, options.num_sms);
     int64_t bytes = options.num_normal_bytes;
@@ -352,7 +354,7 @@ class CudaBuffer final : public Buffer {
   // the outputs exist; returns the packing stage, which must live until the call's end. The receive side
   // is one launch_unpack_fields on `stream`, then join_side_streams.
   Tensor send_with_copy_engines(const DispatchKernelArgs& k, const CudaDispatchHandle& h, const StageFields& f,
-                                int64_t slot_bytes, Stream stream);
+                                int64_t slot_bytes, int num_sms, Stream stream);
   static bool capturing(Stream stream) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
@@ -385,7 +387,8 @@ class CudaBuffer final : public Buffer {
   int num_ranks_ = 0;
   int device_ = 0;
   int num_channels_ = 1;
-  int num_blocks_ = 1;  // blocks of the copy-engine path's kernels (num_sms)
+  // BufferOptions::num_sms: sizes the channels (rings, signals); a call may use fewer SMs (DispatchArgs::num_sms).
+  int num_sms_ = 1;
   bool copy_engines_ = env_flag("EPX_NORMAL_COPY_ENGINE", true);
   bool whole_copies_ = env_flag("EPX_COPY_WHOLE", true);
   cudaStream_t copy_stream_ = nullptr;    // copy-engine transfers into peers' staging
@@ -539,7 +542,7 @@ StageFields stage_fields(int64_t cap, const DispatchKernelArgs& k) {
 }
 
 Tensor CudaBuffer::send_with_copy_engines(const DispatchKernelArgs& k, const CudaDispatchHandle& h,
-                                          const StageFields& f, int64_t slot_bytes, Stream stream) {
+                                          const StageFields& f, int64_t slot_bytes, int num_sms, Stream stream) {
   const int R = num_ranks_, me = rank_;
   const RecvMetaLayout m{R, num_channels_, h.num_local_experts};
   const auto& meta = h.meta_host;
@@ -574,7 +577,7 @@ Tensor CudaBuffer::send_with_copy_engines(const DispatchKernelArgs& k, const Cud
   CopyBatch batch;
   for (int j = 0; j < num_chunks; ++j) {
     if (pack_mask != 0) {
-      launch_pack_fields(comm_, k, stage_x, stage_scales, offset, pack_mask, j, num_chunks, num_blocks_, stream);
+      launch_pack_fields(comm_, k, stage_x, stage_scales, offset, pack_mask, j, num_chunks, num_sms, stream);
       check_cuda(cudaEventRecord(ev_pack_[j], stream), "cudaEventRecord");
       check_cuda(cudaStreamWaitEvent(copy_stream_, ev_pack_[j], 0), "cudaStreamWaitEvent");
     }
@@ -670,6 +673,7 @@ Layout CudaBuffer::compute_layout(const TensorView& topk_idx, int64_t num_expert
 
 DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   const ep::DispatchShape shape = ep::validate_dispatch(args, num_ranks_, group_->device());
+  const int num_sms = ep::resolve_num_sms(args.num_sms, num_sms_);
   const int64_t T = shape.num_tokens, H = shape.hidden;
   const int64_t x_row_bytes = H * static_cast<int64_t>(dtype_size(args.x.dtype));
   EPX_CHECK_ARG(x_row_bytes % 16 == 0, "x rows must be a multiple of 16 bytes on the cuda backend, got hidden = {}", H);
@@ -686,8 +690,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
     EPX_CHECK_ARG(args.num_experts <= kMaxExperts, "num_experts must be <= {} on the cuda backend, got {}", kMaxExperts,
                   args.num_experts);
   }
-  const int64_t scale_row_bytes =
-      args.x_scales.defined() ? args.x_scales.shape[1] * static_cast<int64_t>(dtype_size(args.x_scales.dtype)) : 0;
+  const int64_t scale_row_bytes = shape.scale_bytes;
   const int K = shape.is_cached ? 0 : static_cast<int>(shape.num_topk);
   const int64_t row_bytes = align_up(align_up(x_row_bytes + scale_row_bytes, 4) + 8 * K + 4, 16);
   const int64_t ring_rows = ring_rows_for(row_bytes);
@@ -734,10 +737,11 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
     const RecvMetaLayout m{R, C, handle->num_local_experts};
     handle->recv_meta = empty(DType::kInt32, {m.size()}, stream);
     handle->recv_expert_counts = empty(DType::kInt32, {handle->num_local_experts}, stream);
+    handle->rank_prefix = empty(DType::kInt32, {R, R}, stream);
     launch_advance_epoch(comm_, stream);
     launch_notify(comm_, handle->chan_start.data_as<int32_t>(), per_expert, handle->num_local_experts,
                   args.expert_alignment, T, whole_copies_ && copy_engines_, handle->recv_meta.data_as<int32_t>(),
-                  handle->recv_expert_counts.data_as<int32_t>(), stream);
+                  handle->recv_expert_counts.data_as<int32_t>(), handle->rank_prefix.data_as<int32_t>(), stream);
     check_cuda(cudaGetLastError(), "notify launch");
     if (args.num_worst_tokens == 0) {
       check_cuda(cudaMemcpyAsync(meta_host_, handle->recv_meta.data(), m.size() * sizeof(int32_t),
@@ -767,9 +771,20 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   const int64_t N = args.num_worst_tokens > 0 ? args.num_worst_tokens : handle->num_recv_;
   handle->num_rows = N;
 
+  // Strided scales (e.g. column-major): one gather into a contiguous copy, which lives to the call's end
+  // (its deleter frees on `stream` after the side streams joined it).
+  Tensor scales_copy;
+  const char* x_scales = static_cast<const char*>(args.x_scales.defined() ? args.x_scales.data : nullptr);
+  if (args.x_scales.defined() && !args.x_scales.is_contiguous()) {
+    const TensorView& s = args.x_scales;
+    scales_copy = empty(s.dtype, {T, s.shape[1]}, stream);
+    launch_gather_scales(s.data, s.strides[0], s.strides[1], static_cast<int>(dtype_size(s.dtype)), T, s.shape[1],
+                         scales_copy.data(), stream);
+    x_scales = static_cast<const char*>(scales_copy.data());
+  }
   DispatchKernelArgs k{};
   k.x = static_cast<const char*>(args.x.data);
-  k.x_scales = static_cast<const char*>(args.x_scales.defined() ? args.x_scales.data : nullptr);
+  k.x_scales = x_scales;
   k.topk_idx = shape.is_cached ? nullptr : args.topk_idx.data;
   k.topk_is_int64 = !shape.is_cached && args.topk_idx.dtype == DType::kInt64;
   k.topk_weights = args.topk_weights.defined() ? args.topk_weights.data_as<const float>() : nullptr;
@@ -795,7 +810,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
     slot_bytes = copy_slot_bytes(*handle, fields.end);
   }
   Tensor pack_stage;
-  if (slot_bytes > 0) pack_stage = send_with_copy_engines(k, *handle, fields, slot_bytes, stream);
+  if (slot_bytes > 0) pack_stage = send_with_copy_engines(k, *handle, fields, slot_bytes, num_sms, stream);
 
   DispatchResult result;
   result.recv_x = empty(args.x.dtype, {N, H}, stream);
@@ -811,18 +826,19 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   k.out_topk_weights = result.recv_topk_weights.defined() ? result.recv_topk_weights.data_as<float>() : nullptr;
   k.out_src_idx = result.recv_src_idx.data_as<int32_t>();
   if (slot_bytes > 0) {
-    launch_unpack_fields(comm_, k, fields, slot_bytes, ce_tag(), num_blocks_, stream);
+    launch_unpack_fields(comm_, k, fields, slot_bytes, ce_tag(), num_sms, stream);
     timeline_.mark("unpack", stream);
     join_side_streams(stream);
     timeline_.mark("end", stream);
     timeline_.print(rank_, "dispatch");
   } else {
     timeline_.discard();
-    launch_dispatch(comm_, k, stream);
+    launch_dispatch(comm_, k, num_sms, stream);
   }
   check_cuda(cudaGetLastError(), "dispatch launch");
 
   result.recv_expert_counts = handle->recv_expert_counts;
+  result.rank_prefix_matrix = handle->rank_prefix;
   if (args.num_worst_tokens == 0) result.num_recv_tokens_per_expert = handle->expert_counts_host;
   result.handle = handle;
   // A bad topk_idx found by the layout kernel (checked after the data kernel so peers are not left waiting).
@@ -834,6 +850,7 @@ CombineResult CudaBuffer::combine(const CombineArgs& args) {
   auto handle = std::dynamic_pointer_cast<const CudaDispatchHandle>(args.handle);
   EPX_CHECK_ARG(handle != nullptr && handle->owner == this, "handle was not made by this buffer's dispatch");
   ep::validate_combine(args, handle->num_tokens_, handle->num_rows, group_->device());
+  const int num_sms = ep::resolve_num_sms(args.num_sms, num_sms_);
   const int64_t H = args.x.shape[1];
   EPX_CHECK_ARG(H % 8 == 0, "x hidden size must be a multiple of 8 on the cuda backend, got {}", H);
   const int K = args.topk_weights.defined() ? static_cast<int>(args.topk_weights.shape[1]) : 0;
@@ -876,13 +893,13 @@ CombineResult CudaBuffer::combine(const CombineArgs& args) {
   k.out = result.x.data_as<uint16_t>();
   k.out_topk_weights = K > 0 ? result.topk_weights.data_as<float>() : nullptr;
   if (slot_bytes > 0) {
-    launch_combine_reduce(comm_, k, slot_bytes, weights_offset, ce_tag(), num_blocks_, stream);
+    launch_combine_reduce(comm_, k, slot_bytes, weights_offset, ce_tag(), num_sms, stream);
     join_side_streams(stream);
     timeline_.mark("reduce", stream);
     timeline_.print(rank_, "combine");
   } else {
     timeline_.discard();
-    launch_combine(comm_, k, stream);
+    launch_combine(comm_, k, num_sms, stream);
   }
   check_cuda(cudaGetLastError(), "combine launch");
   return result;

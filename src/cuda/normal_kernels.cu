@@ -318,8 +318,8 @@ __global__ void advance_epoch_kernel(CommArgs comm) {
 
 __global__ void __launch_bounds__(256)
     notify_kernel(CommArgs comm, const int32_t* chan_start, const int32_t* per_expert, int num_local_experts,
-                  int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta,
-                  int32_t* recv_expert_counts) {
+                  int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta, int32_t* recv_expert_counts,
+                  int32_t* rank_prefix_matrix) {
   __shared__ bool s_abort;
   const uint64_t epoch = read_epoch(comm);
   const int parity = static_cast<int>(epoch & 1);
@@ -342,6 +342,9 @@ __global__ void __launch_bounds__(256)
       slot[C + 3 + num_local_experts] = whole_copy(n, num_tokens, whole) ? static_cast<int32_t>(num_tokens) : 0;
     }
     for (int i = threadIdx.x; i < C + 1; i += blockDim.x) slot[1 + i] = chan_start[r * (C + 1) + i];
+    for (int d = threadIdx.x; d < R; d += blockDim.x) {
+      slot[C + 4 + num_local_experts + d] = chan_start[d * (C + 1) + C] - chan_start[d * (C + 1)];
+    }
     for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
       slot[C + 2 + j] = per_expert[r * num_local_experts + j];
     }
@@ -380,6 +383,13 @@ __global__ void __launch_bounds__(256)
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
     recv_meta[m.send_count(r)] = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
   }
+  for (int j = threadIdx.x; j < R; j += blockDim.x) {
+    int32_t prefix = 0;
+    for (int i = 0; i < R; ++i) {
+      prefix += mine[i * kNotifyInts + C + 4 + num_local_experts + j];
+      rank_prefix_matrix[i * R + j] = prefix;
+    }
+  }
   for (int i = threadIdx.x; i < R * (C + 1); i += blockDim.x) {
     const int s = i / (C + 1), c = i % (C + 1);
     recv_meta[m.chan_start(s, c)] = mine[s * kNotifyInts + 1 + c];
@@ -400,8 +410,10 @@ __global__ void __launch_bounds__(256)
 // The last operation's receiver publishes done = epoch so the next operation's sender knows the ring
 // (and our notify slot) is free.
 
+// Returns false if a wait gave up. Ends with a group barrier, so the group may call it again at once
+// (s_abort is rewritten only after every thread of the group read it).
 template <typename WriteRow>
-__device__ void send_rows(const CommArgs& comm, int dst, int channel, int64_t num_rows, int64_t ring_rows,
+__device__ bool send_rows(const CommArgs& comm, int dst, int channel, int64_t num_rows, int64_t ring_rows,
                           int64_t row_bytes, int site_done, int site_head, int group_id, int group_threads,
                           int warp_in_group, int warps_per_group, int lane, bool* s_abort, WriteRow write_row) {
   const uint64_t epoch = read_epoch(comm);
@@ -413,7 +425,7 @@ __device__ void send_rows(const CommArgs& comm, int dst, int channel, int64_t nu
         !wait_geq(comm, sig(comm, me, comm.off_done, dst * C + channel), epoch - 1, site_done, dst, channel);
   }
   named_barrier(1 + group_id, group_threads);
-  if (s_abort[group_id]) return;
+  if (s_abort[group_id]) return false;
   char* ring = comm.peers[dst] + comm.off_ring + (static_cast<int64_t>(me) * C + channel) * ring_rows * row_bytes;
   const int64_t batch = ring_rows / 4 < 64 ? (ring_rows / 4 > 0 ? ring_rows / 4 : 1) : 64;
   for (int64_t sent = 0; sent < num_rows; sent += batch) {
@@ -426,14 +438,16 @@ __device__ void send_rows(const CommArgs& comm, int dst, int channel, int64_t nu
       }
     }
     named_barrier(1 + group_id, group_threads);
-    if (s_abort[group_id]) return;
+    if (s_abort[group_id]) return false;
     for (int64_t i = sent + warp_in_group; i < sent + n; i += warps_per_group) {
       write_row(i, ring + (i % ring_rows) * row_bytes, lane);
     }
     named_barrier(1 + group_id, group_threads);
     if (leader) st_release_sys(sig(comm, dst, comm.off_tail, me * C + channel), tag + static_cast<uint64_t>(sent + n));
   }
+  named_barrier(1 + group_id, group_threads);
   (void)R;
+  return true;
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------
@@ -505,11 +519,14 @@ __device__ __forceinline__ void read_dispatch_row(const DispatchKernelArgs& a, c
   if (lane == 0) a.out_src_idx[p] = *reinterpret_cast<const volatile int32_t*>(row + f.off_src);
 }
 
+// NOTE: the grid may be smaller than 2 * C (a per-call num_sms): block pair b then handles channels b,
+// b + G, b + 2G, ... (G = gridDim.x / 2) in this order on every rank. A channel's senders and receivers
+// sit at the same position of their pairs' sequences on all ranks, so every wait is for work that runs
+// (all blocks are resident) or is done; a channel never waits for a later one.
 __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm, DispatchKernelArgs a) {
   __shared__ bool s_abort[kMaxRanks];
   __shared__ int64_t s_avail[kMaxRanks];
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
-  const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps_per_group = (kNormalThreads / 32) / R;
@@ -524,67 +541,74 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
   const int K = a.num_topk;
   const RowFormat f(a);
   const RecvMetaLayout m{R, C, a.num_local_experts};
-
-  if (is_sender) {
-    const int32_t* starts = a.chan_start + peer * (C + 1);
-    const int64_t first = starts[channel];
-    const int64_t num_rows = starts[channel + 1] - first;
-    const int32_t* list = a.list_tok + peer * T + first;
-    send_rows(comm, peer, channel, num_rows, a.ring_rows, a.row_bytes, kSiteDispatchSendDone, kSiteDispatchSendHead,
-              group_id, group_threads, warp_in_group, warps_per_group, lane, s_abort,
-              [&](int64_t i, char* row, int l) { write_dispatch_row(a, f, list[i], peer, row, l); });
-    return;
-  }
-
-  // Receiver group for source `peer`.
-  const int64_t first = a.recv_meta[m.chan_start(peer, channel)];
-  const int64_t num_rows = a.recv_meta[m.chan_start(peer, channel + 1)] - first;
-  const int64_t out_base = a.recv_meta[m.rank_prefix(peer)] + first;
-  const char* ring =
-      comm.peers[me] + comm.off_ring + (static_cast<int64_t>(peer) * C + channel) * a.ring_rows * a.row_bytes;
   const bool leader = warp_in_group == 0 && lane == 0;
-  int64_t consumed = 0;
-  while (consumed < num_rows) {
-    if (leader) {
-      const uint64_t* tail = sig(comm, me, comm.off_tail, peer * C + channel);
-      s_abort[group_id] =
-          !wait_geq(comm, tail, tag + static_cast<uint64_t>(consumed + 1), kSiteDispatchRecvTail, peer, channel);
-      const int64_t avail = static_cast<int64_t>(ld_acquire_sys(tail) - tag);
-      s_avail[group_id] = avail < num_rows ? avail : num_rows;
-    }
-    named_barrier(1 + group_id, group_threads);
-    if (s_abort[group_id]) return;
-    const int64_t avail = s_avail[group_id];
-    for (int64_t i = consumed + warp_in_group; i < avail; i += warps_per_group) {
-      const char* row = ring + (i % a.ring_rows) * a.row_bytes;
-      const int64_t p = out_base + i;
-      if (p >= a.num_out_rows) continue;  // worst-token overflow: recorded below, rows dropped
-      read_dispatch_row(a, f, row, p, lane);
-    }
-    named_barrier(1 + group_id, group_threads);
-    if (leader) st_release_sys(sig(comm, peer, comm.off_head, me * C + channel), tag + static_cast<uint64_t>(avail));
-    consumed = avail;
-  }
-  if (leader) st_release_sys(sig(comm, peer, comm.off_done, me * C + channel), epoch);
 
-  // Worst-token mode: mark the rows past the received count (receiver blocks share the work).
-  if (a.worst_mode && peer == 0) {
-    const int64_t received = a.recv_meta[m.num_recv()];
-    if (received > a.num_out_rows && channel == 0 && leader) {
-      record_error(comm, kErrWorstOverflow, 0, -1, -1, a.num_out_rows, received);
+  for (int channel = blockIdx.x >> 1; channel < C; channel += gridDim.x >> 1) {
+    if (is_sender) {
+      const int32_t* starts = a.chan_start + peer * (C + 1);
+      const int64_t first = starts[channel];
+      const int64_t num_rows = starts[channel + 1] - first;
+      const int32_t* list = a.list_tok + peer * T + first;
+      if (!send_rows(comm, peer, channel, num_rows, a.ring_rows, a.row_bytes, kSiteDispatchSendDone,
+                     kSiteDispatchSendHead, group_id, group_threads, warp_in_group, warps_per_group, lane, s_abort,
+                     [&](int64_t i, char* row, int l) { write_dispatch_row(a, f, list[i], peer, row, l); })) {
+        return;
+      }
+      continue;
     }
-    const int stride = C * group_threads;
-    for (int64_t p = received + channel * group_threads + warp_in_group * 32 + lane; p < a.num_out_rows; p += stride) {
-      a.out_src_idx[p] = -1;
-      for (int k = 0; k < K && a.out_topk_idx != nullptr; ++k) {
-        if (a.topk_is_int64) {
-          static_cast<int64_t*>(a.out_topk_idx)[p * K + k] = -1;
-        } else {
-          static_cast<int32_t*>(a.out_topk_idx)[p * K + k] = -1;
+
+    // Receiver group for source `peer`.
+    const int64_t first = a.recv_meta[m.chan_start(peer, channel)];
+    const int64_t num_rows = a.recv_meta[m.chan_start(peer, channel + 1)] - first;
+    const int64_t out_base = a.recv_meta[m.rank_prefix(peer)] + first;
+    const char* ring =
+        comm.peers[me] + comm.off_ring + (static_cast<int64_t>(peer) * C + channel) * a.ring_rows * a.row_bytes;
+    int64_t consumed = 0;
+    while (consumed < num_rows) {
+      if (leader) {
+        const uint64_t* tail = sig(comm, me, comm.off_tail, peer * C + channel);
+        s_abort[group_id] =
+            !wait_geq(comm, tail, tag + static_cast<uint64_t>(consumed + 1), kSiteDispatchRecvTail, peer, channel);
+        const int64_t avail = static_cast<int64_t>(ld_acquire_sys(tail) - tag);
+        s_avail[group_id] = avail < num_rows ? avail : num_rows;
+      }
+      named_barrier(1 + group_id, group_threads);
+      if (s_abort[group_id]) return;
+      const int64_t avail = s_avail[group_id];
+      for (int64_t i = consumed + warp_in_group; i < avail; i += warps_per_group) {
+        const char* row = ring + (i % a.ring_rows) * a.row_bytes;
+        const int64_t p = out_base + i;
+        if (p >= a.num_out_rows) continue;  // worst-token overflow: recorded below, rows dropped
+        read_dispatch_row(a, f, row, p, lane);
+      }
+      named_barrier(1 + group_id, group_threads);
+      if (leader) st_release_sys(sig(comm, peer, comm.off_head, me * C + channel), tag + static_cast<uint64_t>(avail));
+      consumed = avail;
+    }
+    if (leader) st_release_sys(sig(comm, peer, comm.off_done, me * C + channel), epoch);
+
+    // Worst-token mode: mark the rows past the received count (receiver blocks share the work by channel).
+    if (a.worst_mode && peer == 0) {
+      const int64_t received = a.recv_meta[m.num_recv()];
+      if (received > a.num_out_rows && channel == 0 && leader) {
+        record_error(comm, kErrWorstOverflow, 0, -1, -1, a.num_out_rows, received);
+      }
+      const int stride = C * group_threads;
+      for (int64_t p = received + channel * group_threads + warp_in_group * 32 + lane; p < a.num_out_rows;
+           p += stride) {
+        a.out_src_idx[p] = -1;
+        for (int k = 0; k < K && a.out_topk_idx != nullptr; ++k) {
+          if (a.topk_is_int64) {
+            static_cast<int64_t*>(a.out_topk_idx)[p * K + k] = -1;
+          } else {
+            static_cast<int32_t*>(a.out_topk_idx)[p * K + k] = -1;
+          }
+          if (a.out_topk_weights != nullptr) a.out_topk_weights[p * K + k] = 0.f;
         }
-        if (a.out_topk_weights != nullptr) a.out_topk_weights[p * K + k] = 0.f;
       }
     }
+    // s_avail / s_abort are rewritten by the next channel's leader only after the group read them.
+    named_barrier(1 + group_id, group_threads);
   }
 }
 
@@ -878,7 +902,6 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
   __shared__ int64_t s_consumed[kMaxRanks];
   __shared__ int s_first_missing;
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
-  const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint64_t epoch = read_epoch(comm);
@@ -893,18 +916,23 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
     const int group_id = warp / warps_per_group;
     if (group_id >= R) return;
     const int peer = group_id;
-    const int64_t first = a.recv_meta[m.chan_start(peer, channel)];
-    const int64_t num_rows = a.recv_meta[m.chan_start(peer, channel + 1)] - first;
-    const int64_t base = a.recv_meta[m.rank_prefix(peer)] + first;
-    send_rows(comm, peer, channel, num_rows, a.ring_rows, a.row_bytes, kSiteCombineSendDone, kSiteCombineSendHead,
-              group_id, warps_per_group * 32, warp % warps_per_group, warps_per_group, lane, s_abort,
-              [&](int64_t i, char* row, int l) {
-                const int64_t p = base + i;
-                warp_copy16(row, reinterpret_cast<const char*>(a.x + p * H), x_bytes, l);
-                if (a.topk_weights != nullptr && l < K) {
-                  reinterpret_cast<float*>(row + x_bytes)[l] = a.topk_weights[p * K + l];
-                }
-              });
+    // Channels in turn as in dispatch_kernel (a grid smaller than 2 * C).
+    for (int channel = blockIdx.x >> 1; channel < C; channel += gridDim.x >> 1) {
+      const int64_t first = a.recv_meta[m.chan_start(peer, channel)];
+      const int64_t num_rows = a.recv_meta[m.chan_start(peer, channel + 1)] - first;
+      const int64_t base = a.recv_meta[m.rank_prefix(peer)] + first;
+      if (!send_rows(comm, peer, channel, num_rows, a.ring_rows, a.row_bytes, kSiteCombineSendDone,
+                     kSiteCombineSendHead, group_id, warps_per_group * 32, warp % warps_per_group, warps_per_group,
+                     lane, s_abort, [&](int64_t i, char* row, int l) {
+                       const int64_t p = base + i;
+                       warp_copy16(row, reinterpret_cast<const char*>(a.x + p * H), x_bytes, l);
+                       if (a.topk_weights != nullptr && l < K) {
+                         reinterpret_cast<float*>(row + x_bytes)[l] = a.topk_weights[p * K + l];
+                       }
+                     })) {
+        return;
+      }
+    }
     return;
   }
 
@@ -912,85 +940,88 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
   // its row. Only the prefix before the first token that is not ready is processed (a later token may
   // be ready while an earlier one still waits for another rank).
   const int64_t T = a.num_tokens;
-  const int64_t t_begin = T * channel / C, t_end = T * (channel + 1) / C;
-  if (threadIdx.x < R) s_consumed[threadIdx.x] = 0;
-  if (threadIdx.x == 0) s_stall_abort = false;
-  uint64_t stall_start = global_ns();
   const int num_warps = kNormalThreads / 32;
-  for (int64_t cursor = t_begin; cursor < t_end;) {
-    if (threadIdx.x < R) {
-      const uint64_t v = ld_acquire_sys(sig(comm, me, comm.off_tail, threadIdx.x * C + channel));
-      s_tail[threadIdx.x] = v >= tag ? static_cast<int64_t>(v - tag) : 0;
-    }
-    if (threadIdx.x == 0) s_first_missing = kNormalThreads;
-    __syncthreads();
-    const int64_t t = cursor + threadIdx.x;
-    bool ready = t < t_end;
-    for (int r = 0; r < R && ready; ++r) {
-      if (a.is_token_in_rank[t * R + r]) {
-        const int64_t li = a.excl_pos[r * (T + 1) + t] - a.chan_start[r * (C + 1) + channel];
-        if (li >= s_tail[r]) ready = false;
+  for (int channel = blockIdx.x >> 1; channel < C; channel += gridDim.x >> 1) {
+    const int64_t t_begin = T * channel / C, t_end = T * (channel + 1) / C;
+    if (threadIdx.x < R) s_consumed[threadIdx.x] = 0;
+    if (threadIdx.x == 0) s_stall_abort = false;
+    uint64_t stall_start = global_ns();
+    for (int64_t cursor = t_begin; cursor < t_end;) {
+      if (threadIdx.x < R) {
+        const uint64_t v = ld_acquire_sys(sig(comm, me, comm.off_tail, threadIdx.x * C + channel));
+        s_tail[threadIdx.x] = v >= tag ? static_cast<int64_t>(v - tag) : 0;
       }
-    }
-    if (!ready) atomicMin(&s_first_missing, static_cast<int>(threadIdx.x));
-    __syncthreads();
-    const int num_ready = s_first_missing;
-    if (num_ready == 0) {
-      if (threadIdx.x == 0) {
-        if (aborted(comm)) {
-          s_stall_abort = true;
-        } else if (global_ns() - stall_start > comm.timeout_ns) {
-          // Name the first rank whose row is missing.
-          int who = -1;
-          int64_t want = 0;
-          for (int r = 0; r < R && who < 0; ++r) {
-            if (a.is_token_in_rank[cursor * R + r]) {
-              const int64_t li = a.excl_pos[r * (T + 1) + cursor] - a.chan_start[r * (C + 1) + channel];
-              if (li >= s_tail[r]) {
-                who = r;
-                want = li + 1;
+      if (threadIdx.x == 0) s_first_missing = kNormalThreads;
+      __syncthreads();
+      const int64_t t = cursor + threadIdx.x;
+      bool ready = t < t_end;
+      for (int r = 0; r < R && ready; ++r) {
+        if (a.is_token_in_rank[t * R + r]) {
+          const int64_t li = a.excl_pos[r * (T + 1) + t] - a.chan_start[r * (C + 1) + channel];
+          if (li >= s_tail[r]) ready = false;
+        }
+      }
+      if (!ready) atomicMin(&s_first_missing, static_cast<int>(threadIdx.x));
+      __syncthreads();
+      const int num_ready = s_first_missing;
+      if (num_ready == 0) {
+        if (threadIdx.x == 0) {
+          if (aborted(comm)) {
+            s_stall_abort = true;
+          } else if (global_ns() - stall_start > comm.timeout_ns) {
+            // Name the first rank whose row is missing.
+            int who = -1;
+            int64_t want = 0;
+            for (int r = 0; r < R && who < 0; ++r) {
+              if (a.is_token_in_rank[cursor * R + r]) {
+                const int64_t li = a.excl_pos[r * (T + 1) + cursor] - a.chan_start[r * (C + 1) + channel];
+                if (li >= s_tail[r]) {
+                  who = r;
+                  want = li + 1;
+                }
               }
             }
+            record_error(comm, kErrTimeout, kSiteCombineRecvTail, who, channel, static_cast<int64_t>(tag) + want,
+                         static_cast<int64_t>(tag) + (who >= 0 ? s_tail[who] : 0));
+            s_stall_abort = true;
           }
-          record_error(comm, kErrTimeout, kSiteCombineRecvTail, who, channel, static_cast<int64_t>(tag) + want,
-                       static_cast<int64_t>(tag) + (who >= 0 ? s_tail[who] : 0));
-          s_stall_abort = true;
         }
+        __syncthreads();
+        if (s_stall_abort) return;
+        continue;
+      }
+      stall_start = global_ns();
+      for (int64_t tt = cursor + warp; tt < cursor + num_ready; tt += num_warps) {
+        const char* rows[kMaxRanks];
+        int num_src = 0;
+        for (int r = 0; r < R; ++r) {
+          if (a.is_token_in_rank[tt * R + r]) {
+            const int64_t li = a.excl_pos[r * (T + 1) + tt] - a.chan_start[r * (C + 1) + channel];
+            rows[num_src++] = comm.peers[me] + comm.off_ring +
+                              ((static_cast<int64_t>(r) * C + channel) * a.ring_rows + li % a.ring_rows) * a.row_bytes;
+          }
+        }
+        const float* wrows[kMaxRanks];
+        for (int j = 0; j < num_src; ++j) wrows[j] = reinterpret_cast<const float*>(rows[j] + x_bytes);
+        reduce_token<false>(a, tt, rows, wrows, num_src, lane);
+      }
+      // Rows consumed per source rank: one count per rank over the processed tokens.
+      const bool mine = threadIdx.x < num_ready;
+      for (int r = 0; r < R; ++r) {
+        const int cnt = __syncthreads_count(mine && a.is_token_in_rank[t * R + r]);
+        if (threadIdx.x == 0) s_consumed[r] += cnt;
       }
       __syncthreads();
-      if (s_stall_abort) return;
-      continue;
-    }
-    stall_start = global_ns();
-    for (int64_t tt = cursor + warp; tt < cursor + num_ready; tt += num_warps) {
-      const char* rows[kMaxRanks];
-      int num_src = 0;
-      for (int r = 0; r < R; ++r) {
-        if (a.is_token_in_rank[tt * R + r]) {
-          const int64_t li = a.excl_pos[r * (T + 1) + tt] - a.chan_start[r * (C + 1) + channel];
-          rows[num_src++] = comm.peers[me] + comm.off_ring +
-                            ((static_cast<int64_t>(r) * C + channel) * a.ring_rows + li % a.ring_rows) * a.row_bytes;
-        }
+      if (threadIdx.x < R) {
+        st_release_sys(sig(comm, threadIdx.x, comm.off_head, me * C + channel),
+                       tag + static_cast<uint64_t>(s_consumed[threadIdx.x]));
       }
-      const float* wrows[kMaxRanks];
-      for (int j = 0; j < num_src; ++j) wrows[j] = reinterpret_cast<const float*>(rows[j] + x_bytes);
-      reduce_token<false>(a, tt, rows, wrows, num_src, lane);
-    }
-    // Rows consumed per source rank: one count per rank over the processed tokens.
-    const bool mine = threadIdx.x < num_ready;
-    for (int r = 0; r < R; ++r) {
-      const int cnt = __syncthreads_count(mine && a.is_token_in_rank[t * R + r]);
-      if (threadIdx.x == 0) s_consumed[r] += cnt;
+      cursor += num_ready;
     }
     __syncthreads();
-    if (threadIdx.x < R) {
-      st_release_sys(sig(comm, threadIdx.x, comm.off_head, me * C + channel),
-                     tag + static_cast<uint64_t>(s_consumed[threadIdx.x]));
-    }
-    cursor += num_ready;
+    if (threadIdx.x < R) st_release_sys(sig(comm, threadIdx.x, comm.off_done, me * C + channel), epoch);
+    __syncthreads();  // the shared state is reset by the next channel
   }
-  __syncthreads();
-  if (threadIdx.x < R) st_release_sys(sig(comm, threadIdx.x, comm.off_done, me * C + channel), epoch);
 }
 
 // Copy-engine combine, receive side (see the dispatch notes above): windows of tokens, each block
@@ -1046,6 +1077,24 @@ __global__ void __launch_bounds__(kReduceThreads)
   finish_copy_receive(comm, epoch);
 }
 
+// ---- strided scales ---------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(256)
+    gather_scales_kernel(const void* src, int64_t stride0, int64_t stride1, int elem_bytes, int64_t num_tokens,
+                         int64_t num_scales, void* dst) {
+  const int64_t n = num_tokens * num_scales;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / num_scales, j = i - t * num_scales;
+    const int64_t at = t * stride0 + j * stride1;
+    if (elem_bytes == 4) {
+      static_cast<int32_t*>(dst)[i] = static_cast<const int32_t*>(src)[at];
+    } else {
+      static_cast<uint8_t*>(dst)[i] = static_cast<const uint8_t*>(src)[at];
+    }
+  }
+}
+
 }  // namespace
 
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
@@ -1075,17 +1124,33 @@ void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream) {
 
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
                    int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta,
-                   int32_t* recv_expert_counts, cudaStream_t stream) {
+                   int32_t* recv_expert_counts, int32_t* rank_prefix_matrix, cudaStream_t stream) {
   notify_kernel<<<1, 256, 0, stream>>>(comm, chan_start, num_tokens_per_expert, num_local_experts, expert_alignment,
-                                       num_tokens, whole, recv_meta, recv_expert_counts);
+                                       num_tokens, whole, recv_meta, recv_expert_counts, rank_prefix_matrix);
 }
 
-void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, cudaStream_t stream) {
-  dispatch_kernel<<<comm.num_channels * 2, kNormalThreads, 0, stream>>>(comm, args);
+namespace {
+unsigned ring_blocks(const CommArgs& comm, int num_sms) {
+  const int pairs = num_sms / 2 < 1 ? 1 : num_sms / 2;
+  return 2u * static_cast<unsigned>(pairs < comm.num_channels ? pairs : comm.num_channels);
+}
+}  // namespace
+
+void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, int num_sms, cudaStream_t stream) {
+  dispatch_kernel<<<ring_blocks(comm, num_sms), kNormalThreads, 0, stream>>>(comm, args);
 }
 
-void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, cudaStream_t stream) {
-  combine_kernel<<<comm.num_channels * 2, kNormalThreads, 0, stream>>>(comm, args);
+void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, int num_sms, cudaStream_t stream) {
+  combine_kernel<<<ring_blocks(comm, num_sms), kNormalThreads, 0, stream>>>(comm, args);
+}
+
+void launch_gather_scales(const void* src, int64_t stride0, int64_t stride1, int elem_bytes, int64_t num_tokens,
+                          int64_t num_scales, void* dst, cudaStream_t stream) {
+  const int64_t n = num_tokens * num_scales;
+  if (n == 0) return;
+  const int64_t blocks = (n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024;
+  gather_scales_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(src, stride0, stride1, elem_bytes, num_tokens,
+                                                                          num_scales, dst);
 }
 
 void launch_copy_dispatch_begin(const CommArgs& comm, const DispatchKernelArgs& args, const StageFields& fields,

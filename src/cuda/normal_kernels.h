@@ -14,9 +14,10 @@ inline constexpr int kMaxLocalExperts = 1024;  // notify carries one count per l
 inline constexpr int kMaxTopk = 16;
 inline constexpr int kMaxExperts = 8192;  // the layout kernel counts experts in shared memory
 // Notify slot: [0] the source's largest staging need (rows) to one remote destination, [1, C + 2)
-// channel prefixes, [C + 2, C + 2 + E_local) expert counts, then the source's ring area in KiB and its
-// token count if it sends whole x to this destination (0: packed rows).
-inline constexpr int kNotifyInts = 3 + kMaxChannels + 1 + kMaxLocalExperts;
+// channel prefixes, [C + 2, C + 2 + E_local) expert counts, then the source's ring area in KiB, its
+// token count if it sends whole x to this destination (0: packed rows), and [C + 4 + E_local, + R) the
+// tokens it sends to every rank (for the rank prefix matrix).
+inline constexpr int kNotifyInts = 4 + kMaxChannels + kMaxLocalExperts + kMaxRanks;
 inline constexpr int kLayoutThreads = 256;
 inline constexpr int kLayoutClusterBlocks = 8;  // portable cluster size
 inline constexpr int kLayoutClusterThreads = 1024;
@@ -187,10 +188,13 @@ void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ra
                  int32_t* excl_pos, int32_t* list_tok, int32_t* chan_start, cudaStream_t stream);
 void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream);
 // Notify also tells each destination whether this rank sends it whole x (whole_copy with `whole`).
+// rank_prefix_matrix: int32 [R, R], [i][j] = tokens that ranks 0..i send to rank j (the same on every rank).
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
                    int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta,
-                   int32_t* recv_expert_counts, cudaStream_t stream);
-void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, cudaStream_t stream);
+                   int32_t* recv_expert_counts, int32_t* rank_prefix_matrix, cudaStream_t stream);
+// SM path: 2 * min(C, max(1, num_sms / 2)) blocks, a sender and a receiver block per channel; with fewer
+// blocks than 2 * C each pair handles several channels in turn (the same order on every rank).
+void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, int num_sms, cudaStream_t stream);
 
 // Copy-engine dispatch with field-separated staging (StageFields). begin: waits until every peer released
 // the previous operation, then writes the source ids, top-k ids and weights of the rows for each remote
@@ -211,7 +215,11 @@ void launch_wait_released(const CommArgs& comm, int32_t site, cudaStream_t strea
 // After a copy into peers' staging completed: ce_tail[me] at destination d = ce_tag + rows.v[d] for every
 // remote d with rows.v[d] >= 0.
 void launch_signal_rows(const CommArgs& comm, const RowCounts& rows, uint64_t ce_tag, cudaStream_t stream);
-void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, cudaStream_t stream);
+void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, int num_sms, cudaStream_t stream);
+// Non-contiguous scales into a contiguous copy: dst[t][j] = src[t * stride0 + j * stride1] (strides in
+// elements of elem_bytes = 1 or 4 bytes).
+void launch_gather_scales(const void* src, int64_t stride0, int64_t stride1, int elem_bytes, int64_t num_tokens,
+                          int64_t num_scales, void* dst, cudaStream_t stream);
 // Copy-engine combine, receive side: the rows of every remote rank arrive in its staging slot (x rows
 // from 0, top-k weights rows from weights_offset); own rows are read from args.x. Tokens are reduced in
 // windows once every rank's rows up to the window's end arrived; the last block publishes done.

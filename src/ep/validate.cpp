@@ -39,9 +39,18 @@ DispatchShape validate_dispatch(const DispatchArgs& args, int num_ranks, Device 
     EPX_CHECK_ARG(shape.hidden % kFp8BlockSize == 0, "x hidden size must be a multiple of {} with fp8 x, got {}",
                   kFp8BlockSize, shape.hidden);
     EPX_CHECK_ARG(args.x_scales.defined(), "x_scales is required with fp8 x");
-    check_tensor(args.x_scales, "x_scales", {DType::kFloat32, DType::kUInt8},
-                 {shape.num_tokens, shape.hidden / kFp8BlockSize});
-    check_device(args.x_scales, "x_scales", device);
+    // Any strides (check_tensor would demand a contiguous view).
+    const TensorView& s = args.x_scales;
+    const bool packed = s.dtype == DType::kInt32;
+    const int64_t num_scales = packed ? (shape.hidden / kFp8BlockSize + 3) / 4 : shape.hidden / kFp8BlockSize;
+    EPX_CHECK_ARG(s.dtype == DType::kFloat32 || s.dtype == DType::kUInt8 || packed,
+                  "x_scales must be fp32, uint8 (UE8M0) or int32 (packed UE8M0), got {}", s.describe());
+    EPX_CHECK_ARG(s.ndim == 2 && s.shape[0] == shape.num_tokens && s.shape[1] == num_scales,
+                  "x_scales must be [{}, {}] ({}), got {}", shape.num_tokens, num_scales,
+                  packed ? "int32: ceil(H / 512) packed UE8M0" : "H / 128 blocks", s.describe());
+    EPX_CHECK_ARG(s.data != nullptr || s.numel() == 0, "x_scales has a null data pointer");
+    check_device(s, "x_scales", device);
+    shape.scale_bytes = num_scales * static_cast<int64_t>(dtype_size(s.dtype));
   } else {
     EPX_CHECK_ARG(!args.x_scales.defined(), "x_scales must be absent with bf16 x, got {}", args.x_scales.describe());
   }
@@ -73,6 +82,13 @@ DispatchShape validate_dispatch(const DispatchArgs& args, int num_ranks, Device 
     check_device(args.layout->is_token_in_rank, "layout.is_token_in_rank", device);
   }
   return shape;
+}
+
+int resolve_num_sms(int num_sms, int buffer_num_sms) {
+  EPX_CHECK_ARG(num_sms >= 0 && num_sms <= buffer_num_sms,
+                "num_sms must be in [0, {}] (0: the buffer's BufferOptions::num_sms = {}), got {}", buffer_num_sms,
+                buffer_num_sms, num_sms);
+  return num_sms == 0 ? buffer_num_sms : num_sms;
 }
 
 void validate_combine(const CombineArgs& args, int64_t num_tokens, int64_t num_rows, Device device) {

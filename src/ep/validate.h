@@ -21,7 +21,8 @@ struct DispatchShape {
   int64_t hidden = 0;      // H
   int64_t num_topk = 0;    // K; 0 in cached mode
   bool is_fp8 = false;
-  bool is_cached = false;  // args.handle is set
+  bool is_cached = false;   // args.handle is set
+  int64_t scale_bytes = 0;  // bytes of one token's scales (x_scales.shape[1] * element size); 0 without fp8
 };
 
 // get_dispatch_layout: topk_idx int32/int64 [T, K] on `device`, num_experts divisible by num_ranks.
@@ -29,6 +30,10 @@ void validate_layout_args(const TensorView& topk_idx, int64_t num_experts, int n
 
 // Normal dispatch. In cached mode also checks handle->num_tokens() == T.
 DispatchShape validate_dispatch(const DispatchArgs& args, int num_ranks, Device device);
+
+// The SM count of one normal call: num_sms (DispatchArgs/CombineArgs) in [0, buffer_num_sms], 0 meaning
+// buffer_num_sms (BufferOptions::num_sms).
+int resolve_num_sms(int num_sms, int buffer_num_sms);
 
 // Normal combine. num_tokens: the handle's T; num_rows: rows of the dispatch's outputs (the received
 // count, or num_worst_tokens in worst-token mode).

@@ -28,6 +28,7 @@ struct Routes {
   std::vector<int32_t> num_tokens_per_rank;  // [R]
   std::vector<int32_t> send_row;             // [T, R]: the token's row on each destination, -1 if not sent
   std::vector<int32_t> recv_per_expert;      // [E_local], rounded up to the fresh dispatch's alignment
+  Tensor rank_prefix_matrix;                 // int32 [R, R]: tokens ranks 0..i send to rank j
 };
 
 class HostDispatchHandle final : public DispatchHandle {
@@ -36,6 +37,7 @@ class HostDispatchHandle final : public DispatchHandle {
       : owner(owner), routes(std::move(routes)), num_rows(num_rows) {}
   int64_t num_tokens() const override { return routes->num_tokens; }
   int64_t num_recv_tokens() const override { return routes->num_recv; }
+  const Tensor& rank_prefix_matrix() const override { return routes->rank_prefix_matrix; }
 
   const HostBuffer* owner;
   std::shared_ptr<const Routes> routes;
@@ -49,6 +51,7 @@ struct DispatchPost {
   DType scales_dtype = DType::kFloat32;
   const uint8_t* x = nullptr;
   const uint8_t* scales = nullptr;
+  int64_t scale_strides[2] = {0, 0};  // in elements (any strides)
   TensorView topk_idx;
   const float* topk_weights = nullptr;
   bool has_weights = false;  // the pointer alone is null for T = 0
@@ -143,6 +146,7 @@ Layout HostBuffer::get_dispatch_layout(const TensorView& topk_idx, int64_t num_e
 DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
   const Device cpu = Device::cpu();
   const ep::DispatchShape shape = ep::validate_dispatch(args, num_ranks_, cpu);
+  ep::resolve_num_sms(args.num_sms, options_.num_sms);  // checked only: the host backend has no SMs
   const int64_t num_tokens = shape.num_tokens;
   const int64_t hidden = shape.hidden;
 
@@ -176,6 +180,8 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
   if (shape.is_fp8) {
     mine.scales_dtype = args.x_scales.dtype;
     mine.scales = static_cast<const uint8_t*>(args.x_scales.data);
+    mine.scale_strides[0] = args.x_scales.strides[0];
+    mine.scale_strides[1] = args.x_scales.strides[1];
   }
   mine.num_experts = num_experts;
   if (cached) {
@@ -219,11 +225,12 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
     const int64_t num_rows = args.num_worst_tokens > 0 ? args.num_worst_tokens : num_recv;
     const int64_t num_topk = shape.num_topk;
     const size_t row_bytes = hidden * dtype_size(args.x.dtype);
-    const int64_t num_blocks = hidden / kFp8BlockSize;
-    const size_t scale_row_bytes = shape.is_fp8 ? num_blocks * dtype_size(mine.scales_dtype) : 0;
+    const int64_t num_scales = shape.is_fp8 ? args.x_scales.shape[1] : 0;
+    const size_t scale_size = dtype_size(mine.scales_dtype);
+    const size_t scale_row_bytes = shape.scale_bytes;
 
     result.recv_x = alloc(args.x.dtype, {num_rows, hidden});
-    if (shape.is_fp8) result.recv_x_scales = alloc(mine.scales_dtype, {num_rows, num_blocks});
+    if (shape.is_fp8) result.recv_x_scales = alloc(mine.scales_dtype, {num_rows, num_scales});
     result.recv_src_idx = alloc(DType::kInt32, {num_rows});
     if (!cached) {
       result.recv_topk_idx = alloc(args.topk_idx.dtype, {num_rows, num_topk});
@@ -250,8 +257,10 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
       for (int64_t t = 0; t < p.shape.num_tokens; ++t) {
         if (!p.is_token_in_rank[t * num_ranks_ + rank_]) continue;
         std::memcpy(recv_x + row * row_bytes, p.x + t * row_bytes, row_bytes);
-        if (shape.is_fp8)
-          std::memcpy(recv_scales + row * scale_row_bytes, p.scales + t * scale_row_bytes, scale_row_bytes);
+        for (int64_t j = 0; j < num_scales; ++j) {
+          const int64_t at = t * p.scale_strides[0] + j * p.scale_strides[1];
+          std::memcpy(recv_scales + row * scale_row_bytes + j * scale_size, p.scales + at * scale_size, scale_size);
+        }
         recv_src[row] = static_cast<int32_t>(t);
         for (int64_t k = 0; !cached && k < num_topk; ++k) {
           const int64_t e = topk_at(p.topk_idx, t, k) - first_local;
@@ -298,8 +307,17 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
         for (int s = 0; s < num_ranks_; ++s) pairs += peers[s]->num_tokens_per_expert[first_local + e];
         fresh->recv_per_expert[e] = static_cast<int32_t>(round_up(pairs, args.expert_alignment));
       }
+      fresh->rank_prefix_matrix = alloc(DType::kInt32, {num_ranks_, num_ranks_});
+      auto* prefix = fresh->rank_prefix_matrix.data_as<int32_t>();
+      for (int i = 0; i < num_ranks_; ++i) {
+        for (int j = 0; j < num_ranks_; ++j) {
+          prefix[i * num_ranks_ + j] =
+              (i > 0 ? prefix[(i - 1) * num_ranks_ + j] : 0) + peers[i]->num_tokens_per_rank[j];
+        }
+      }
       routes = std::move(fresh);
     }
+    result.rank_prefix_matrix = routes->rank_prefix_matrix;
     result.recv_expert_counts = alloc(DType::kInt32, {num_local_experts});
     std::copy(routes->recv_per_expert.begin(), routes->recv_per_expert.end(),
               result.recv_expert_counts.data_as<int32_t>());
@@ -318,6 +336,7 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
   const Routes& routes = *handle->routes;
   const int64_t num_tokens = routes.num_tokens;
   ep::validate_combine(args, num_tokens, handle->num_rows, cpu);
+  ep::resolve_num_sms(args.num_sms, options_.num_sms);  // checked only
   const int64_t hidden = args.x.shape[1];
 
   CombinePost mine;

@@ -91,6 +91,9 @@ struct Case {
   int expert_alignment = 1;
   int64_t num_worst_tokens = 0;
   int num_sms = 24;
+  int call_num_sms = 0;              // DispatchArgs/CombineArgs::num_sms
+  bool packed_ue8m0 = false;         // with kUE8M0: int32 [T, ceil(H / 512)], four exponents per element
+  bool column_major_scales = false;  // x_scales as a [T, S] view of [S, T] storage
 };
 
 struct RankInput {
@@ -112,6 +115,7 @@ struct RankOutput {
   std::vector<int32_t> per_expert_host, per_expert_device;
   std::vector<uint16_t> combined;
   std::vector<float> combined_weights;
+  std::vector<int32_t> rank_prefix;  // [R, R]
 };
 
 std::vector<RankInput> make_inputs(const Case& c, uint64_t seed) {
@@ -135,6 +139,15 @@ std::vector<RankInput> make_inputs(const Case& c, uint64_t seed) {
           TensorView::of(in[r].scales.data(), c.scale_format == ScaleFormat::kFloat32 ? DType::kFloat32 : DType::kUInt8,
                          {T, H / 128}),
           c.scale_format);
+      if (c.packed_ue8m0) {
+        // Byte j of int32 i = exponent of block 4 * i + j (little-endian); padding bytes 0x5a.
+        const int64_t B = H / 128, S = (B + 3) / 4;
+        std::vector<uint8_t> packed(T * S * 4, 0x5a);
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t b = 0; b < B; ++b) packed[(t * S + b / 4) * 4 + b % 4] = in[r].scales[t * B + b];
+        }
+        in[r].scales = std::move(packed);
+      }
     } else {
       in[r].x.resize(T * H * 2);
       std::memcpy(in[r].x.data(), bf.data(), in[r].x.size());
@@ -169,7 +182,11 @@ std::vector<RankInput> make_inputs(const Case& c, uint64_t seed) {
 }
 
 DType x_dtype(const Case& c) { return c.fp8 ? DType::kFloat8E4M3 : DType::kBFloat16; }
-DType scale_dtype(const Case& c) { return c.scale_format == ScaleFormat::kFloat32 ? DType::kFloat32 : DType::kUInt8; }
+DType scale_dtype(const Case& c) {
+  if (c.packed_ue8m0) return DType::kInt32;
+  return c.scale_format == ScaleFormat::kFloat32 ? DType::kFloat32 : DType::kUInt8;
+}
+int64_t num_scale_cols(const Case& c) { return c.packed_ue8m0 ? (c.hidden / 128 + 3) / 4 : c.hidden / 128; }
 
 // Holds device copies of one rank's inputs.
 struct DeviceInput {
@@ -227,7 +244,24 @@ std::vector<RankOutput> run_case(const Case& c, const std::vector<RankInput>& in
       return upload(p, bytes, dtype, shape, dev, stream);
     };
     d.x = view_or_upload(ri.x.data(), ri.x.size(), x_dtype(c), {T, H});
-    if (c.fp8) d.scales = view_or_upload(ri.scales.data(), ri.scales.size(), scale_dtype(c), {T, H / 128});
+    const int64_t S = num_scale_cols(c);
+    std::vector<uint8_t> scales_t;  // [S, T] storage of column-major scales
+    if (c.fp8 && !c.column_major_scales)
+      d.scales = view_or_upload(ri.scales.data(), ri.scales.size(), scale_dtype(c), {T, S});
+    if (c.fp8 && c.column_major_scales) {
+      const size_t e = dtype_size(scale_dtype(c));
+      scales_t.resize(ri.scales.size());
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t j = 0; j < S; ++j) std::memcpy(&scales_t[(j * T + t) * e], &ri.scales[(t * S + j) * e], e);
+      }
+      const Tensor storage = view_or_upload(scales_t.data(), scales_t.size(), scale_dtype(c), {S, T});
+      TensorView v = storage.view();
+      v.shape[0] = T;
+      v.shape[1] = S;
+      v.strides[0] = 1;
+      v.strides[1] = T;
+      d.scales = Tensor::wrap(v, std::make_shared<Tensor>(storage));
+    }
     if (c.topk_int32) {
       d.topk = view_or_upload(ri.topk32.data(), ri.topk32.size() * 4, DType::kInt32, {T, K});
     } else {
@@ -246,6 +280,7 @@ std::vector<RankOutput> run_case(const Case& c, const std::vector<RankInput>& in
     a.num_experts = c.num_experts;
     a.expert_alignment = c.expert_alignment;
     a.num_worst_tokens = c.num_worst_tokens;
+    a.num_sms = c.call_num_sms;
     a.stream = stream;
     DispatchResult res = buffer->dispatch(a);
     CombineResult comb;
@@ -258,6 +293,7 @@ std::vector<RankOutput> run_case(const Case& c, const std::vector<RankInput>& in
         ca.bias_1 = d.bias_1;
       }
       ca.handle = res.handle;
+      ca.num_sms = c.call_num_sms;
       ca.stream = stream;
       comb = buffer->combine(ca);
     }
@@ -281,6 +317,8 @@ std::vector<RankOutput> run_case(const Case& c, const std::vector<RankInput>& in
       o.src_idx.assign(s, s + res.recv_src_idx.numel());
       const auto* e = res.recv_expert_counts.data_as<int32_t>();
       o.per_expert_device.assign(e, e + res.recv_expert_counts.numel());
+      const auto* m = res.rank_prefix_matrix.data_as<int32_t>();
+      o.rank_prefix.assign(m, m + res.rank_prefix_matrix.numel());
       if (comb.x.defined()) {
         const auto* x = comb.x.data_as<uint16_t>();
         o.combined.assign(x, x + comb.x.numel());
@@ -296,6 +334,7 @@ std::vector<RankOutput> run_case(const Case& c, const std::vector<RankInput>& in
       o.weights = download<float>(res.recv_topk_weights, stream);
       o.src_idx = download<int32_t>(res.recv_src_idx, stream);
       o.per_expert_device = download<int32_t>(res.recv_expert_counts, stream);
+      o.rank_prefix = download<int32_t>(res.rank_prefix_matrix, stream);
       o.combined = download<uint16_t>(comb.x, stream);
       o.combined_weights = download<float>(comb.topk_weights, stream);
       cudaStreamSynchronize(stream);
@@ -326,6 +365,7 @@ void compare(const Case& c, const std::vector<RankOutput>& want, const std::vect
     }
     EXPECT_EQ(g.per_expert_host, w.per_expert_host);
     EXPECT_EQ(g.per_expert_device, w.per_expert_device);
+    EXPECT_EQ(g.rank_prefix, w.rank_prefix) << "rank_prefix_matrix differs";
     // Real rows: those with a source index on the host side.
     int64_t real = 0;
     while (real < static_cast<int64_t>(w.src_idx.size()) && w.src_idx[real] >= 0) ++real;
@@ -510,6 +550,67 @@ TEST_F(NormalGpuTest, FourRanksBigger) {
   run_and_compare(c);
 }
 
+// fp8 scales in the layouts DeepEP's tests pass: fp32 column-major, packed int32 UE8M0 (contiguous and
+// column-major; hidden 2176 = 17 blocks leaves three padding bytes per token, which must arrive unchanged).
+TEST_F(NormalGpuTest, Ep2StridedAndPackedScales) {
+  struct Variant {
+    ScaleFormat format;
+    bool packed, column_major;
+    int64_t hidden;
+  };
+  for (const Variant v :
+       {Variant{ScaleFormat::kFloat32, false, true, 7168}, Variant{ScaleFormat::kUE8M0, true, false, 7168},
+        Variant{ScaleFormat::kUE8M0, true, true, 2176}, Variant{ScaleFormat::kUE8M0, false, true, 4096}}) {
+    for (const bool sm_path : {false, true}) {
+      SCOPED_TRACE("packed " + std::to_string(v.packed) + " column-major " + std::to_string(v.column_major) +
+                   " hidden " + std::to_string(v.hidden) + (sm_path ? " SM path" : ""));
+      if (sm_path) ::setenv("EPX_NORMAL_COPY_ENGINE", "0", 1);
+      Case c;
+      c.devices = two_ranks();
+      c.tokens = {3000, 1200};
+      c.hidden = v.hidden;
+      c.num_topk = 8;
+      c.num_experts = 256;
+      c.fp8 = true;
+      c.scale_format = v.format;
+      c.packed_ue8m0 = v.packed;
+      c.column_major_scales = v.column_major;
+      run_and_compare(c);
+      ::unsetenv("EPX_NORMAL_COPY_ENGINE");
+    }
+  }
+}
+
+// A per-call num_sms below the buffer's: the SM path runs fewer block pairs than channels (each pair takes
+// several channels in turn), the copy-engine kernels fewer blocks. Odd values and 1 included.
+TEST_F(NormalGpuTest, PerCallNumSms) {
+  for (const int call_num_sms : {6, 5, 1}) {
+    for (const bool sm_path : {false, true}) {
+      SCOPED_TRACE("num_sms " + std::to_string(call_num_sms) + (sm_path ? " SM path" : ""));
+      if (sm_path) ::setenv("EPX_NORMAL_COPY_ENGINE", "0", 1);
+      Case c;
+      c.devices = two_ranks();
+      c.tokens = {2048, 1500};
+      c.hidden = 7168;
+      c.num_topk = 8;
+      c.num_experts = 256;
+      c.biases = true;
+      c.call_num_sms = call_num_sms;
+      run_and_compare(c);
+      ::unsetenv("EPX_NORMAL_COPY_ENGINE");
+    }
+  }
+  Case c;
+  c.devices = four_ranks();
+  c.tokens = {512, 0, 300, 700};
+  c.hidden = 2048;
+  c.num_topk = 8;
+  c.num_experts = 64;
+  c.call_num_sms = 4;
+  c.num_worst_tokens = 2000;
+  run_and_compare(c);
+}
+
 // Cached dispatch: new data along the routes of an earlier dispatch, no topk, no notify.
 TEST_F(NormalGpuTest, CachedDispatchMovesNewData) {
   const auto devices = two_ranks();
@@ -676,6 +777,7 @@ TEST_F(NormalGpuTest, GraphCaptureReplayWithNewData) {
       o.weights = download<float>(dres[r].recv_topk_weights, streams[r]);
       o.src_idx = download<int32_t>(dres[r].recv_src_idx, streams[r]);
       o.per_expert_device = download<int32_t>(dres[r].recv_expert_counts, streams[r]);
+      o.rank_prefix = download<int32_t>(dres[r].rank_prefix_matrix, streams[r]);
       o.combined = download<uint16_t>(cres[r].x, streams[r]);
       o.combined_weights = download<float>(cres[r].topk_weights, streams[r]);
       ASSERT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess);
@@ -694,6 +796,97 @@ TEST_F(NormalGpuTest, GraphCaptureReplayWithNewData) {
     buffers[r].reset();
     cudaStreamDestroy(streams[r]);
   });
+}
+
+// Cached mode does no host sync: a cached dispatch (handle from an eager fresh dispatch) and its combine
+// are captured in a CUDA graph (a stream synchronize inside a capture fails it) and replayed; the rows,
+// source ids, rank prefix matrix and combined sums match the host backend's fresh dispatch.
+TEST_F(NormalGpuTest, CachedDispatchCapturesInGraph) {
+  const auto devices = two_ranks();
+  Case c;
+  c.devices = devices;
+  c.tokens = {700, 900};
+  c.hidden = 2048;
+  c.num_topk = 8;
+  c.num_experts = 64;
+  c.weights = false;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto in = make_inputs(c, seed);
+  const auto want = run_case(c, in, create_host_groups(2), true);
+  auto groups = create_cuda_groups(devices, test_options());
+  std::vector<RankOutput> got(2);
+  run_host_ranks(groups, [&](int r, Group& g) {
+    cudaSetDevice(g.device().index);
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    BufferOptions options;
+    options.allocator = std::make_shared<PoisonAllocator>();
+    auto buffer = Buffer::create(groups[r], options);
+    const int64_t T = c.tokens[r], H = c.hidden, K = c.num_topk;
+    Tensor x = upload(in[r].x.data(), in[r].x.size(), DType::kBFloat16, {T, H}, g.device(), stream);
+    Tensor topk = upload(in[r].topk64.data(), in[r].topk64.size() * 8, DType::kInt64, {T, K}, g.device(), stream);
+    DispatchArgs a;
+    a.x = x;
+    a.topk_idx = topk;
+    a.num_experts = c.num_experts;
+    a.stream = stream;
+    DispatchResult fresh = buffer->dispatch(a);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    DispatchArgs b;
+    b.x = x;
+    b.handle = fresh.handle;
+    b.num_sms = 12;
+    b.stream = stream;
+    DispatchResult cached = buffer->dispatch(b);
+    CombineArgs ca;
+    ca.x = cached.recv_x;
+    ca.handle = cached.handle;
+    ca.stream = stream;
+    CombineResult comb = buffer->combine(ca);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch));
+    for (int replay = 0; replay < 2; ++replay) CUDA_OK(cudaGraphLaunch(exec, stream));
+    RankOutput& o = got[r];
+    o.num_rows = cached.recv_x.size(0);
+    o.x = download<uint8_t>(cached.recv_x, stream);
+    o.src_idx = download<int32_t>(cached.recv_src_idx, stream);
+    o.rank_prefix = download<int32_t>(cached.rank_prefix_matrix, stream);
+    o.combined = download<uint16_t>(comb.x, stream);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    EXPECT_FALSE(cached.recv_topk_idx.defined());
+    EXPECT_EQ(cached.num_recv_tokens_per_expert, fresh.num_recv_tokens_per_expert);
+    fresh = {};
+    cached = {};
+    comb = {};
+    a = {};
+    b = {};
+    ca = {};
+    x = {};
+    topk = {};
+    CUDA_OK(cudaStreamSynchronize(stream));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    buffer.reset();
+    cudaStreamDestroy(stream);
+  });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    ASSERT_EQ(got[r].num_rows, want[r].num_rows);
+    EXPECT_EQ(got[r].x, want[r].x);
+    EXPECT_EQ(got[r].src_idx, want[r].src_idx);
+    EXPECT_EQ(got[r].rank_prefix, want[r].rank_prefix);
+    ASSERT_EQ(got[r].combined.size(), want[r].combined.size());
+    int64_t bad = 0;
+    for (size_t i = 0; i < want[r].combined.size(); ++i) {
+      const float a = bf16f(got[r].combined[i]), w = bf16f(want[r].combined[i]);
+      bad += std::fabs(a - w) > 1e-2f * std::max(1.f, std::fabs(w));
+    }
+    EXPECT_EQ(bad, 0) << "combined x differs";
+  }
 }
 
 // A peer that never arrives: rank 0 gets Error(kTimeout) naming the wait; afterwards both ranks use
@@ -833,6 +1026,18 @@ TEST_F(NormalGpuTest, BadArgumentsThrowBeforeAnyCollective) {
     ADD_FAILURE() << "expected kInvalidArgument";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+  }
+  Tensor x2 = Tensor::empty(DType::kBFloat16, {4, 1024}, Device::cuda(0));
+  Tensor topk2 = Tensor::empty(DType::kInt64, {4, 2}, Device::cuda(0));
+  a.x = x2;
+  a.topk_idx = topk2;
+  a.num_sms = 25;  // the default buffer has 24
+  try {
+    buffer->dispatch(a);
+    ADD_FAILURE() << "expected kInvalidArgument";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("num_sms must be in [0, 24]"), std::string::npos) << e.what();
   }
   EXPECT_THROW(create_cuda_groups({0, 99}), Error);
   EXPECT_THROW(buffer->low_latency_dispatch({}), Error);

@@ -577,6 +577,259 @@ TEST(HostBuffer, RejectsBadInput) {
   });
 }
 
+// rank_prefix_matrix[i][j] = tokens ranks 0..i send to rank j, counted here from the routing; the same
+// tensor on every rank, shared by the handle and by cached dispatches; worst-token mode fills it too.
+TEST(HostBuffer, RankPrefixMatrixMatchesRouting) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  for (int num_ranks : {1, 2, 3, 8}) {
+    auto groups = create_host_groups(num_ranks, {.timeout_ms = 20'000});
+    auto buffers = make_buffers(groups);
+    Case c;
+    c.num_ranks = num_ranks;
+    c.num_experts = 8 * num_ranks;
+    c.num_topk = 3;
+    SCOPED_TRACE(describe(c));
+    const auto in = make_inputs(rng, c, 50);
+    std::vector<int32_t> expected(num_ranks * num_ranks, 0);
+    for (int i = 0; i < num_ranks; ++i) {
+      for (int j = 0; j < num_ranks; ++j) {
+        int32_t sent = 0;
+        for (const auto& [s, t] : expected_rows(in, c, j)) sent += s == i ? 1 : 0;
+        expected[i * num_ranks + j] = (i > 0 ? expected[(i - 1) * num_ranks + j] : 0) + sent;
+      }
+    }
+    for (const int64_t worst : {int64_t{0}, int64_t{500}}) {
+      const auto res = run_dispatch(buffers, [&](int r) {
+        auto a = dispatch_args(in[r], c);
+        a.num_worst_tokens = worst;
+        return a;
+      });
+      const auto cached = run_dispatch(buffers, [&](int r) {
+        DispatchArgs a;
+        a.x = TensorView::of(const_cast<uint16_t*>(in[r].x.data()), DType::kBFloat16, {in[r].num_tokens, c.hidden});
+        a.handle = res[r].handle;
+        return a;
+      });
+      for (int r = 0; r < num_ranks; ++r) {
+        const Tensor& m = res[r].rank_prefix_matrix;
+        ASSERT_EQ(m.dtype(), DType::kInt32);
+        ASSERT_EQ(m.sizes(), (std::vector<int64_t>{num_ranks, num_ranks}));
+        EXPECT_EQ(std::vector<int32_t>(m.data_as<int32_t>(), m.data_as<int32_t>() + m.numel()), expected)
+            << "rank " << r << " worst " << worst;
+        EXPECT_EQ(res[r].handle->rank_prefix_matrix().data(), m.data());
+        EXPECT_EQ(cached[r].rank_prefix_matrix.data(), m.data());
+        EXPECT_EQ(cached[r].handle->rank_prefix_matrix().data(), m.data());
+        // Column r: where each source's rows start in recv_x (rows by source rank).
+        const auto rows = expected_rows(in, c, r);
+        for (size_t i = 0; i < rows.size(); ++i) {
+          const int s = rows[i].first;
+          const int64_t begin = s > 0 ? m.data_as<int32_t>()[(s - 1) * num_ranks + r] : 0;
+          ASSERT_GE(static_cast<int64_t>(i), begin);
+          ASSERT_LT(static_cast<int64_t>(i), m.data_as<int32_t>()[s * num_ranks + r]);
+        }
+      }
+    }
+  }
+}
+
+TEST(HostBuffer, PerCallNumSmsIsBounded) {
+  auto groups = create_host_groups(2, {.timeout_ms = 20'000});
+  std::vector<std::unique_ptr<Buffer>> buffers;
+  BufferOptions options;
+  options.num_sms = 20;
+  for (const auto& g : groups) buffers.push_back(Buffer::create(g, options));
+  std::mt19937 rng(fresh_seed());
+  Case c;
+  c.num_ranks = 2;
+  c.num_experts = 8;
+  c.num_topk = 2;
+  const auto in = make_inputs(rng, c, 20);
+  // Accepted: 0 (the buffer's), 1, the buffer's value; ranks may differ.
+  for (const int num_sms : {0, 1, 20}) {
+    const auto res = run_dispatch(buffers, [&](int r) {
+      auto a = dispatch_args(in[r], c);
+      a.num_sms = r == 0 ? num_sms : 7;
+      return a;
+    });
+    for (int r = 0; r < 2; ++r) check_dispatch(in, c, r, res[r], 0);
+    testing::on_ranks(2, [&](int r) {
+      CombineArgs a;
+      a.x = res[r].recv_x;
+      a.handle = res[r].handle;
+      a.num_sms = num_sms;
+      buffers[r]->combine(a);
+    });
+  }
+  // Rejected before any rank waits: below 0 or above the buffer's num_sms, naming the bound.
+  for (const int num_sms : {-1, 21}) {
+    testing::on_ranks(2, [&](int r) {
+      auto a = dispatch_args(in[r], c);
+      a.num_sms = num_sms;
+      expect_invalid([&] { buffers[r]->dispatch(a); }, "num_sms must be in [0, 20]");
+    });
+  }
+  const auto ok = run_dispatch(buffers, [&](int r) { return dispatch_args(in[r], c); });
+  testing::on_ranks(2, [&](int r) {
+    CombineArgs a;
+    a.x = ok[r].recv_x;
+    a.handle = ok[r].handle;
+    a.num_sms = 21;
+    expect_invalid([&] { buffers[r]->combine(a); }, "num_sms must be in [0, 20]");
+  });
+}
+
+// Packed UE8M0: byte j (little-endian) of int32 i = exponent of block 4 * i + j; padding bytes as given.
+std::vector<int32_t> pack_ue8m0(const std::vector<uint8_t>& exponents, int64_t num_tokens, int64_t num_blocks,
+                                uint8_t padding) {
+  const int64_t num_packed = (num_blocks + 3) / 4;
+  std::vector<int32_t> out(num_tokens * num_packed);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t i = 0; i < num_packed; ++i) {
+      uint32_t v = 0;
+      for (int j = 0; j < 4; ++j) {
+        const int64_t b = 4 * i + j;
+        v |= static_cast<uint32_t>(b < num_blocks ? exponents[t * num_blocks + b] : padding) << (8 * j);
+      }
+      out[t * num_packed + i] = static_cast<int32_t>(v);
+    }
+  }
+  return out;
+}
+
+// Column-major (any strides) scales of fp32, uint8 and packed int32 UE8M0 arrive as the contiguous input
+// would: recv_x_scales is contiguous [N, S] in the input's dtype, with the source row's values; the packed
+// format unpacks to the quantizer's exponents and dequantizes within the round-trip bound.
+TEST(HostBuffer, StridedAndPackedScales) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int num_ranks = 3;
+  auto groups = create_host_groups(num_ranks, {.timeout_ms = 20'000});
+  auto buffers = make_buffers(groups);
+  Case c;
+  c.num_ranks = num_ranks;
+  c.num_experts = 12;
+  c.hidden = 640;  // 5 blocks: the packed format has three padding bytes per token
+  c.num_topk = 3;
+  auto in = make_inputs(rng, c, 40);
+  const int64_t num_blocks = c.hidden / kFp8BlockSize;
+  std::vector<std::vector<uint8_t>> x8(num_ranks), e8(num_ranks);
+  std::vector<std::vector<float>> f32(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) {
+    const int64_t T = in[r].num_tokens;
+    in[r].x = testing::random_bf16(rng, T * c.hidden, 100.f);
+    x8[r].resize(T * c.hidden);
+    e8[r].resize(T * num_blocks);
+    f32[r].resize(T * num_blocks);
+    const auto xv = TensorView::of(in[r].x.data(), DType::kBFloat16, {T, c.hidden});
+    quantize_fp8_host(xv, TensorView::of(x8[r].data(), DType::kFloat8E4M3, {T, c.hidden}),
+                      TensorView::of(e8[r].data(), DType::kUInt8, {T, num_blocks}), ScaleFormat::kUE8M0);
+    std::vector<uint8_t> unused(T * c.hidden);
+    quantize_fp8_host(xv, TensorView::of(unused.data(), DType::kFloat8E4M3, {T, c.hidden}),
+                      TensorView::of(f32[r].data(), DType::kFloat32, {T, num_blocks}), ScaleFormat::kFloat32);
+  }
+  for (const DType dtype : {DType::kFloat32, DType::kUInt8, DType::kInt32}) {
+    SCOPED_TRACE(to_string(dtype));
+    const int64_t S = dtype == DType::kInt32 ? (num_blocks + 3) / 4 : num_blocks;
+    const size_t size = dtype_size(dtype);
+    // Row-major values per rank, and the same values stored column-major ([S, T] storage).
+    std::vector<std::vector<uint8_t>> rows(num_ranks), cols(num_ranks);
+    for (int r = 0; r < num_ranks; ++r) {
+      const int64_t T = in[r].num_tokens;
+      rows[r].resize(T * S * size);
+      if (dtype == DType::kFloat32) std::memcpy(rows[r].data(), f32[r].data(), rows[r].size());
+      if (dtype == DType::kUInt8) std::memcpy(rows[r].data(), e8[r].data(), rows[r].size());
+      if (dtype == DType::kInt32) {
+        const auto packed = pack_ue8m0(e8[r], T, num_blocks, 0xa5);
+        std::memcpy(rows[r].data(), packed.data(), rows[r].size());
+      }
+      cols[r].resize(rows[r].size());
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t j = 0; j < S; ++j) std::memcpy(&cols[r][(j * T + t) * size], &rows[r][(t * S + j) * size], size);
+      }
+    }
+    auto run = [&](bool column_major) {
+      return run_dispatch(buffers, [&](int r) {
+        const int64_t T = in[r].num_tokens;
+        auto a = dispatch_args(in[r], c);
+        a.x = TensorView::of(x8[r].data(), DType::kFloat8E4M3, {T, c.hidden});
+        if (column_major) {
+          a.x_scales = TensorView::of(cols[r].data(), dtype, {T, S});
+          a.x_scales.strides[0] = 1;
+          a.x_scales.strides[1] = T;
+        } else {
+          a.x_scales = TensorView::of(rows[r].data(), dtype, {T, S});
+        }
+        return a;
+      });
+    };
+    const auto contiguous = run(false);
+    const auto strided = run(true);
+    for (int r = 0; r < num_ranks; ++r) {
+      const auto expected = expected_rows(in, c, r);
+      const int64_t n = static_cast<int64_t>(expected.size());
+      for (const auto* res : {&contiguous[r], &strided[r]}) {
+        ASSERT_EQ(res->recv_x_scales.dtype(), dtype);
+        ASSERT_EQ(res->recv_x_scales.sizes(), (std::vector<int64_t>{n, S}));
+        for (int64_t i = 0; i < n; ++i) {
+          const auto [s, t] = expected[i];
+          ASSERT_EQ(std::memcmp(res->recv_x_scales.data_as<uint8_t>() + i * S * size, rows[s].data() + t * S * size,
+                                S * size),
+                    0)
+              << "row " << i;
+          ASSERT_EQ(std::memcmp(res->recv_x.data_as<uint8_t>() + i * c.hidden, x8[s].data() + t * c.hidden, c.hidden),
+                    0);
+        }
+      }
+      if (dtype != DType::kInt32) continue;
+      // Unpack the received int32 scales and dequantize: the round trip holds against the bf16 source.
+      std::vector<uint8_t> exponents(n * num_blocks);
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          const auto v = static_cast<uint32_t>(strided[r].recv_x_scales.data_as<int32_t>()[i * S + b / 4]);
+          exponents[i * num_blocks + b] = static_cast<uint8_t>(v >> (8 * (b % 4)));
+        }
+        EXPECT_EQ(static_cast<uint32_t>(strided[r].recv_x_scales.data_as<int32_t>()[i * S + S - 1]) >> 8, 0xa5a5a5u)
+            << "padding byte of row " << i;
+      }
+      std::vector<float> back(n * c.hidden);
+      dequantize_fp8_host(strided[r].recv_x, TensorView::of(exponents.data(), DType::kUInt8, {n, num_blocks}),
+                          TensorView::of(back.data(), DType::kFloat32, {n, c.hidden}));
+      for (int64_t i = 0; i < n; ++i) {
+        const auto [s, t] = expected[i];
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          float amax = 0.f;
+          for (int j = 0; j < kFp8BlockSize; ++j) {
+            amax = std::max(amax, std::fabs(bf16_to_float(in[s].x[t * c.hidden + b * kFp8BlockSize + j])));
+          }
+          for (int j = 0; j < kFp8BlockSize; ++j) {
+            const int64_t h = b * kFp8BlockSize + j;
+            ASSERT_LE(std::fabs(back[i * c.hidden + h] - bf16_to_float(in[s].x[t * c.hidden + h])),
+                      kFp8RoundTripRelError * amax)
+                << "row " << i << " h " << h;
+          }
+        }
+      }
+    }
+  }
+  // Packed scales of the wrong width, and int32 scales with bf16 x, are refused.
+  auto groups1 = create_host_groups(1, {.timeout_ms = 1'000});
+  auto buffer = Buffer::create(groups1[0]);
+  std::vector<int32_t> packed(4 * 8);
+  std::vector<uint8_t> x(4 * c.hidden);
+  DispatchArgs a;
+  a.x = TensorView::of(x.data(), DType::kFloat8E4M3, {4, c.hidden});
+  a.x_scales = TensorView::of(packed.data(), DType::kInt32, {4, 5});
+  std::vector<int64_t> topk(4, 0);
+  a.topk_idx = TensorView::of(topk.data(), DType::kInt64, {4, 1});
+  a.num_experts = 2;
+  expect_invalid([&] { buffer->dispatch(a); }, "x_scales must be [4, 2]");
+  a.x_scales = TensorView::of(packed.data(), DType::kInt64, {4, 2});
+  expect_invalid([&] { buffer->dispatch(a); }, "x_scales must be fp32, uint8 (UE8M0) or int32");
+}
+
 TEST(HostBuffer, NormalModeTimesOut) {
   auto groups = create_host_groups(2, {.timeout_ms = 100});
   auto buffer = Buffer::create(groups[0]);
