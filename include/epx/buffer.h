@@ -156,23 +156,29 @@ struct LowLatencyDispatchArgs {
 
 struct LowLatencyDispatchResult {
   // Outputs live in the buffer (no allocation): valid until the second-next low-latency call of the
-  // same kind, since two buffer sets alternate. Slot order within (local expert e, source rank s):
-  // the pairs from s that chose e, by ascending source token index (then ascending k, should a token
-  // choose e twice); s's block starts at s * M. Each (expert, source rank) block holds at most M pairs
-  // (host: more is kInvalidArgument). A masked source has an empty block. recv_x in unused slots is
-  // unspecified. With return_recv_hook, call the hook before the second-next dispatch of this buffer,
-  // from the thread that drives it, and before destroying the buffer; calling it again does nothing.
+  // same kind, since two buffer sets alternate. Packed rows: local expert e's pairs are rows
+  // [0, recv_count[e]) of recv_x[e], ordered by source rank, then source token index (then ascending k,
+  // should a token choose e twice); no gaps, so a masked grouped GEMM reading rows [0, masked_m) with
+  // masked_m = recv_count (DeepGEMM, DeepEP's layout) sees exactly the received pairs. Source s's pairs
+  // are rows [begin, begin + count) with (begin, count) from recv_layout_range[e][s]; begin is the sum of
+  // the counts of sources < s. Each (expert, source rank) block holds at most M pairs (host: more is
+  // kInvalidArgument). A masked source has count 0. Rows past recv_count[e] are unspecified (recv_x,
+  // scales). Shapes are fixed, so the cuda backend needs no host sync (CUDA-graph capturable). With
+  // return_recv_hook, call the hook before the second-next dispatch of this buffer, from the thread that
+  // drives it, and before destroying the buffer; calling it again does nothing.
   Tensor recv_x;             // [E_local, R * M, H]: bf16, or fp8 e4m3 with use_fp8
   Tensor recv_x_scales;      // [E_local, R * M, H / 128]: fp32 or uint8 (UE8M0); only with use_fp8
   Tensor recv_count;         // int32 [E_local]: pairs received per local expert
-  Tensor recv_src_info;      // int32 [E_local, R * M]: source token index, -1 in unused slots
-  Tensor recv_layout_range;  // int64 [E_local, R]: (begin << 32) | count; begin = s * M even if count = 0
+  Tensor recv_src_info;      // int32 [E_local, R * M]: the row's source token index; -1 past recv_count[e]
+  Tensor recv_layout_range;  // int64 [E_local, R]: (begin << 32) | count, begin = prefix of counts over s
   std::shared_ptr<const LowLatencyHandle> handle;
   std::function<void()> recv_hook;  // set iff return_recv_hook
 };
 
 struct LowLatencyCombineArgs {
-  TensorView x;             // [E_local, R * M, H] bf16 (H of the dispatch): expert outputs in recv_x's slots
+  // [E_local, R * M, H] bf16 (H of the dispatch): expert e's output for the pair in recv_x row i at row i;
+  // only rows [0, recv_count[e]) are read.
+  TensorView x;
   TensorView topk_idx;      // [T, K], the same as the dispatch's (host: a difference is kInvalidArgument)
   TensorView topk_weights;  // [T, K] fp32
   std::shared_ptr<const LowLatencyHandle> handle;
@@ -183,7 +189,7 @@ struct LowLatencyCombineArgs {
 
 struct LowLatencyCombineResult {
   // out[t] = bf16( sum over k with topk_idx[t][k] >= 0 and its rank not masked of
-  //                topk_weights[t][k] * x[expert][slot of (t, k)] ), accumulated in fp32.
+  //                topk_weights[t][k] * x[expert][row of (t, k)] ), accumulated in fp32.
   // Host order: start at 0, for k ascending add the fp32 product w * x (no fused multiply-add), round
   // once to bf16. A token with no unmasked expert gets zeros.
   Tensor x;                         // [T, H] bf16
@@ -223,8 +229,12 @@ class Buffer {
   // masked automatically. mask_rank/clear_rank_mask are local to this rank's buffer; a rank that
   // learns a peer has masked it masks that peer in return (the peer sends it nothing), so masks
   // become symmetric after one call. mask_rank(own rank) or a rank outside [0, R) is kInvalidArgument.
-  // Normal dispatch/combine ignore the mask: a missing rank there is Error(kTimeout).
+  // unmask_rank(r) clears r's bit (a no-op if it is clear; r outside [0, R) is kInvalidArgument), also
+  // locally: traffic with r resumes once r has unmasked this rank too, else the next low-latency call masks
+  // r again (host: at once; cuda: after a timeout). Normal dispatch/combine ignore the mask: a missing rank
+  // there is Error(kTimeout).
   virtual void mask_rank(int rank) = 0;
+  virtual void unmask_rank(int rank) = 0;
   virtual std::vector<bool> rank_mask() const = 0;  // [num_ranks], true = masked
   virtual void clear_rank_mask() = 0;
 

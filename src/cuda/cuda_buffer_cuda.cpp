@@ -306,6 +306,13 @@ class CudaBuffer final : public Buffer {
     return low_latency().combine(args);
   }
   void mask_rank(int rank) override { low_latency().mask_rank(rank); }
+  void unmask_rank(int rank) override {
+    if (low_latency_) {
+      low_latency_->unmask_rank(rank);
+    } else {  // no low-latency memory: nothing is masked
+      EPX_CHECK_ARG(rank >= 0 && rank < num_ranks_, "unmask_rank: rank must be in [0, {}), got {}", num_ranks_, rank);
+    }
+  }
   std::vector<bool> rank_mask() const override {
     return low_latency_ ? low_latency_->rank_mask() : std::vector<bool>(num_ranks_, false);
   }

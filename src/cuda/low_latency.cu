@@ -314,12 +314,19 @@ __global__ void __launch_bounds__(kThreads)
   dispatch_send_block<TopkT>(peers, layout, set, args, blockIdx.x);
 }
 
-// One block receives for one local expert: waits for its R signals, writes counts, ranges and -1 fill.
+// One block receives for one local expert: waits for its R signals, then copies the R staged blocks into the
+// packed output (source r's block at rows [begin_r, begin_r + count_r), begin_r = the counts of sources < r)
+// and writes counts, ranges and src_info (-1 past the count).
+// NOTE: memory order: thread r acquires source r's signal (ld.acquire.sys); the __syncthreads() after the waits
+// extends that to every thread of the block, which then reads the staged rows with ld.global.cg (L2, no L1
+// line that could predate the peer's stores). The packed outputs are local stores read by later kernels.
 __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                     const LowLatencyDispatchLaunch& args, int64_t e_local) {
   __shared__ int counts[kLowLatencyMaxRanks];
+  __shared__ int begins[kLowLatencyMaxRanks + 1];  // packed row of each source's first pair; [R] = the total
   const int R = peers.num_ranks;
   const int64_t M = layout.max_tokens_per_rank;
+  const int64_t H = layout.hidden;
   char* base = peers.bases[peers.rank];
   const LowLatencySet& s = layout.sets[set];
   LowLatencyControl* ctrl = control_of(peers, layout);
@@ -334,18 +341,78 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
       c = static_cast<int>(v & 0xffffffffu);
     }
     counts[src] = c;
-    at<int64_t>(base, s.layout_range)[e_local * R + src] = (static_cast<int64_t>(src * M) << 32) | c;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     int sum = 0;
-    for (int r = 0; r < R; ++r) sum += counts[r];
+    for (int r = 0; r < R; ++r) {
+      begins[r] = sum;
+      sum += counts[r];
+    }
+    begins[R] = sum;
     at<int>(base, s.recv_count)[e_local] = sum;
     if (args.cumulative_recv_counts != nullptr) atomicAdd(args.cumulative_recv_counts + e_local, sum);
   }
-  int* src_info = at<int>(base, s.dispatch_src_info) + e_local * R * M;
-  for (int r = 0; r < R; ++r) {
-    for (int64_t i = counts[r] + threadIdx.x; i < M; i += kThreads) src_info[r * M + i] = -1;
+  __syncthreads();
+  if (threadIdx.x < R) {
+    const int r = threadIdx.x;
+    at<int64_t>(base, s.layout_range)[e_local * R + r] = (static_cast<int64_t>(begins[r]) << 32) | counts[r];
+  }
+  const int total = begins[R];
+  const int64_t row0 = e_local * R * M;  // the expert's first row, staged and packed
+  // Staged row of packed row `row`: source r's block at r * M.
+  auto staged_row = [&](int row) {
+    int r = 0;
+    while (row >= begins[r + 1]) ++r;
+    return row0 + r * M + (row - begins[r]);
+  };
+  // Data: the block's rows spread over all threads, kUnroll loads in flight per thread (as the send side).
+  {
+    const int64_t row_vecs = (args.use_fp8 ? H : H * 2) / 16;
+    const int4* src = at<const int4>(base, s.dispatch_data);
+    int4* dst = at<int4>(base, s.recv_x);
+    const int64_t items = total * row_vecs;
+    for (int64_t first = threadIdx.x; first < items; first += kThreads * kUnroll) {
+      int4 v[kUnroll];
+      int64_t out[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t item = first + u * kThreads;
+        if (item < items) {
+          const int row = static_cast<int>(item / row_vecs);
+          const int64_t vec = item - row * row_vecs;
+          v[u] = __ldcg(src + staged_row(row) * row_vecs + vec);
+          out[u] = (row0 + row) * row_vecs + vec;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (first + u * kThreads < items) dst[out[u]] = v[u];
+      }
+    }
+  }
+  if (args.use_fp8) {
+    // Scale rows are H / 128 fp32 or uint8 values: copied as 32-bit words when a row is a whole number of
+    // words (always for fp32; UE8M0 when H % 512 == 0), else byte by byte.
+    const int64_t row_bytes = (H / kBlock) * (args.ue8m0 ? 1 : 4);
+    const bool words = row_bytes % 4 == 0;
+    const int64_t row_units = words ? row_bytes / 4 : row_bytes;
+    const int64_t items = total * row_units;
+    for (int64_t item = threadIdx.x; item < items; item += kThreads) {
+      const int row = static_cast<int>(item / row_units);
+      const int64_t unit = item - row * row_units;
+      const int64_t from = staged_row(row) * row_units + unit, to = (row0 + row) * row_units + unit;
+      if (words) {
+        at<uint32_t>(base, s.recv_x_scales)[to] = __ldcg(at<const unsigned int>(base, s.dispatch_scales) + from);
+      } else {
+        at<uint8_t>(base, s.recv_x_scales)[to] = __ldcg(at<const unsigned char>(base, s.dispatch_scales) + from);
+      }
+    }
+  }
+  const int* staged_src_info = at<const int>(base, s.dispatch_src_info);
+  int* src_info = at<int>(base, s.recv_src_info);
+  for (int row = threadIdx.x; row < R * M; row += kThreads) {
+    src_info[row0 + row] = row < total ? __ldcg(staged_src_info + staged_row(row)) : -1;
   }
 }
 
@@ -378,6 +445,7 @@ __global__ void __launch_bounds__(kThreads)
 __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                    const LowLatencyCombineLaunch& args, int64_t block, int parts) {
   __shared__ int row_start[kLowLatencyMaxRanks + 1];  // prefix of the rows to send, by destination rank
+  __shared__ int row_begin[kLowLatencyMaxRanks];      // packed row of rank r's first pair in x (the dispatch's)
   __shared__ bool last_part;
   const int64_t e_local = block / parts;
   const int part = static_cast<int>(block % parts);
@@ -394,6 +462,7 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
     int rows = 0;
     for (int r = 0; r < R; ++r) {
       row_start[r] = rows;
+      row_begin[r] = static_cast<int>(ranges[r] >> 32);
       if (ld_volatile(&ctrl->mask[r]) == 0) rows += static_cast<int>(ranges[r] & 0xffffffff);
     }
     row_start[R] = rows;
@@ -417,8 +486,9 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
         const int64_t vec = item - row * row_vecs;
         int r = 0;
         while (row >= row_start[r + 1]) ++r;
-        const int64_t slot = (e_local * R + r) * M + (row - row_start[r]);
-        v[u] = __ldg(x + slot * row_vecs + vec);
+        const int i = row - row_start[r];                // the pair's index in rank r's block
+        const int64_t slot = (e_local * R + r) * M + i;  // staged row: src_info and slot_k stay there
+        v[u] = __ldg(x + (e_local * R * M + row_begin[r] + i) * row_vecs + vec);
         dst_rank[u] = r;
         dst_offset[u] = (static_cast<int64_t>(src_info[slot]) * kLowLatencyMaxTopk + slot_k[slot]) * H * 2 + vec * 16;
       }

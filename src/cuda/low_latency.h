@@ -2,8 +2,10 @@
 //
 // Every rank owns one peer-visible region laid out identically on all ranks (LowLatencyLayout). Two buffer
 // sets alternate between calls of the same kind, so two results can be alive at once. Senders write each
-// (token, expert) pair straight into its final slot in the receiver's region, so the receive half only
-// waits on signals and writes bookkeeping: the received data is already where the result points.
+// (token, expert) pair into the receiver's staging slot for (local expert, source rank), at s * M, which
+// needs no agreement between senders; the receive half waits on the signals, which carry the counts, and
+// copies the staged blocks into the packed output rows (source order, no gaps; see buffer.h). That copy is
+// local (HBM), runs once the last count is known and never touches rows a peer may still write.
 //
 // Signals carry a tag instead of being reset: each set has a device-side sequence number `seq`; the
 // sender tags with seq + 1 and the receive kernel advances seq when it completes. Because seq lives in
@@ -58,7 +60,7 @@ struct LowLatencyDispatchLaunch {
 };
 
 struct LowLatencyCombineLaunch {
-  const void* x;     // [E_local, R * M, H] bf16 expert outputs
+  const void* x;     // [E_local, R * M, H] bf16 expert outputs, in the dispatch's packed rows
   const void* topk;  // [T, K]
   bool topk_int64;
   const float* topk_weights;  // [T, K]
@@ -71,7 +73,8 @@ struct LowLatencyCombineLaunch {
 // Send half of dispatch: quantize (optionally) and write every (token, expert) pair into the receiver's slot.
 void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                       const LowLatencyDispatchLaunch& args, cudaStream_t stream);
-// Receive half: wait for every unmasked source rank, write counts, ranges and -1 into unused src_info slots.
+// Receive half: wait for every unmasked source rank, copy the staged rows into the packed output, write counts,
+// ranges (begin = prefix of the counts) and src_info (-1 past the count).
 void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                       const LowLatencyDispatchLaunch& args, cudaStream_t stream);
 // Both halves of dispatch in one launch.

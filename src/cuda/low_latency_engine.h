@@ -23,6 +23,7 @@ class LowLatencyEngine {
   LowLatencyDispatchResult dispatch(const LowLatencyDispatchArgs& args);
   LowLatencyCombineResult combine(const LowLatencyCombineArgs& args);
   void mask_rank(int rank);
+  void unmask_rank(int rank);
   std::vector<bool> rank_mask() const;
   void clear_rank_mask();
   // Collective: see Buffer::clean_low_latency_buffer.

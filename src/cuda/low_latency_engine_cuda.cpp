@@ -158,15 +158,15 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
     return Tensor::wrap(TensorView::of(base + offset, dtype, shape_, dev), region_);
   };
   LowLatencyDispatchResult result;
-  result.recv_x =
-      view(s.dispatch_data, args.use_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16, {e_local, slots, shape.hidden});
+  // The packed outputs the receive kernel fills (not the staging area the peers write).
+  result.recv_x = view(s.recv_x, args.use_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16, {e_local, slots, shape.hidden});
   if (args.use_fp8) {
     result.recv_x_scales =
-        view(s.dispatch_scales, args.scale_format == ScaleFormat::kUE8M0 ? DType::kUInt8 : DType::kFloat32,
+        view(s.recv_x_scales, args.scale_format == ScaleFormat::kUE8M0 ? DType::kUInt8 : DType::kFloat32,
              {e_local, slots, shape.hidden / kFp8BlockSize});
   }
   result.recv_count = view(s.recv_count, DType::kInt32, {e_local});
-  result.recv_src_info = view(s.dispatch_src_info, DType::kInt32, {e_local, slots});
+  result.recv_src_info = view(s.recv_src_info, DType::kInt32, {e_local, slots});
   result.recv_layout_range = view(s.layout_range, DType::kInt64, {e_local, num_ranks_});
   auto handle = std::make_shared<CudaLowLatencyHandle>();
   handle->owner = this;
@@ -223,6 +223,13 @@ void LowLatencyEngine::mask_rank(int rank) {
   DeviceGuard guard(device_);
   const int one = 1;
   check_cuda(cudaMemcpy(device_mask() + rank, &one, sizeof(int), cudaMemcpyHostToDevice), "cudaMemcpy (mask)");
+}
+
+void LowLatencyEngine::unmask_rank(int rank) {
+  EPX_CHECK_ARG(rank >= 0 && rank < num_ranks_, "unmask_rank: rank must be in [0, {}), got {}", num_ranks_, rank);
+  DeviceGuard guard(device_);
+  const int zero = 0;
+  check_cuda(cudaMemcpy(device_mask() + rank, &zero, sizeof(int), cudaMemcpyHostToDevice), "cudaMemcpy (mask)");
 }
 
 std::vector<bool> LowLatencyEngine::rank_mask() const {

@@ -31,6 +31,9 @@ LowLatencyLayout LowLatencyLayout::make(int64_t max_tokens_per_rank, int64_t hid
     s.dispatch_src_info = take(slots * 4);
     s.dispatch_slot_k = take(slots * 4);
     s.dispatch_signals = take(l.num_local_experts * num_ranks * 8);
+    s.recv_x = take(slots * hidden * 2);
+    s.recv_x_scales = take(slots * (hidden / kBlock) * 4);
+    s.recv_src_info = take(slots * 4);
     s.recv_count = take(l.num_local_experts * 4);
     s.layout_range = take(l.num_local_experts * num_ranks * 8);
     s.combine_data = take(max_tokens_per_rank * kLowLatencyMaxTopk * hidden * 2);

@@ -12,15 +12,20 @@ inline constexpr int kLowLatencyMaxHidden = 16384;
 inline constexpr int kLowLatencyMaxExperts = 1024;
 inline constexpr int kLowLatencyMaxTokens = 4096;
 
-// Byte offsets of one buffer set inside a rank's region.
+// Byte offsets of one buffer set inside a rank's region. The dispatch_* parts are the staging area peers
+// write into (source s's pairs for local expert e at rows [s * M, s * M + count)); the recv_* parts are the
+// packed outputs the receive kernel copies them into (local only, never written by a peer).
 struct LowLatencySet {
   int64_t dispatch_data;      // [E_local][R * M][H] bf16 or fp8
   int64_t dispatch_scales;    // [E_local][R * M][H / 128] fp32 (or uint8 UE8M0, packed the same way)
-  int64_t dispatch_src_info;  // [E_local][R * M] int32: source token, -1 in unused slots
+  int64_t dispatch_src_info;  // [E_local][R * M] int32: source token (valid below the block's count)
   int64_t dispatch_slot_k;    // [E_local][R * M] int32: the top-k slot the pair came from
   int64_t dispatch_signals;   // [E_local][R] uint64: (tag << 32) | count, written by source rank s
+  int64_t recv_x;             // [E_local][R * M][H] bf16 or fp8: packed rows (local only)
+  int64_t recv_x_scales;      // [E_local][R * M][H / 128] fp32 or uint8: packed rows (local only)
+  int64_t recv_src_info;      // [E_local][R * M] int32: packed rows' source token, -1 past the count (local only)
   int64_t recv_count;         // [E_local] int32 (local only)
-  int64_t layout_range;       // [E_local][R] int64 (local only)
+  int64_t layout_range;       // [E_local][R] int64: (prefix begin << 32) | count (local only)
   int64_t combine_data;       // [M][kLowLatencyMaxTopk][H] bf16: one row per (token, k)
   int64_t combine_signals;    // [num_experts] uint64: tag, written by the expert's rank
 };

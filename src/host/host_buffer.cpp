@@ -120,6 +120,11 @@ void HostBuffer::mask_rank(int rank) {
   mask_[rank] = true;
 }
 
+void HostBuffer::unmask_rank(int rank) {
+  EPX_CHECK_ARG(rank >= 0 && rank < num_ranks_, "rank must be in [0, num_ranks = {}), got {}", num_ranks_, rank);
+  mask_[rank] = false;
+}
+
 void HostBuffer::clear_rank_mask() { std::fill(mask_.begin(), mask_.end(), false); }
 
 void HostBuffer::clean_low_latency_buffer() {

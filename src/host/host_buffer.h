@@ -43,6 +43,7 @@ class HostBuffer final : public Buffer {
   LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args) override;
   LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args) override;
   void mask_rank(int rank) override;
+  void unmask_rank(int rank) override;
   std::vector<bool> rank_mask() const override { return mask_; }
   void clear_rank_mask() override;
   void clean_low_latency_buffer() override;

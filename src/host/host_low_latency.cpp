@@ -269,6 +269,9 @@ void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>&
   std::vector<int32_t>& block_count = state->recv_block_count;
   block_count.assign(num_local_experts * num_ranks_, 0);
   const int64_t first_local = rank_ * num_local_experts;
+  // Packed rows: expert e's rows fill [0, recv_count[e]) by source rank, then token, then k; this loop visits
+  // the pairs in exactly that order, so each pair takes the expert's next row.
+  std::vector<int32_t> next_row(num_local_experts, 0);
   for (int s = 0; s < num_ranks_; ++s) {
     const LowLatencyPost* p = posts[s].get();
     if (p == nullptr) continue;  // masked: its blocks stay empty
@@ -276,7 +279,8 @@ void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>&
       for (int64_t k = 0; k < p->num_topk; ++k) {
         const int64_t e = p->topk[t * p->num_topk + k] - first_local;
         if (e < 0 || e >= num_local_experts) continue;
-        const int64_t slot = e * num_slots + s * max_tokens + block_count[e * num_ranks_ + s]++;
+        ++block_count[e * num_ranks_ + s];
+        const int64_t slot = e * num_slots + next_row[e]++;
         std::memcpy(recv_x + slot * row_bytes, p->x.data() + t * row_bytes, row_bytes);
         if (state->use_fp8) {
           std::memcpy(recv_scales + slot * scale_bytes, p->scales.data() + t * scale_bytes, scale_bytes);
@@ -289,7 +293,7 @@ void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>&
     int32_t total = 0;
     for (int s = 0; s < num_ranks_; ++s) {
       const int32_t n = block_count[e * num_ranks_ + s];
-      layout_range[e * num_ranks_ + s] = (static_cast<int64_t>(s) * max_tokens << 32) | n;
+      layout_range[e * num_ranks_ + s] = (static_cast<int64_t>(total) << 32) | n;
       total += n;
     }
     count[e] = total;
@@ -335,10 +339,12 @@ LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineA
   message->rows.resize(num_rows * hidden);
   const int64_t num_slots = num_ranks_ * dispatch->max_tokens;
   for (int64_t e = 0; e < num_local_experts; ++e) {
+    int64_t begin = 0;  // the packed row of source s's first pair: the prefix of the dispatch's counts
     for (int s = 0; s < num_ranks_; ++s) {
       const int64_t i = e * num_ranks_ + s;
-      const auto* src = args.x.data_as<const uint16_t>() + (e * num_slots + s * dispatch->max_tokens) * hidden;
+      const auto* src = args.x.data_as<const uint16_t>() + (e * num_slots + begin) * hidden;
       std::copy(src, src + message->block_count[i] * hidden, message->rows.begin() + message->block_offset[i] * hidden);
+      begin += dispatch->recv_block_count[i];
     }
   }
 

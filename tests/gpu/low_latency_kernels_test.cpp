@@ -4,8 +4,10 @@
 // top-k slots to -1. Ranks map to GPUs round-robin (2 ranks on 2 GPUs, 4 ranks on 2 GPUs). Each rank's
 // region is a cudaMalloc on its GPU; peers reach it through peer access (one process, no IPC).
 // Outputs are poisoned before every run and every element the contract defines is compared: counts,
-// layout ranges and src_info exactly, received data and scales bit-exactly, combine output bit-exactly
-// (both sides sum in fp32 in ascending k without fused multiply-add).
+// layout ranges and src_info exactly, received data and scales bit-exactly on the packed rows
+// [0, recv_count[e]) of each expert, combine output bit-exactly (both sides sum in fp32 in ascending k
+// without fused multiply-add). The packed layout is also checked on its own: range begins are the prefix
+// sums of the counts, src_info is a token index below the count and -1 past it.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -180,8 +182,8 @@ struct Outputs {
   std::vector<uint16_t> out;
 };
 
-// Every element the contract defines: counts, ranges and src_info exactly; data and scales of the used
-// slots bit-exactly; the combined output bit-exactly. Returns the number of mismatches.
+// Every element the contract defines: counts, ranges and src_info exactly; data and scales of the packed
+// rows [0, recv_count[e]) bit-exactly; the combined output bit-exactly. Returns the number of mismatches.
 int64_t compare_outputs(const Case& c, int r, const Outputs& o, const Expected& e) {
   const int64_t e_local = c.num_experts / c.num_ranks, R = c.num_ranks, M = c.max_tokens, H = c.hidden;
   const int64_t elem = c.use_fp8 ? 1 : 2;
@@ -192,19 +194,36 @@ int64_t compare_outputs(const Case& c, int r, const Outputs& o, const Expected& 
   expect(o.count == e.recv_count, "recv_count");
   expect(o.range == e.layout_range, "layout_range");
   expect(o.src_info == e.src_info, "src_info");
+  if (o.count.size() != static_cast<size_t>(e_local) || o.range.size() != static_cast<size_t>(e_local * R) ||
+      o.src_info.size() != static_cast<size_t>(e_local * R * M)) {
+    expect(false, "output sizes");
+    return bad;
+  }
+  // The packed layout itself (what a masked grouped GEMM relies on), independently of the host backend.
+  for (int64_t el = 0; el < e_local; ++el) {
+    int64_t begin = 0;
+    for (int64_t src = 0; src < R; ++src) {
+      expect(o.range[el * R + src] >> 32 == begin, "layout_range begin of expert " + std::to_string(el) + " source " +
+                                                       std::to_string(src) + " is not the prefix sum");
+      begin += o.range[el * R + src] & 0xffffffff;
+    }
+    expect(o.count[el] == begin, "recv_count of expert " + std::to_string(el) + " is not the sum of the ranges");
+    for (int64_t i = 0; i < R * M; ++i) {
+      const int32_t v = o.src_info[el * R * M + i];
+      expect(i < begin ? (v >= 0 && v < M) : v == -1,
+             "src_info of expert " + std::to_string(el) + " row " + std::to_string(i) + " = " + std::to_string(v));
+    }
+  }
   const int64_t scale_bytes = (H / 128) * (c.ue8m0 ? 1 : 4);
   for (int64_t el = 0; el < e_local; ++el) {
-    for (int64_t src = 0; src < R; ++src) {
-      const int64_t n = e.layout_range[el * R + src] & 0xffffffff;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t slot = el * R * M + src * M + i;
-        expect(std::memcmp(o.data.data() + slot * H * elem, e.recv_x.data() + slot * H * elem, H * elem) == 0,
-               "recv_x slot " + std::to_string(slot));
-        if (c.use_fp8) {
-          expect(std::memcmp(o.scales.data() + slot * scale_bytes, e.recv_scales.data() + slot * scale_bytes,
-                             scale_bytes) == 0,
-                 "scales slot " + std::to_string(slot));
-        }
+    for (int64_t i = 0; i < e.recv_count[el]; ++i) {
+      const int64_t row = el * R * M + i;
+      expect(std::memcmp(o.data.data() + row * H * elem, e.recv_x.data() + row * H * elem, H * elem) == 0,
+             "recv_x row " + std::to_string(row));
+      if (c.use_fp8) {
+        expect(std::memcmp(o.scales.data() + row * scale_bytes, e.recv_scales.data() + row * scale_bytes,
+                           scale_bytes) == 0,
+               "scales row " + std::to_string(row));
       }
     }
   }
@@ -294,7 +313,8 @@ class Rig {
     }
   }
 
-  // Poisons the outputs of the set the next dispatch/combine will use.
+  // Poisons the outputs of the set the next dispatch/combine will use, and its staging area (so stale rows
+  // from an earlier round cannot pass for this round's).
   void poison(int set) {
     const auto& s = layout_.sets[set];
     const int64_t slots = layout_.num_local_experts * c_.num_ranks * c_.max_tokens;
@@ -302,7 +322,12 @@ class Rig {
       CUDA_CHECK_THROW(cudaSetDevice(d.device));
       CUDA_CHECK_THROW(cudaMemsetAsync(d.region + s.dispatch_data, 0x7b, slots * c_.hidden * 2, d.stream));
       CUDA_CHECK_THROW(cudaMemsetAsync(d.region + s.dispatch_src_info, 0x7b, slots * 4, d.stream));
+      CUDA_CHECK_THROW(cudaMemsetAsync(d.region + s.recv_x, 0x7c, slots * c_.hidden * 2, d.stream));
+      CUDA_CHECK_THROW(cudaMemsetAsync(d.region + s.recv_x_scales, 0x7c, slots * (c_.hidden / 128) * 4, d.stream));
+      CUDA_CHECK_THROW(cudaMemsetAsync(d.region + s.recv_src_info, 0x7c, slots * 4, d.stream));
       CUDA_CHECK_THROW(cudaMemsetAsync(d.region + s.recv_count, 0x7b, layout_.num_local_experts * 4, d.stream));
+      CUDA_CHECK_THROW(
+          cudaMemsetAsync(d.region + s.layout_range, 0x7b, layout_.num_local_experts * c_.num_ranks * 8, d.stream));
       CUDA_CHECK_THROW(cudaMemsetAsync(d.out, 0x7b, c_.max_tokens * c_.hidden * 2, d.stream));
     }
     // NOTE: peers write into this rank's region from their own streams: without this sync a fast peer's
@@ -372,11 +397,11 @@ class Rig {
     o.out.resize(num_tokens_[r] * H);
     cudaSetDevice(d.device);
     cudaMemcpy(o.count.data(), d.region + s.recv_count, e_local * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(o.src_info.data(), d.region + s.dispatch_src_info, slots * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(o.src_info.data(), d.region + s.recv_src_info, slots * 4, cudaMemcpyDeviceToHost);
     cudaMemcpy(o.range.data(), d.region + s.layout_range, e_local * R * 8, cudaMemcpyDeviceToHost);
-    cudaMemcpy(o.data.data(), d.region + s.dispatch_data, o.data.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(o.data.data(), d.region + s.recv_x, o.data.size(), cudaMemcpyDeviceToHost);
     if (!o.scales.empty()) {
-      cudaMemcpy(o.scales.data(), d.region + s.dispatch_scales, o.scales.size(), cudaMemcpyDeviceToHost);
+      cudaMemcpy(o.scales.data(), d.region + s.recv_x_scales, o.scales.size(), cudaMemcpyDeviceToHost);
     }
     cudaMemcpy(o.out.data(), d.out, o.out.size() * 2, cudaMemcpyDeviceToHost);
     return compare_outputs(c_, r, o, e);
@@ -658,6 +683,12 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
       buffer->clear_rank_mask();
       EXPECT_FALSE(buffer->rank_mask()[peer]);
       EXPECT_THROW(buffer->mask_rank(r), Error);
+      buffer->mask_rank(peer);
+      buffer->unmask_rank(peer);
+      EXPECT_FALSE(buffer->rank_mask()[peer]);
+      buffer->unmask_rank(r);  // its own bit: a no-op
+      EXPECT_THROW(buffer->unmask_rank(c.num_ranks), Error);
+      EXPECT_THROW(buffer->unmask_rank(-1), Error);
       // After a clean (collective: sequence numbers restart at 0 on every rank) the same call matches again.
       buffer->mask_rank(peer);
       buffer->clean_low_latency_buffer();

@@ -1,12 +1,13 @@
 // Host backend, low-latency mode, against a brute-force expectation built here.
 //
 // Routing: each rank draws T <= M tokens (one rank idle) with distinct random top-k experts, ~10% of
-// the slots -1; so each (expert, source rank) block holds at most M pairs. Expected slots: in block
-// (local expert e, source s), starting at s * M, the pairs (t, k) of s that chose e by ascending t
-// (then k); recv_src_info = t there and -1 elsewhere; recv_count and recv_layout_range follow. Combine
-// of identity experts (x = recv_x, dequantized for fp8) must give x[t] * (sum of the weights whose
-// expert's rank is present), within bf16 rounding: |got - exp| <= 2^-8 |exp| + 2e-6 * sum_k |w_k x|
-// (bf16 rounds to 2^-9 relative; fp32 products and <= 16 sums add < 17 * 2^-24 of sum |w x|).
+// the slots -1; so each (expert, source rank) block holds at most M pairs. Expected rows (packed): for
+// local expert e, rows [0, recv_count[e]) hold the pairs (s, t, k) that chose e, by ascending source rank
+// s, then t (then k), with no gaps; recv_src_info = t there and -1 past the count; recv_layout_range[e][s]
+// = (sum of the counts of sources < s) << 32 | count. Combine of identity experts (x = recv_x,
+// dequantized for fp8; rows past the count NaN, so reading one fails) must give x[t] * (sum of the
+// weights whose expert's rank is present), within bf16 rounding: |got - exp| <= 2^-8 |exp| + 2e-6 *
+// sum_k |w_k x| (bf16 rounds to 2^-9 relative; fp32 products and <= 16 sums add < 17 * 2^-24 of sum |w x|).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -122,13 +123,13 @@ void check_dispatch(const std::vector<RankInput>& in, const Case& c, int dst, co
   }
   const size_t scale_bytes = num_blocks * dtype_size(scale_dtype(c));
   for (int64_t e = 0; e < E_local; ++e) {
-    int32_t total = 0;
+    int32_t total = 0;  // rows of sources < s: where source s's block begins
     for (int s = 0; s < R; ++s) {
       int64_t n = 0;
       for (int64_t t = 0; present[s] && t < in[s].num_tokens; ++t) {
         for (int64_t k = 0; k < K; ++k) {
           if (in[s].topk[t * K + k] != dst * E_local + e) continue;
-          const int64_t slot = e * R * M + s * M + n;
+          const int64_t slot = e * R * M + total + n;  // packed: no gap after the previous source
           ASSERT_EQ(res.recv_src_info.data_as<int32_t>()[slot], t) << "expert " << e << " source " << s << " #" << n;
           if (c.use_fp8) {
             ASSERT_EQ(std::memcmp(res.recv_x.data_as<uint8_t>() + slot * H, in[s].x8.data() + t * H, H), 0);
@@ -141,18 +142,22 @@ void check_dispatch(const std::vector<RankInput>& in, const Case& c, int dst, co
           ++n;
         }
       }
-      for (int64_t i = n; i < M; ++i) ASSERT_EQ(res.recv_src_info.data_as<int32_t>()[e * R * M + s * M + i], -1);
-      ASSERT_EQ(res.recv_layout_range.data_as<int64_t>()[e * R + s], ((s * M) << 32) | n)
+      ASSERT_EQ(res.recv_layout_range.data_as<int64_t>()[e * R + s], (int64_t{total} << 32) | n)
           << "expert " << e << " source " << s;
       total += static_cast<int32_t>(n);
     }
     ASSERT_EQ(res.recv_count.data_as<int32_t>()[e], total) << "expert " << e;
+    for (int64_t i = total; i < R * M; ++i) {
+      ASSERT_EQ(res.recv_src_info.data_as<int32_t>()[e * R * M + i], -1) << "expert " << e << " row " << i;
+    }
   }
 }
 
-// The identity experts' output for a dispatch result: recv_x itself (bf16) or its dequantization.
+// The identity experts' output for a dispatch result: recv_x itself (bf16) or its dequantization, on rows
+// [0, recv_count[e]) of each expert; NaN past the count, so a combine that reads such a row fails.
 std::vector<uint16_t> identity_expert(const Case& c, const LowLatencyDispatchResult& res) {
-  const int64_t rows = res.recv_x.size(0) * res.recv_x.size(1);
+  const int64_t num_experts = res.recv_x.size(0), rows_per_expert = res.recv_x.size(1);
+  const int64_t rows = num_experts * rows_per_expert;
   std::vector<uint16_t> out(rows * c.hidden);
   if (!c.use_fp8) {
     std::memcpy(out.data(), res.recv_x.data(), out.size() * 2);
@@ -160,6 +165,12 @@ std::vector<uint16_t> identity_expert(const Case& c, const LowLatencyDispatchRes
     dequantize_fp8_host(TensorView::of(res.recv_x.data(), DType::kFloat8E4M3, {rows, c.hidden}),
                         TensorView::of(res.recv_x_scales.data(), scale_dtype(c), {rows, c.hidden / kFp8BlockSize}),
                         TensorView::of(out.data(), DType::kBFloat16, {rows, c.hidden}));
+  }
+  constexpr uint16_t kNaN = 0x7fc0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t count = res.recv_count.data_as<int32_t>()[e];
+    std::fill(out.begin() + (e * rows_per_expert + count) * c.hidden,
+              out.begin() + (e + 1) * rows_per_expert * c.hidden, kNaN);
   }
   return out;
 }
@@ -517,6 +528,57 @@ void expect_invalid(const std::function<void()>& fn, const std::string& needle) 
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+// unmask_rank clears one bit, locally: traffic resumes once both sides have unmasked each other.
+TEST(HostLowLatency, UnmaskRankRestoresOneRank) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Case c;
+  c.num_ranks = 3;
+  c.num_experts = 12;
+  c.num_topk = 4;
+  constexpr int kMasked = 0;  // the first source: every other source's rows shift to begin 0
+  auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
+  auto buffers = make_buffers(groups);
+  Step step;
+  step.dispatched.resize(c.num_ranks);
+  step.expert_out.resize(c.num_ranks);
+  step.combined.resize(c.num_ranks);
+  auto round = [&](std::vector<RankInput>& in) {
+    testing::on_ranks(c.num_ranks, [&](int r) {
+      step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
+      step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+      step.combined[r] =
+          buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+    });
+  };
+  for (int r = 1; r < c.num_ranks; ++r) buffers[r]->mask_rank(kMasked);
+  auto in = make_inputs(rng, c);
+  round(in);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    std::vector<bool> present(c.num_ranks, r != kMasked);
+    present[kMasked] = r == kMasked;
+    check_dispatch(in, c, r, step.dispatched[r], present);
+    check_combine(in, c, r, step.combined[r].x, present);
+  }
+  EXPECT_EQ(buffers[kMasked]->rank_mask(), (std::vector<bool>{false, true, true})) << "masked back after one call";
+  // Rank 1 and rank 0 unmask each other; rank 2 keeps its mask, so rank 0 and rank 2 stay apart.
+  buffers[1]->unmask_rank(kMasked);
+  buffers[kMasked]->unmask_rank(1);
+  buffers[kMasked]->unmask_rank(kMasked);  // its own bit: already clear, a no-op
+  EXPECT_EQ(buffers[1]->rank_mask(), std::vector<bool>(c.num_ranks, false));
+  EXPECT_EQ(buffers[kMasked]->rank_mask(), (std::vector<bool>{false, false, true}));
+  in = make_inputs(rng, c);
+  round(in);
+  const std::vector<std::vector<bool>> present = {{true, true, false}, {true, true, true}, {false, true, true}};
+  for (int r = 0; r < c.num_ranks; ++r) {
+    check_dispatch(in, c, r, step.dispatched[r], present[r]);
+    check_combine(in, c, r, step.combined[r].x, present[r]);
+  }
+  expect_invalid([&] { buffers[0]->unmask_rank(-1); }, "rank");
+  expect_invalid([&] { buffers[0]->unmask_rank(c.num_ranks); }, "rank");
 }
 
 TEST(HostLowLatency, RejectsBadInput) {
