@@ -35,6 +35,7 @@ class DispatchResult:
     recv_src_idx: Any  # int32 [N]
     num_recv_tokens_per_expert: List[int]  # per local expert, rounded to expert_alignment; [] in worst-token mode
     recv_expert_counts: Any  # int32 [num_local_experts] on the device
+    rank_prefix_matrix: Any  # int32 [R, R] on the device: [i][j] = tokens that ranks 0..i send to rank j
     handle: _epx.DispatchHandle
 
 
@@ -106,12 +107,13 @@ class Buffer:
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *, num_experts: int = 0,
                  x_scales: Any = None, layout: Optional[Layout] = None,
                  handle: Optional[_epx.DispatchHandle] = None, expert_alignment: int = 1,
-                 num_worst_tokens: int = 0, stream: Any = None) -> DispatchResult:
+                 num_worst_tokens: int = 0, num_sms: int = 0, stream: Any = None) -> DispatchResult:
         """Normal dispatch: sends each token of x [T, H] to the ranks of its experts.
 
         x: bf16, or fp8 e4m3 with x_scales [T, H / 128] (float32 or uint8 UE8M0). Cached mode: pass the
         handle of an earlier dispatch instead of topk_idx/topk_weights/layout. num_worst_tokens > 0 fixes
-        the output rows (no host sync on the cuda backend).
+        the output rows (no host sync on the cuda backend). num_sms: SMs for this call (0: the buffer's;
+        at most the buffer's). x_scales may have any strides; int32 [T, H / 512] is packed UE8M0.
         """
         native_layout = None
         if layout is not None:
@@ -121,18 +123,19 @@ class Buffer:
                                topk_idx=to_arg(topk_idx), topk_weights=to_arg(topk_weights),
                                num_experts=num_experts, layout=native_layout, handle=handle,
                                expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                               stream=cuda_stream_of(stream, x))
+                               num_sms=num_sms, stream=cuda_stream_of(stream, x))
         return DispatchResult(
             recv_x=conv(out["recv_x"]), recv_x_scales=conv(out["recv_x_scales"]),
             recv_topk_idx=conv(out["recv_topk_idx"]), recv_topk_weights=conv(out["recv_topk_weights"]),
             recv_src_idx=conv(out["recv_src_idx"]), num_recv_tokens_per_expert=list(out["num_recv_tokens_per_expert"]),
-            recv_expert_counts=conv(out["recv_expert_counts"]), handle=out["handle"])
+            recv_expert_counts=conv(out["recv_expert_counts"]),
+            rank_prefix_matrix=conv(out["rank_prefix_matrix"]), handle=out["handle"])
 
     def combine(self, x: Any, handle: _epx.DispatchHandle, topk_weights: Any = None, *, bias_0: Any = None,
-                bias_1: Any = None, stream: Any = None) -> CombineResult:
+                bias_1: Any = None, num_sms: int = 0, stream: Any = None) -> CombineResult:
         """Normal combine: out[t] = bf16(sum of the rows of t over the ranks it went to + biases), fp32 sums."""
         out, conv = self._call(self._native.combine, (x,), x=to_arg(x), topk_weights=to_arg(topk_weights),
-                               bias_0=to_arg(bias_0), bias_1=to_arg(bias_1), handle=handle,
+                               bias_0=to_arg(bias_0), bias_1=to_arg(bias_1), handle=handle, num_sms=num_sms,
                                stream=cuda_stream_of(stream, x))
         return CombineResult(x=conv(out["x"]), topk_weights=conv(out["topk_weights"]))
 

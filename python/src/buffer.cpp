@@ -27,7 +27,7 @@ Tensor as_tensor(nb::handle obj, const char* name) { return Tensor::wrap(to_view
 
 nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle topk_idx, nb::handle topk_weights,
                   int64_t num_experts, nb::handle layout, std::shared_ptr<const DispatchHandle> handle,
-                  int expert_alignment, int64_t num_worst_tokens, nb::handle stream) {
+                  int expert_alignment, int64_t num_worst_tokens, int num_sms, nb::handle stream) {
   DispatchArgs args;
   args.x = to_view(x, "x");
   args.x_scales = to_view(x_scales, "x_scales");
@@ -49,6 +49,7 @@ nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle 
   args.handle = std::move(handle);
   args.expert_alignment = expert_alignment;
   args.num_worst_tokens = num_worst_tokens;
+  args.num_sms = num_sms;
   args.stream = to_stream(stream);
   DispatchResult r;
   {
@@ -63,18 +64,20 @@ nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle 
   out["recv_src_idx"] = from_tensor(r.recv_src_idx);
   out["num_recv_tokens_per_expert"] = nb::cast(r.num_recv_tokens_per_expert);
   out["recv_expert_counts"] = from_tensor(r.recv_expert_counts);
+  out["rank_prefix_matrix"] = from_tensor(r.rank_prefix_matrix);
   out["handle"] = nb::cast(std::shared_ptr<const DispatchHandle>(r.handle));
   return out;
 }
 
 nb::dict combine(Buffer& buffer, nb::handle x, nb::handle topk_weights, nb::handle bias_0, nb::handle bias_1,
-                 std::shared_ptr<const DispatchHandle> handle, nb::handle stream) {
+                 std::shared_ptr<const DispatchHandle> handle, int num_sms, nb::handle stream) {
   CombineArgs args;
   args.x = to_view(x, "x");
   args.topk_weights = to_view(topk_weights, "topk_weights");
   args.bias_0 = to_view(bias_0, "bias_0");
   args.bias_1 = to_view(bias_1, "bias_1");
   args.handle = std::move(handle);
+  args.num_sms = num_sms;
   args.stream = to_stream(stream);
   CombineResult r;
   {
@@ -145,7 +148,10 @@ void register_buffer(nb::module_& m) {
                              "Opaque record of one normal dispatch: pass it to combine, or to dispatch (cached mode).")
       .def_prop_ro("num_tokens", &DispatchHandle::num_tokens, "T of the dispatching rank.")
       .def_prop_ro("num_recv_tokens", &DispatchHandle::num_recv_tokens,
-                   "Rows received; -1 in worst-token mode on the cuda backend.");
+                   "Rows received; -1 in worst-token mode on the cuda backend.")
+      .def_prop_ro(
+          "rank_prefix_matrix", [](const DispatchHandle& h) { return from_tensor(h.rank_prefix_matrix()); },
+          "(array, DType): int32 [R, R], [i][j] = tokens that ranks 0..i send to rank j (DeepEP's meaning).");
   nb::class_<LowLatencyHandle>(m, "LowLatencyHandle", "Opaque record of one low-latency dispatch (for its combine).");
 
   m.def("low_latency_buffer_size_hint", &low_latency_buffer_size_hint, nb::arg("max_tokens_per_rank"),
@@ -189,9 +195,10 @@ void register_buffer(nb::module_& m) {
       .def("dispatch", &dispatch, nb::arg("x"), nb::arg("x_scales") = nb::none(), nb::arg("topk_idx") = nb::none(),
            nb::arg("topk_weights") = nb::none(), nb::arg("num_experts") = 0, nb::arg("layout") = nb::none(),
            nb::arg("handle") = nb::none(), nb::arg("expert_alignment") = 1, nb::arg("num_worst_tokens") = 0,
-           nb::arg("stream") = nb::none())
+           nb::arg("num_sms") = 0, nb::arg("stream") = nb::none())
       .def("combine", &combine, nb::arg("x"), nb::arg("topk_weights") = nb::none(), nb::arg("bias_0") = nb::none(),
-           nb::arg("bias_1") = nb::none(), nb::arg("handle") = nb::none(), nb::arg("stream") = nb::none())
+           nb::arg("bias_1") = nb::none(), nb::arg("handle") = nb::none(), nb::arg("num_sms") = 0,
+           nb::arg("stream") = nb::none())
       .def("low_latency_dispatch", &low_latency_dispatch, nb::arg("x"), nb::arg("topk_idx"),
            nb::arg("max_tokens_per_rank"), nb::arg("num_experts"), nb::arg("use_fp8") = false,
            nb::arg("scale_format") = ScaleFormat::kFloat32, nb::arg("return_recv_hook") = false,

@@ -67,6 +67,11 @@ def test_normal_dispatch_combine_matches_reference(num_ranks):
         counts = np.bincount(np.array(tidx)[np.array(tidx) >= 0], minlength=local) if tidx else np.zeros(local)
         assert recv.num_recv_tokens_per_expert == counts.tolist()
         np.testing.assert_array_equal(recv.recv_expert_counts, counts)
+        sent = np.array([[sum(((i >= 0) & (i // local == d)).any() for i in inputs[s][1])
+                          for d in range(num_ranks)] for s in range(num_ranks)])
+        np.testing.assert_array_equal(recv.rank_prefix_matrix, np.cumsum(sent, axis=0))
+        with pytest.raises(ValueError, match="num_sms"):
+            buffer.dispatch(x, handle=recv.handle, num_sms=10_000)
         np.testing.assert_array_equal(layout.num_tokens_per_rank,
                                       [sum(((i >= 0) & (i // local == d)).any() for i in idx)
                                        for d in range(num_ranks)])
@@ -124,6 +129,9 @@ def test_fp8_dispatch_carries_scales():
         got = recv.recv_x.view(np.uint8) if recv.recv_x.dtype != np.uint8 else recv.recv_x
         np.testing.assert_array_equal(got, np.array([r[0] for r in rows]))
         np.testing.assert_array_equal(recv.recv_x_scales, np.array([r[1] for r in rows]))
+        column_major = np.asfortranarray(s)  # DeepEP's tests pass scales this way
+        again = buffer.dispatch(epx.fp8(q), idx, num_experts=E, x_scales=column_major)
+        np.testing.assert_array_equal(again.recv_x_scales, recv.recv_x_scales)
         return True
 
     assert all(run(num_ranks, body))
