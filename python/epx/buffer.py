@@ -171,6 +171,10 @@ class Buffer:
         """Low-latency path: skip `rank` (local to this rank's buffer; becomes symmetric after one call)."""
         self._native.mask_rank(rank)
 
+    def unmask_rank(self, rank: int) -> None:
+        """Low-latency path: stop skipping `rank` (local to this rank's buffer)."""
+        self._native.unmask_rank(rank)
+
     def clear_rank_mask(self) -> None:
         self._native.clear_rank_mask()
 

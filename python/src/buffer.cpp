@@ -207,6 +207,7 @@ void register_buffer(nb::module_& m) {
            nb::arg("handle"), nb::arg("return_recv_hook") = false, nb::arg("out") = nb::none(),
            nb::arg("stream") = nb::none())
       .def("mask_rank", &Buffer::mask_rank, nb::arg("rank"))
+      .def("unmask_rank", &Buffer::unmask_rank, nb::arg("rank"))
       .def("clear_rank_mask", &Buffer::clear_rank_mask)
       .def("rank_mask", &Buffer::rank_mask)
       .def("clean_low_latency_buffer", &Buffer::clean_low_latency_buffer, nb::call_guard<nb::gil_scoped_release>());

@@ -221,6 +221,11 @@ def test_rank_mask_round_trip():
         assert buffer.rank_mask() == [False] * 4
         buffer.mask_rank((rank + 1) % 4)
         assert buffer.rank_mask()[(rank + 1) % 4]
+        buffer.mask_rank((rank + 2) % 4)
+        buffer.unmask_rank((rank + 1) % 4)
+        assert buffer.rank_mask() == [r == (rank + 2) % 4 for r in range(4)]
+        with pytest.raises(ValueError, match="rank"):
+            buffer.unmask_rank(4)
         buffer.clear_rank_mask()
         assert buffer.rank_mask() == [False] * 4
         return True
