@@ -47,6 +47,7 @@ from .buffer import (  # noqa: F401
     LowLatencyCombineResult,
     LowLatencyDispatchResult,
 )
+from . import dp, eplb, tbo  # noqa: F401 - submodules; epx.plot (matplotlib) is imported on demand
 
 __version__ = version()
 Group.from_process_group = staticmethod(group_from_process_group)

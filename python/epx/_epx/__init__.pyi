@@ -1,0 +1,166 @@
+"""
+epx native module: the C++ API of epx. Use the `epx` package, which wraps it for numpy and torch.
+"""
+
+import enum
+
+from epx import (
+    CudaError as CudaError,
+    Error as Error,
+    InternalError as InternalError,
+    InvalidArgumentError as InvalidArgumentError,
+    NcclError as NcclError,
+    OutOfMemoryError as OutOfMemoryError,
+    PeerFailureError as PeerFailureError,
+    TimeoutError as TimeoutError,
+    UnsupportedError as UnsupportedError
+)
+from epx._epx import dp as dp, eplb as eplb, tbo as tbo
+from epx.distributed import (
+    group_from_nccl_comm as from_nccl_comm,
+    group_from_process_group as from_process_group
+)
+
+
+class DType(enum.Enum):
+    """
+    Element types epx moves (bf16 travels as uint16 and fp8 as uint8 across DLPack).
+    """
+
+    bfloat16 = 0
+
+    float8_e4m3 = 1
+
+    float32 = 2
+
+    int32 = 3
+
+    int64 = 4
+
+    bool = 5
+
+    uint8 = 6
+
+class ScaleFormat(enum.Enum):
+    """fp8 scales: float32, or UE8M0 power-of-two exponents (uint8)."""
+
+    float32 = 0
+
+    ue8m0 = 1
+
+def version() -> str:
+    """The epx version, e.g. '0.1.0'."""
+
+def built_with_cuda() -> bool:
+    """True when this build contains the CUDA backend."""
+
+def set_log_level(level: str) -> None:
+    """Sets the library's log level (also EPX_LOG_LEVEL)."""
+
+class Group:
+    """
+    One rank's membership in a set of ranks that run expert parallelism together.
+    Collective calls must be made by every rank of the group in the same order.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def timeout_ms(self) -> int: ...
+
+    def barrier(self) -> None:
+        """
+        Blocks until every rank arrived; raises epx.TimeoutError naming the ranks that did not.
+        """
+
+    def all_gather_bytes(self, data: bytes) -> list:
+        """
+        Every rank contributes the same number of bytes; returns them in rank order.
+        """
+
+    def __repr__(self) -> str: ...
+
+def host_groups(num_ranks: int, timeout_ms: int = 60000) -> list[Group]:
+    """
+    The groups of `num_ranks` thread ranks of the host backend; hand groups[r] to the thread of rank r.
+    """
+
+def cuda_groups(*args, **kwargs) -> object: ...
+
+def cuda_group_from_nccl_comm(*args, **kwargs) -> object: ...
+
+class DispatchHandle:
+    """
+    Opaque record of one normal dispatch: pass it to combine, or to dispatch (cached mode).
+    """
+
+    @property
+    def num_tokens(self) -> int:
+        """T of the dispatching rank."""
+
+    @property
+    def num_recv_tokens(self) -> int:
+        """Rows received; -1 in worst-token mode on the cuda backend."""
+
+    @property
+    def rank_prefix_matrix(self) -> object:
+        """
+        (array, DType): int32 [R, R], [i][j] = tokens that ranks 0..i send to rank j (DeepEP's meaning).
+        """
+
+class LowLatencyHandle:
+    """Opaque record of one low-latency dispatch (for its combine)."""
+
+def low_latency_buffer_size_hint(max_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """
+    Bytes of peer memory the low-latency path needs for two buffer sets with these limits.
+    """
+
+def normal_buffer_size_hint(hidden: int, num_ranks: int, num_sms: int, max_tokens_per_rank: int = 0) -> int:
+    """
+    Bytes of peer memory the normal path needs (copy-engine path up to max_tokens_per_rank when > 0).
+    """
+
+class Buffer:
+    """
+    One rank's expert-parallel communication buffer (see include/epx/buffer.h).
+    """
+
+    @staticmethod
+    def create(group: Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0, num_sms: int = 24, allocator: object | None = None) -> Buffer: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    def get_dispatch_layout(self, topk_idx: object, num_experts: int, stream: object | None = None) -> tuple: ...
+
+    def dispatch(self, x: object, x_scales: object | None = None, topk_idx: object | None = None, topk_weights: object | None = None, num_experts: int = 0, layout: object | None = None, handle: DispatchHandle | None = None, expert_alignment: int = 1, num_worst_tokens: int = 0, num_sms: int = 0, stream: object | None = None) -> dict: ...
+
+    def combine(self, x: object, topk_weights: object | None = None, bias_0: object | None = None, bias_1: object | None = None, handle: DispatchHandle | None = None, num_sms: int = 0, stream: object | None = None) -> dict: ...
+
+    def low_latency_dispatch(self, x: object, topk_idx: object, max_tokens_per_rank: int, num_experts: int, use_fp8: bool = False, scale_format: ScaleFormat = ScaleFormat.float32, return_recv_hook: bool = False, cumulative_recv_counts: object | None = None, stream: object | None = None) -> dict: ...
+
+    def low_latency_combine(self, x: object, topk_idx: object, topk_weights: object, handle: LowLatencyHandle, return_recv_hook: bool = False, out: object | None = None, stream: object | None = None) -> dict: ...
+
+    def mask_rank(self, rank: int) -> None: ...
+
+    def unmask_rank(self, rank: int) -> None: ...
+
+    def clear_rank_mask(self) -> None: ...
+
+    def rank_mask(self) -> list[bool]: ...
+
+    def clean_low_latency_buffer(self) -> None: ...

@@ -1,0 +1,472 @@
+"""Expert-parallel load balancing (include/epx/eplb/*.h)."""
+
+from collections.abc import Sequence
+import enum
+from typing import Annotated
+
+import numpy
+from numpy.typing import NDArray
+
+import epx._epx
+
+
+class Policy(enum.Enum):
+    """EPLB placement policy (include/epx/eplb/placement.h)."""
+
+    deepseek = 0
+    """DeepSeek's published EPLB, reproduced exactly."""
+
+    default = 1
+    """kDeepSeek improved by swaps and moves; never less balanced."""
+
+def policy_from_string(name: str) -> Policy:
+    """
+    'deepseek' or 'default' -> Policy; raises InvalidArgumentError otherwise.
+    """
+
+class Placement:
+    """
+    Which logical expert each physical slot holds, per layer. Arrays are copies (numpy, int32).
+    """
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_logical(self) -> int: ...
+
+    @property
+    def num_physical(self) -> int: ...
+
+    @property
+    def max_replicas(self) -> int:
+        """The largest replica count over all layers and experts."""
+
+    @property
+    def hierarchical(self) -> bool:
+        """Groups were packed onto nodes (num_groups % num_nodes == 0)."""
+
+    @property
+    def phy2log(self) -> NDArray[numpy.int32]:
+        """
+        int32 [num_layers, num_physical]: the logical expert of each physical slot.
+        """
+
+    @property
+    def log2phy(self) -> NDArray[numpy.int32]:
+        """
+        int32 [num_layers, num_logical, max_replicas]: the slots of each logical expert, -1 padded.
+        """
+
+    @property
+    def logcnt(self) -> NDArray[numpy.int32]:
+        """
+        int32 [num_layers, num_logical]: replica count of each logical expert (>= 1).
+        """
+
+    def __repr__(self) -> str: ...
+
+def rebalance(weight: object, num_physical: int, num_gpus: int, num_groups: int = 1, num_nodes: int = 1, policy: Policy = Policy.default) -> Placement:
+    """
+    A fresh placement for weight [num_layers, num_logical] (loads >= 0). Hierarchical when num_groups % num_nodes == 0. Raises InvalidArgumentError naming the broken bound.
+    """
+
+class MigrationResult:
+    """A migration-aware placement and what it moved."""
+
+    @property
+    def placement(self) -> Placement: ...
+
+    @property
+    def moved_experts(self) -> int:
+        """Slots whose expert changes w.r.t. current, all layers."""
+
+    @property
+    def fresh_moved_experts(self) -> int:
+        """The same count for the fresh 'default' placement."""
+
+    @property
+    def fresh_balancedness(self) -> float:
+        """Balancedness of the fresh placement under weight."""
+
+def rebalance_migration_aware(weight: object, current_phy2log: object, num_physical: int, num_gpus: int, num_groups: int = 1, num_nodes: int = 1, max_balance_loss: float = 0.01) -> MigrationResult:
+    """
+    Like rebalance(policy='default') but keeps experts of current_phy2log [num_layers, num_physical] in place unless moving buys more than max_balance_loss of balancedness per layer.
+    """
+
+def placement_from_phy2log(phy2log: object, num_logical: int) -> Placement:
+    """
+    Derives log2phy (slot order), logcnt and max_replicas from phy2log [num_layers, num_physical].
+    """
+
+def balancedness_per_layer(weight: object, phy2log: object, num_gpus: int) -> NDArray[numpy.float64]:
+    """
+    float64 [num_layers]: mean GPU load / max GPU load of each layer (1 for a layer without load).
+    """
+
+def balancedness(weight: object, phy2log: object, num_gpus: int) -> float:
+    """The mean of balancedness_per_layer."""
+
+def count_moved_experts(old_phy2log: object, new_phy2log: object) -> int:
+    """
+    Slots whose logical expert differs between two placements of equal shape, all layers.
+    """
+
+def trivial_phy2log(num_layers: int, num_logical: int, num_physical: int) -> NDArray[numpy.int32]:
+    """
+    int32 [num_layers, num_physical]: slot i holds logical expert i % num_logical.
+    """
+
+class ExpertLocation:
+    """
+    Where each layer's experts live at run time (include/epx/eplb/expert_location.h). Slot s lives on GPU
+    s // slots_per_gpu, GPU g on node g // gpus_per_node. A value: copies are independent.
+    """
+
+    def __init__(self, num_gpus: int, num_nodes: int, phy2log: object, num_logical: int) -> None:
+        """
+        From phy2log [num_layers, num_physical]. Raises InvalidArgumentError when an expert has no replica, slots do not divide over GPUs or GPUs over nodes.
+        """
+
+    @staticmethod
+    def trivial(num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int = 1) -> ExpertLocation:
+        """Slot i holds logical expert i % num_logical in every layer."""
+
+    @staticmethod
+    def from_placement(placement: Placement, num_gpus: int, num_nodes: int) -> ExpertLocation: ...
+
+    @staticmethod
+    def from_json(text: str) -> ExpertLocation:
+        """
+        Parses to_json()'s text; raises InvalidArgumentError naming the bad field.
+        """
+
+    def to_json(self) -> str:
+        """
+        JSON {num_layers, num_logical, num_physical, num_gpus, num_nodes, phy2log: [[...] per layer]}.
+        """
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_logical(self) -> int: ...
+
+    @property
+    def num_physical(self) -> int: ...
+
+    @property
+    def num_gpus(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def slots_per_gpu(self) -> int: ...
+
+    @property
+    def gpus_per_node(self) -> int: ...
+
+    @property
+    def max_replicas(self) -> int:
+        """The largest replica count over all layers and experts."""
+
+    def gpu_of_slot(self, slot: int) -> int: ...
+
+    @property
+    def phy2log_table(self) -> Annotated[NDArray[numpy.int32], dict(writable=False)]:
+        """
+        int32 [num_layers, num_physical], read-only; unchanged by later set_layer() calls.
+        """
+
+    def phy2log(self, layer: int) -> NDArray[numpy.int32]:
+        """int32 [num_physical]: the logical expert of each slot of `layer`."""
+
+    def replicas(self, layer: int, expert: int) -> NDArray[numpy.int32]:
+        """int32 [replica_count]: the slots holding `expert`, ascending."""
+
+    def replica_count(self, layer: int, expert: int) -> int: ...
+
+    def set_layer(self, layer: int, phy2log: object) -> None:
+        """Replaces one layer's placement (int [num_physical]); validated."""
+
+    def __eq__(self, arg: ExpertLocation, /) -> bool: ...
+
+    def __copy__(self) -> ExpertLocation: ...
+
+    def __deepcopy__(self, memo: object) -> ExpertLocation: ...
+
+    def __repr__(self) -> str: ...
+
+class ReplicaChoice(enum.Enum):
+    """How a token picks one replica of each of its logical experts."""
+
+    static = 0
+    """A local replica if any, else one fixed per (source GPU, expert)."""
+
+    dynamic = 1
+    """Uniform among the replicas, hashed per (seed, layer, token, k)."""
+
+def choose_replicas(location: ExpertLocation, layer: int, topk_logical: object, gpu: int, mode: ReplicaChoice = ReplicaChoice.static, seed: int = 0, rank_invariant: bool = False, first_token: int = 0) -> NDArray[numpy.int64]:
+    """
+    int64 [num_tokens, num_topk]: the physical slot of each logical id of topk_logical [num_tokens, num_topk] (-1 stays -1) for a token on `gpu`.
+    """
+
+class RecordMode(enum.Enum):
+    """What the load recorder keeps besides per-step counts."""
+
+    stat = 0
+    """Per-step counts only."""
+
+    per_pass = 1
+    """Also each forward pass's counts (passes())."""
+
+    per_token = 2
+    """Also each token's chosen slots (tokens())."""
+
+class LoadRecorder:
+    """
+    Per-step, per-layer, per-slot expert counts in a ring of buffer_steps steps. Not thread-safe: one per rank.
+    """
+
+    def __init__(self, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, buffer_steps: int = 1000, mode: RecordMode = RecordMode.stat) -> None: ...
+
+    def record_pass(self, location: ExpertLocation, physical_counts: object) -> None:
+        """
+        Adds one forward pass's counts [num_layers, num_physical] (mapped to experts by location).
+        """
+
+    def record_tokens(self, location: ExpertLocation, layer: int, topk_physical: object) -> None:
+        """
+        per_token mode: the slots this pass's tokens chose in `layer` ([num_tokens, num_topk], -1 ignored).
+        """
+
+    def end_step(self) -> None:
+        """Closes the step; it enters the ring (evicting the oldest)."""
+
+    @property
+    def num_steps(self) -> int:
+        """Steps closed so far."""
+
+    @property
+    def buffer_steps(self) -> int: ...
+
+    @property
+    def steps_in_buffer(self) -> int: ...
+
+    @property
+    def mode(self) -> RecordMode: ...
+
+    def physical_loads(self, window: int) -> NDArray[numpy.int64]:
+        """int64 [num_layers, num_physical] over the last `window` steps."""
+
+    def logical_loads(self, window: int) -> NDArray[numpy.int64]:
+        """int64 [num_layers, num_logical] over the last `window` steps."""
+
+    def utilization_per_layer(self, window: int) -> NDArray[numpy.float64]:
+        """float64 [num_layers]: (mean GPU load + 1e-5) / (max GPU load + 1e-5)."""
+
+    def utilization(self, window: int) -> float:
+        """utilization_per_layer averaged over layers."""
+
+    def passes(self) -> list:
+        """
+        per_pass mode: [(step, int32 [num_layers, num_physical])], oldest first.
+        """
+
+    def tokens(self) -> list:
+        """
+        per_token mode: [(step, layer, int32 topk_physical (flat))], oldest first.
+        """
+
+    def clear(self) -> None:
+        """Drops everything recorded (num_steps keeps counting)."""
+
+class LayerUpdate:
+    """One layer switched to a new placement: relocate old -> new."""
+
+    @property
+    def layer(self) -> int: ...
+
+    @property
+    def old_phy2log(self) -> NDArray[numpy.int32]:
+        """int32 [num_physical]"""
+
+    @property
+    def new_phy2log(self) -> NDArray[numpy.int32]:
+        """int32 [num_physical]"""
+
+class StepReport:
+    """What one RebalanceManager.step() did."""
+
+    @property
+    def step(self) -> int:
+        """Index of the step just recorded."""
+
+    @property
+    def utilization(self) -> float:
+        """Over the whole buffer, at this step."""
+
+    @property
+    def rebalance_computed(self) -> bool: ...
+
+    @property
+    def rebalance_skipped(self) -> bool:
+        """A rebalance was due but utilization was >= the threshold."""
+
+    @property
+    def updates(self) -> list[LayerUpdate]:
+        """Layers switched to the new placement in this step."""
+
+    @property
+    def moved_experts(self) -> int:
+        """Slots that changed in `updates`."""
+
+class RebalanceManager:
+    """
+    Records load every forward pass, periodically computes a new placement and applies it layers_per_step layers per step. Not thread-safe.
+    """
+
+    def __init__(self, initial: ExpertLocation, buffer_steps: int = 1000, record_mode: RecordMode = RecordMode.stat, num_groups: int = 1, rebalance_every_steps: int = 1000, utilization_threshold: float = 0.9, layers_per_step: int = 0, policy: Policy = Policy.default, migration_aware: bool = True, max_balance_loss: float = 0.01) -> None: ...
+
+    def step(self, physical_counts: object) -> StepReport:
+        """
+        Once per forward pass: records counts [num_layers, num_physical] under location, closes the step, and rebalances every rebalance_every_steps steps (unless utilization >= the threshold).
+        """
+
+    @property
+    def location(self) -> ExpertLocation:
+        """A copy of the placement in force (pending layers applied so far)."""
+
+    @property
+    def recorder(self) -> LoadRecorder:
+        """The manager's own LoadRecorder (lives as long as the manager)."""
+
+    @property
+    def num_pending_layers(self) -> int: ...
+
+    @property
+    def num_rebalances(self) -> int: ...
+
+    @property
+    def total_moved_experts(self) -> int: ...
+
+class SlotAction(enum.Enum):
+    """How a destination slot gets its weights."""
+
+    unchanged = 0
+
+    local_copy = 1
+
+    same_round_copy = 2
+
+    peer_intra_node = 3
+
+    peer_inter_node = 4
+
+    lost = 5
+    """Every old replica sat on a failed rank: the caller must reload it."""
+
+    dead_rank = 6
+    """The destination rank failed: nothing is done for it."""
+
+class SlotPlan:
+    """The plan of one destination slot."""
+
+    @property
+    def action(self) -> SlotAction: ...
+
+    @property
+    def expert(self) -> int:
+        """Logical expert the slot must hold."""
+
+    @property
+    def src_rank(self) -> int: ...
+
+    @property
+    def src_slot(self) -> int:
+        """Local slot index on src_rank (an old slot, or a new one)."""
+
+    def __repr__(self) -> str: ...
+
+class RelocationPlan:
+    """How every destination slot of one layer gets its weights."""
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def old_slots_per_rank(self) -> int: ...
+
+    @property
+    def new_slots_per_rank(self) -> int: ...
+
+    @property
+    def slots(self) -> list[SlotPlan]:
+        """[num_ranks * new_slots_per_rank] SlotPlan, by destination slot."""
+
+    @property
+    def lost_experts(self) -> NDArray[numpy.int32]:
+        """
+        int32, ascending: experts whose every old replica sat on a failed rank.
+        """
+
+    def count(self, action: SlotAction) -> int: ...
+
+    @property
+    def num_transfers(self) -> int:
+        """Destination slots whose weights cross ranks."""
+
+def plan_relocation(old_phy2log: object, new_phy2log: object, num_ranks: int, num_nodes: int = 1, failed_ranks: Sequence[bool] = []) -> RelocationPlan:
+    """
+    Plans one layer: old_phy2log [num_ranks * old_slots_per_rank] -> new_phy2log [num_ranks * new_slots_per_rank]. failed_ranks: empty or one bool per rank.
+    """
+
+class RelocationStats:
+    """What relocate_weights() moved on this rank."""
+
+    @property
+    def num_rounds(self) -> int: ...
+
+    @property
+    def slots_received(self) -> int: ...
+
+    @property
+    def slots_sent(self) -> int: ...
+
+    @property
+    def local_copies(self) -> int: ...
+
+    @property
+    def bytes_received(self) -> int: ...
+
+    @property
+    def bytes_sent(self) -> int: ...
+
+def relocate_weights_host(plan: RelocationPlan, group: epx._epx.Group, old_slots: Sequence[object], new_slots: Sequence[object], max_slots_per_round: int = 8, failed_ranks: Sequence[bool] = []) -> RelocationStats:
+    """
+    Executes `plan` for group.rank over the host transport (host groups; collective over live ranks). old_slots[i] [old_slots_per_rank, ...] and new_slots[i] [new_slots_per_rank, ...]: contiguous host arrays, disjoint or identical (in place). GIL released.
+    """
+
+def zipf_loads(num_layers: int, num_logical: int, exponent: float, total_per_layer: float, seed: int) -> NDArray[numpy.float64]:
+    """
+    float64 [num_layers, num_logical]: Zipf(exponent) popularity over a random expert order per layer.
+    """
+
+class DriftingZipf:
+    """
+    A Zipf load whose popularity order drifts (adjacent swaps with probability `drift` per advance()). Deterministic for a seed.
+    """
+
+    def __init__(self, num_layers: int, num_logical: int, exponent: float, tokens_per_step: float, drift: float, seed: int) -> None: ...
+
+    def expected(self) -> NDArray[numpy.float64]:
+        """float64 [num_layers, num_logical]: expected load at the current step."""
+
+    def sample(self) -> NDArray[numpy.int64]:
+        """int64 [num_layers, num_logical]: one step's counts (expected + noise)."""
+
+    def advance(self) -> None: ...

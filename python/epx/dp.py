@@ -1,0 +1,119 @@
+"""epx.dp: DP attention (the contract: include/epx/dp.h).
+
+Attention runs data-parallel (each DP rank has its own batch), the MoE expert-parallel over the same ranks.
+Between the two, hidden states are gathered into one global batch (``dp_gather``) and scattered back
+(``dp_scatter``); every step the DP ranks agree on a batch-metadata record (``BatchMetadataSync``).
+
+Rank arithmetic (world = tp)::
+
+    attention rank = (attn_dp_rank * attn_cp + attn_cp_rank) * attn_tp + attn_tp_rank
+    MoE rank       = (moe_dp_rank * moe_ep + moe_ep_rank) * moe_tp + moe_tp_rank
+
+The collectives run over a Group of all ``world_size`` ranks and are called by every rank with the same
+plan; only each DP rank's leader (attn_tp_rank 0, attn_cp_rank 0) contributes data. Tensors: bf16 or
+float32, contiguous, numpy or torch (CUDA tensors on the cuda backend); the GIL is released while a
+collective waits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _epx
+from ._epx.dp import (  # noqa: F401
+    BATCH_METADATA_FIELDS,
+    BatchMetadata,
+    BatchMetadataSync,
+    BatchSyncResult,
+    DpGatherPlan,
+    DpPaddingMode,
+    DpScatterKind,
+    ForwardMode,
+    GlobalBatchInfo,
+    ParallelGroupKind,
+    ParallelLayout,
+    ParallelSizes,
+    RankCoords,
+    reduce_batch_metadata,
+)
+from ._args import enum_arg, int_list
+from ._tensors import cuda_stream_of, is_torch, to_arg
+
+_native = _epx.dp
+
+__all__ = [
+    "BATCH_METADATA_FIELDS", "BatchMetadata", "BatchMetadataSync", "BatchSyncResult", "DpGatherPlan",
+    "DpPaddingMode", "DpScatterKind", "ForwardMode", "GlobalBatchInfo", "ParallelGroupKind", "ParallelLayout",
+    "ParallelSizes", "RankCoords", "choose_padding_mode", "dp_gather", "dp_scatter", "plan_dp_gather",
+    "reduce_batch_metadata",
+]
+
+
+def choose_padding_mode(num_tokens_per_dp_rank: Sequence[int], is_extend_in_batch: bool = False,
+                        in_cuda_graph: bool = False, symmetric_a2a: bool = False) -> DpPaddingMode:
+    """The padding mode of one step from the per-DP-rank token counts (first match wins):
+
+    symmetric_a2a -> MAX_LEN; in_cuda_graph -> MAX_LEN; extend with more than one DP rank -> SUM_LEN;
+    MAX_LEN iff ``2 * sum >= max * num_dp_ranks``; else SUM_LEN.
+    """
+    return _native.choose_padding_mode(int_list(num_tokens_per_dp_rank, "num_tokens_per_dp_rank"), is_extend_in_batch,
+                                       in_cuda_graph, symmetric_a2a)
+
+
+def plan_dp_gather(num_tokens_per_dp_rank: Sequence[int], mode: Union[DpPaddingMode, str] = "MAX_LEN",
+                   attn_tp_size: int = 1) -> DpGatherPlan:
+    """Where every DP rank's tokens sit in the global buffer [plan.buffer_len, hidden].
+
+    MAX_LEN: ``slot_len`` = max count rounded up to ``attn_tp_size``, ``offsets[d] = d * slot_len``.
+    SUM_LEN: offsets are the exclusive prefix sums and ``buffer_len`` the sum.
+    """
+    return _native.plan_dp_gather(int_list(num_tokens_per_dp_rank, "num_tokens_per_dp_rank"),
+                                  enum_arg(DpPaddingMode, mode, "mode"), attn_tp_size)
+
+
+def _empty_like(t: Any, rows: int) -> Any:
+    shape = (rows,) + tuple(t.shape[1:])
+    if is_torch(t):
+        import torch
+
+        return torch.empty(shape, dtype=t.dtype, device=t.device)
+    # NOTE: numpy gives a zero-row array strides (0, 0), which TensorView::is_contiguous rejects; a zero-row
+    # slice of a one-row array keeps row-major strides.
+    return np.empty((max(rows, 1),) + shape[1:], dtype=np.asarray(t).dtype)[:rows]
+
+
+def dp_gather(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: Any, out: Any = None,
+              stream: Any = None) -> Any:
+    """Collective: the global batch [plan.buffer_len, hidden] on every rank.
+
+    Row block ``[offsets[d], offsets[d] + num_tokens[d])`` holds the first ``num_tokens[d]`` rows of DP rank
+    d's leader's ``local``; every other row is zero. ``local`` may have more rows than this rank's count
+    (only the first count are read). ``out`` (allocated like ``local`` when None) is written and returned.
+    """
+    if out is None:
+        out = _empty_like(local, plan.buffer_len)
+    _native.dp_gather(group, layout, plan, to_arg(local), to_arg(out), cuda_stream_of(stream, local, out))
+    return out
+
+
+def dp_scatter(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, global_buffer: Any, out: Any = None,
+               kind: Union[DpScatterKind, str] = "slice", stream: Any = None) -> Any:
+    """Collective: this DP rank's rows of the global batch, [num_tokens[my DP rank], hidden].
+
+    ``kind="slice"``: every rank holds the same ``global_buffer``; ``"reduce_scatter"``: each holds a partial
+    one and the rows are summed over ranks (fp32, rank order, rounded once). ``out`` (allocated like
+    ``global_buffer`` when None; may have more rows, which are zeroed) is written and returned.
+    """
+    if out is None:
+        dp_rank = layout.coords(group.rank).attn_dp_rank
+        out = _empty_like(global_buffer, plan.num_tokens[dp_rank])
+    _native.dp_scatter(group, layout, plan, to_arg(global_buffer), to_arg(out), enum_arg(DpScatterKind, kind, "kind"),
+                       cuda_stream_of(stream, global_buffer, out))
+    return out
+
+
+def sync_batch_metadata(sync: BatchMetadataSync, local: Optional[BatchMetadata]) -> BatchSyncResult:
+    """``sync.sync(local)``: the per-step collective (None for a rank with no batch)."""
+    return sync.sync(local)
