@@ -1,0 +1,27 @@
+"""DeepEP's classic (V1) Python API on top of epx: ``from epx import deep_ep`` or, with
+``python/deep_ep_shim`` on ``PYTHONPATH``, a plain ``import deep_ep``.
+
+What is here: ``Buffer`` (intranode normal dispatch/combine, low-latency dispatch/combine, the
+mask-buffer calls, the static helpers), ``Config``, ``EventOverlap``, ``EventHandle`` and
+``topk_idx_t``. Every call keeps DeepEP's signature, return tuple and stream semantics; what epx does
+with each argument, and what differs, is listed in docs/deepep-migration.md.
+
+Needs PyTorch (DeepEP's API is torch-only); ``import epx`` itself does not.
+"""
+
+try:
+    import torch
+except ImportError as _e:  # pragma: no cover - exercised only without torch
+    raise ImportError(
+        "epx.deep_ep (the DeepEP-compatible API) needs PyTorch, which is not installed: "
+        "`pip install torch`. The native API, `import epx`, works without it.") from _e
+
+from .buffer import Buffer  # noqa: E402
+from .config import Config  # noqa: E402
+from .events import EventHandle, EventOverlap  # noqa: E402
+from .handles import LowLatencyHandle, NormalHandle  # noqa: E402
+
+#: dtype of top-k expert indices (DeepEP's ``deep_ep.topk_idx_t``); epx also accepts int32.
+topk_idx_t = torch.int64
+
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "LowLatencyHandle", "NormalHandle", "topk_idx_t"]

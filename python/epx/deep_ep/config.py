@@ -1,0 +1,52 @@
+"""DeepEP's ``Config``: per-call tuning of the normal kernels. epx uses ``num_sms`` only (its per-call SM
+count); the chunk sizes are DeepEP ring-buffer knobs with no epx equivalent, kept so code that builds
+or reads them runs unchanged."""
+
+from __future__ import annotations
+
+import epx
+
+# The size hints assume the copy-engine path should be usable up to this many tokens per rank
+# (epx.normal_buffer_size_hint's max_tokens_per_rank); more tokens fall back to the SM path.
+HINT_MAX_TOKENS_PER_RANK = 4096
+# The fewest SMs a Buffer is sized for (DeepEP's tests and benchmarks use 24).
+MIN_BUFFER_SMS = 24
+# DeepEP's NVLink domain: more ranks than this are more than one node.
+MAX_NVL_PEERS = 8
+
+
+class Config:
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        values = dict(num_sms=num_sms, num_max_nvl_chunked_send_tokens=num_max_nvl_chunked_send_tokens,
+                      num_max_nvl_chunked_recv_tokens=num_max_nvl_chunked_recv_tokens,
+                      num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
+                      num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
+        for name, value in values.items():
+            if int(value) != value or value < (0 if name == "num_sms" else 1):
+                raise ValueError(f"Config.{name} must be an integer >= {0 if name == 'num_sms' else 1}, got {value}")
+        self.num_sms = int(num_sms)
+        self.num_max_nvl_chunked_send_tokens = int(num_max_nvl_chunked_send_tokens)
+        self.num_max_nvl_chunked_recv_tokens = int(num_max_nvl_chunked_recv_tokens)
+        self.num_max_rdma_chunked_send_tokens = int(num_max_rdma_chunked_send_tokens)
+        self.num_max_rdma_chunked_recv_tokens = int(num_max_rdma_chunked_recv_tokens)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of epx normal-path memory for rows of `hidden_bytes` (bf16: hidden * 2) over `num_ranks`."""
+        hidden = max(1, (int(hidden_bytes) + 1) // 2)
+        return int(epx.normal_buffer_size_hint(hidden, int(num_ranks), max(self.num_sms, MIN_BUFFER_SMS),
+                                               HINT_MAX_TOKENS_PER_RANK))
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0 within one node (epx needs no RDMA memory there); more ranks are internode, not yet in epx."""
+        if num_ranks <= MAX_NVL_PEERS:
+            return 0
+        raise NotImplementedError(
+            f"epx.deep_ep: internode (more than {MAX_NVL_PEERS} ranks) normal dispatch/combine is not implemented yet")
+
+    def __repr__(self) -> str:
+        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
+                f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
+                f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
+                f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
