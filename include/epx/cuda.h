@@ -38,4 +38,16 @@ std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& d
 // NCCL cannot be loaded (epx loads libnccl.so.2, or $EPX_NCCL_LIBRARY, on first use; see the README).
 std::shared_ptr<Group> create_cuda_group(ncclComm_t comm, const CudaGroupOptions& options = {});
 
+// NCCL's unique id (ncclGetUniqueId) as bytes (NCCL_UNIQUE_ID_BYTES of them). Draw it on one rank and hand
+// it to every rank over any channel (a torch process group, MPI, a file) for create_cuda_group below.
+// Throws kUnsupported if NCCL cannot be loaded, kNcclError if the call fails.
+std::vector<uint8_t> nccl_unique_id();
+
+// A group that creates and owns its NCCL communicator: ncclCommInitRank(num_ranks, unique_id, rank) on
+// `device`, collective over the num_ranks processes that pass the same id. The communicator is destroyed
+// with the group. Throws kInvalidArgument for an id of the wrong size, a rank outside [0, num_ranks) or a
+// bad device; kNcclError when NCCL fails; kUnsupported when NCCL or the driver cannot be loaded.
+std::shared_ptr<Group> create_cuda_group(const std::vector<uint8_t>& unique_id, int rank, int num_ranks, int device,
+                                         const CudaGroupOptions& options = {});
+
 }  // namespace epx

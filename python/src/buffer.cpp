@@ -1,5 +1,7 @@
 // Buffer bindings: normal and low-latency dispatch/combine, the rank mask, size hints.
 // Every call that may wait on a peer or the device releases the GIL, so rank threads run in parallel.
+#include "epx/buffer.h"
+
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -8,7 +10,6 @@
 #include <string>
 
 #include "bind.h"
-#include "epx/buffer.h"
 #include "epx/error.h"
 
 namespace epx::py {

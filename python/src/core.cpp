@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "bind.h"
@@ -33,21 +34,28 @@ DType dtype_of(const nb::dlpack::dtype& dt, const char* name) {
     if (code == Code::Bool && dt.bits == 8) return DType::kBool;
     if (code == Code::UInt && dt.bits == 8) return DType::kUInt8;
   }
-  throw Error(ErrorCode::kInvalidArgument,
-              std::string(name) + ": unsupported element type (DLPack code " + std::to_string(dt.code) + ", " +
-                  std::to_string(dt.bits) + " bits); epx takes bfloat16, float8_e4m3fn, float32, int32, int64, "
-                  "bool and uint8");
+  throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": unsupported element type (DLPack code " +
+                                               std::to_string(dt.code) + ", " + std::to_string(dt.bits) +
+                                               " bits); epx takes bfloat16, float8_e4m3fn, float32, int32, int64, "
+                                               "bool and uint8");
 }
 
 nb::dlpack::dtype export_dtype(DType dtype) {
   switch (dtype) {
-    case DType::kBFloat16: return nb::dtype<uint16_t>();  // viewed back as bf16 by the package
-    case DType::kFloat8E4M3: return nb::dtype<uint8_t>();
-    case DType::kFloat32: return nb::dtype<float>();
-    case DType::kInt32: return nb::dtype<int32_t>();
-    case DType::kInt64: return nb::dtype<int64_t>();
-    case DType::kBool: return nb::dtype<bool>();
-    case DType::kUInt8: return nb::dtype<uint8_t>();
+    case DType::kBFloat16:
+      return nb::dtype<uint16_t>();  // viewed back as bf16 by the package
+    case DType::kFloat8E4M3:
+      return nb::dtype<uint8_t>();
+    case DType::kFloat32:
+      return nb::dtype<float>();
+    case DType::kInt32:
+      return nb::dtype<int32_t>();
+    case DType::kInt64:
+      return nb::dtype<int64_t>();
+    case DType::kBool:
+      return nb::dtype<bool>();
+    case DType::kUInt8:
+      return nb::dtype<uint8_t>();
   }
   throw Error(ErrorCode::kInternal, "export_dtype: unknown dtype");
 }
@@ -67,8 +75,8 @@ class PythonAllocator final : public Allocator {
       }
       auto array = nb::cast<nb::ndarray<>>(out);
       if (array.nbytes() < bytes) {
-        throw Error(ErrorCode::kOutOfMemory, "allocator returned " + std::to_string(array.nbytes()) +
-                                                 " bytes, " + std::to_string(bytes) + " were asked for");
+        throw Error(ErrorCode::kOutOfMemory, "allocator returned " + std::to_string(array.nbytes()) + " bytes, " +
+                                                 std::to_string(bytes) + " were asked for");
       }
       PyObject* held = out.release().ptr();
       return {array.data(), [held](void*) { release(held); }};
@@ -119,8 +127,8 @@ TensorView to_view(nb::handle obj, const char* name) {
   }
   nb::ndarray<> array;
   if (!nb::try_cast(array_obj, array)) {
-    throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": expected an array (DLPack or buffer protocol), got " +
-                                                 py_type_name(array_obj));
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(name) + ": expected an array (DLPack or buffer protocol), got " + py_type_name(array_obj));
   }
   if (array.ndim() > static_cast<size_t>(kMaxDims)) {
     throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": " + std::to_string(array.ndim()) +
@@ -148,9 +156,8 @@ TensorView to_view(nb::handle obj, const char* name) {
   } else if (device_type == nb::device::cuda::value || device_type == nb::device::cuda_managed::value) {
     view.device = Device::cuda(array.device_id());
   } else {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string(name) + ": arrays on DLPack device type " + std::to_string(device_type) +
-                    " are not supported (CPU and CUDA are)");
+    throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": arrays on DLPack device type " +
+                                                 std::to_string(device_type) + " are not supported (CPU and CUDA are)");
   }
   return view;
 }
@@ -179,8 +186,8 @@ Stream to_stream(nb::handle obj) {
   if (nb::hasattr(obj, "cuda_stream")) return reinterpret_cast<Stream>(nb::cast<uintptr_t>(obj.attr("cuda_stream")));
   uintptr_t handle = 0;
   if (!nb::try_cast(obj, handle)) {
-    throw Error(ErrorCode::kInvalidArgument, "stream: expected None, an int handle or an object with .cuda_stream, got " +
-                                                 py_type_name(obj));
+    throw Error(ErrorCode::kInvalidArgument,
+                "stream: expected None, an int handle or an object with .cuda_stream, got " + py_type_name(obj));
   }
   return reinterpret_cast<Stream>(handle);
 }
@@ -310,12 +317,33 @@ void register_core(nb::module_& m) {
       },
       nb::arg("comm"), nb::arg("timeout_ms") = 60'000,
       "A group over an existing NCCL communicator (its ncclComm_t as an int); the communicator must outlive it.");
+  m.def(
+      "nccl_unique_id",
+      []() {
+        std::vector<uint8_t> id = nccl_unique_id();
+        return nb::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+      },
+      "NCCL's unique id as bytes (loads NCCL on first use).");
+  m.def(
+      "cuda_group_from_nccl_id",
+      [](nb::bytes unique_id, int rank, int num_ranks, int device, int64_t timeout_ms) {
+        std::vector<uint8_t> id(unique_id.size());
+        std::memcpy(id.data(), unique_id.c_str(), id.size());
+        CudaGroupOptions options;
+        options.timeout_ms = timeout_ms;
+        nb::gil_scoped_release release;
+        return create_cuda_group(id, rank, num_ranks, device, options);
+      },
+      nb::arg("unique_id"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("device"), nb::arg("timeout_ms") = 60'000,
+      "A group that creates and owns an NCCL communicator from a unique id shared by all ranks (collective).");
 #else
   auto no_cuda = [](nb::args, nb::kwargs) -> nb::object {
     throw Error(ErrorCode::kUnsupported, "this epx build has no CUDA backend (built without a CUDA toolkit)");
   };
   m.def("cuda_groups", no_cuda);
   m.def("cuda_group_from_nccl_comm", no_cuda);
+  m.def("nccl_unique_id", no_cuda);
+  m.def("cuda_group_from_nccl_id", no_cuda);
 #endif
 }
 

@@ -16,12 +16,12 @@ BF16 = ml_dtypes.bfloat16
 def make_inputs(rank, num_tokens, hidden, num_topk, num_experts, seed=0):
     rng = np.random.default_rng(seed * 1000 + rank)
     x = rng.standard_normal((num_tokens, hidden)).astype(BF16)
-    idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(num_tokens)]).astype(np.int64)
+    idx = np.array([rng.permutation(num_experts)[:num_topk] for _ in range(num_tokens)], np.int64)
     if num_tokens:
         masked = rng.random(num_tokens) < 0.2
         idx[masked, rng.integers(0, num_topk, masked.sum())] = -1
     weights = rng.random((num_tokens, num_topk)).astype(np.float32)
-    return x, idx.reshape(num_tokens, num_topk), weights
+    return x, idx.reshape(num_tokens, num_topk).copy(), weights
 
 
 def run(num_ranks, fn, timeout_ms=60_000):
@@ -259,3 +259,30 @@ def test_torch_cpu_tensors_come_back_as_torch():
         return True
 
     assert all(run(2, body))
+
+
+def test_cuda_calls_without_a_gpu_raise_unsupported():
+    """import epx worked (no GPU library is loaded at import); a CUDA call names what is missing."""
+    try:
+        groups = epx.cuda_groups([0])
+    except epx.UnsupportedError as e:  # no CUDA backend in this build, or no driver/GPU here
+        assert e.code == "unsupported"
+        assert any(word in str(e) for word in ("CUDA backend", "driver", "GPU")), str(e)
+        assert isinstance(e, NotImplementedError)
+    else:
+        assert groups[0].backend == "cuda"
+
+
+def test_empty_numpy_arrays_are_accepted():
+    """numpy gives [0, H] arrays strides (0, 0); an idle rank passes such arrays."""
+    def body(rank, group):
+        buffer = epx.Buffer(group)
+        x, idx, w = make_inputs(rank, 0 if rank == 0 else 3, 128, 2, 4)
+        if rank == 0:
+            x, idx, w = np.empty((0, 128), BF16), np.empty((0, 2), np.int64), np.empty((0, 2), np.float32)
+            assert x.strides == (0, 0) or x.strides[0] == 0
+        recv = buffer.dispatch(x, idx, w, num_experts=4)
+        out = buffer.combine(recv.recv_x, recv.handle)
+        return out.x.shape
+
+    assert epx.run_host_ranks(epx.host_groups(2), body) == [(0, 128), (3, 128)]

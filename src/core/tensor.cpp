@@ -84,6 +84,11 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  // NOTE: a view with no elements addresses no memory, whatever its strides (numpy gives [0, H] arrays
+  // strides (0, 0)), so it is contiguous.
+  for (int d = 0; d < ndim; ++d) {
+    if (shape[d] == 0) return true;
+  }
   int64_t expected = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;

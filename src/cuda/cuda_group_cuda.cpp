@@ -44,7 +44,9 @@ void check_nccl(ncclResult_t result, const char* what) {
 // One process per GPU: collectives are ncclAllGather on a private stream, waited on with a deadline.
 class NcclCudaGroup final : public CudaGroup {
  public:
-  NcclCudaGroup(ncclComm_t comm, const CudaGroupOptions& options) : comm_(comm), timeout_ms_(options.timeout_ms) {
+  // owns_comm: the group destroys the communicator with itself.
+  NcclCudaGroup(ncclComm_t comm, const CudaGroupOptions& options, bool owns_comm = false)
+      : comm_(comm), owns_comm_(owns_comm), timeout_ms_(options.timeout_ms) {
     check_nccl(nccl().CommUserRank(comm, &rank_), "ncclCommUserRank");
     check_nccl(nccl().CommCount(comm, &num_ranks_), "ncclCommCount");
     check_nccl(nccl().CommCuDevice(comm, &device_), "ncclCommCuDevice");
@@ -55,6 +57,7 @@ class NcclCudaGroup final : public CudaGroup {
     DeviceGuard guard(device_);
     if (scratch_ != nullptr) cudaFree(scratch_);
     cudaStreamDestroy(stream_);
+    if (owns_comm_) nccl().CommDestroy(comm_);
   }
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
@@ -98,6 +101,7 @@ class NcclCudaGroup final : public CudaGroup {
 
  private:
   ncclComm_t comm_;
+  bool owns_comm_ = false;
   int64_t timeout_ms_;
   int rank_ = 0;
   int num_ranks_ = 0;
@@ -138,6 +142,37 @@ std::shared_ptr<Group> create_cuda_group(ncclComm_t comm, const CudaGroupOptions
   EPX_CHECK_ARG(comm != nullptr, "comm must not be null");
   EPX_CHECK_ARG(options.timeout_ms >= 1, "timeout_ms must be >= 1, got {}", options.timeout_ms);
   return std::make_shared<cuda::NcclCudaGroup>(comm, options);
+}
+
+std::vector<uint8_t> nccl_unique_id() {
+  ncclUniqueId id;
+  cuda::check_nccl(cuda::nccl().GetUniqueId(&id), "ncclGetUniqueId");
+  return {reinterpret_cast<const uint8_t*>(id.internal), reinterpret_cast<const uint8_t*>(id.internal) + sizeof(id)};
+}
+
+std::shared_ptr<Group> create_cuda_group(const std::vector<uint8_t>& unique_id, int rank, int num_ranks, int device,
+                                         const CudaGroupOptions& options) {
+  ncclUniqueId id;
+  EPX_CHECK_ARG(unique_id.size() == sizeof(id), "unique_id must hold {} bytes (NCCL_UNIQUE_ID_BYTES), got {}",
+                sizeof(id), unique_id.size());
+  EPX_CHECK_ARG(num_ranks >= 1, "num_ranks must be >= 1, got {}", num_ranks);
+  EPX_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank must be in [0, {}), got {}", num_ranks, rank);
+  EPX_CHECK_ARG(options.timeout_ms >= 1, "timeout_ms must be >= 1, got {}", options.timeout_ms);
+  int count = 0;
+  cuda::check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount (create_cuda_group)");
+  EPX_CHECK_ARG(device >= 0 && device < count, "device = {} is outside [0, {} visible GPUs)", device, count);
+  std::memcpy(id.internal, unique_id.data(), sizeof(id));
+  cuda::DeviceGuard guard(device);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 1;
+  ncclComm_t comm = nullptr;
+  cuda::check_nccl(cuda::nccl().CommInitRankConfig(&comm, num_ranks, id, rank, &config), "ncclCommInitRankConfig");
+  try {
+    return std::make_shared<cuda::NcclCudaGroup>(comm, options, /*owns_comm=*/true);
+  } catch (...) {
+    cuda::nccl().CommDestroy(comm);
+    throw;
+  }
 }
 
 }  // namespace epx

@@ -26,6 +26,12 @@ TEST(Tensor, ViewsAndValidation) {
   EXPECT_TRUE(v.is_contiguous());
   EXPECT_EQ(v.strides[0], 12);
   EXPECT_EQ(v.describe(), "fp32[2, 3, 4] on cpu");
+  TensorView strided = v;  // [2, 3, 4] with a gap between rows
+  strided.strides[0] = 13;
+  EXPECT_FALSE(strided.is_contiguous());
+  TensorView empty = TensorView::of(buf.data(), DType::kFloat32, {0, 4});
+  empty.strides[0] = empty.strides[1] = 0;  // what numpy reports for np.empty((0, 4))
+  EXPECT_TRUE(empty.is_contiguous());
   EXPECT_NO_THROW(check_tensor(v, "x", DType::kFloat32, {2, -1, 4}));
   EXPECT_THROW(check_tensor(v, "x", DType::kFloat32, {2, 3}), Error);
   EXPECT_THROW(check_tensor(v, "x", DType::kBFloat16, {2, 3, 4}), Error);
