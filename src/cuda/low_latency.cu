@@ -308,12 +308,6 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
   }
 }
 
-template <typename TopkT>
-__global__ void __launch_bounds__(kThreads)
-    dispatch_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
-  dispatch_send_block<TopkT>(peers, layout, set, args, blockIdx.x);
-}
-
 // One block receives for one local expert: waits for its R signals, then copies the R staged blocks into the
 // packed output (source r's block at rows [begin_r, begin_r + count_r), begin_r = the counts of sources < r)
 // and writes counts, ranges and src_info (-1 past the count).
@@ -416,28 +410,6 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    dispatch_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
-  dispatch_recv_block(peers, layout, set, args, blockIdx.x);
-  LowLatencyControl* ctrl = control_of(peers, layout);
-  finish_grid(&ctrl->dispatch_ticket[set], &ctrl->dispatch_seq[set]);
-}
-
-// Both halves in one launch (no hook): every block sends one expert, then the last E_local blocks (scheduled
-// last, so no waiting block keeps a sending block off the SMs) receive one local expert each.
-template <typename TopkT>
-__global__ void __launch_bounds__(kThreads)
-    dispatch_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args) {
-  dispatch_send_block<TopkT>(peers, layout, set, args, blockIdx.x);
-  const int64_t first_recv = layout.num_experts - layout.num_local_experts;
-  if (blockIdx.x >= first_recv) {
-    __syncthreads();
-    dispatch_recv_block(peers, layout, set, args, blockIdx.x - first_recv);
-  }
-  LowLatencyControl* ctrl = control_of(peers, layout);
-  finish_grid(&ctrl->dispatch_ticket[set], &ctrl->dispatch_seq[set]);
-}
-
 // ---- combine ------------------------------------------------------------------------------------------
 
 // Grid: `parts` blocks per local expert (a power of two), each taking every parts-th vector of the expert's
@@ -515,11 +487,6 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
   }
 }
 
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set,
-                                                                LowLatencyCombineLaunch args, int parts) {
-  combine_send_block(peers, layout, set, args, blockIdx.x, parts);
-}
-
 // Blocks first_block, first_block + num_blocks, ... of the receive: one unit each at a time, where a unit is
 // one of combine_recv_parts(T) slices of one token's hidden vector.
 template <typename TopkT>
@@ -592,67 +559,11 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
   }
 }
 
-template <typename TopkT>
-__global__ void __launch_bounds__(kThreads)
-    combine_recv_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args) {
-  combine_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x, gridDim.x);
-  LowLatencyControl* ctrl = control_of(peers, layout);
-  finish_grid(&ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
-}
-
-// Both halves in one launch: the first num_send blocks send (as combine_send_kernel), the rest receive.
-template <typename TopkT>
-__global__ void __launch_bounds__(kThreads)
-    combine_kernel(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyCombineLaunch args, int parts) {
-  const int64_t num_send = layout.num_local_experts * parts;
-  if (blockIdx.x < num_send) {
-    combine_send_block(peers, layout, set, args, blockIdx.x, parts);
-  } else {
-    combine_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x - num_send, gridDim.x - num_send);
-  }
-  LowLatencyControl* ctrl = control_of(peers, layout);
-  finish_grid(&ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
-}
-
 void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) detail::raise(ErrorCode::kCudaError, "{} launch failed: {}", what, cudaGetErrorString(err));
 }
 
-}  // namespace
-
-void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(layout.max_tokens_per_rank) * sizeof(int);
-  const dim3 grid(static_cast<unsigned>(layout.num_experts));
-  if (args.topk_int64) {
-    dispatch_send_kernel<int64_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args);
-  } else {
-    dispatch_send_kernel<int32_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args);
-  }
-  check_launch("low-latency dispatch send");
-}
-
-void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
-  dispatch_recv_kernel<<<static_cast<unsigned>(layout.num_local_experts), kThreads, 0, stream>>>(peers, layout, set,
-                                                                                                 args);
-  check_launch("low-latency dispatch receive");
-}
-
-void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                 const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(layout.max_tokens_per_rank) * sizeof(int);
-  const dim3 grid(static_cast<unsigned>(layout.num_experts));
-  if (args.topk_int64) {
-    dispatch_kernel<int64_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args);
-  } else {
-    dispatch_kernel<int32_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args);
-  }
-  check_launch("low-latency dispatch");
-}
-
-namespace {
 // Blocks per local expert in the combine send: 2, or EPX_LL_COMBINE_PARTS (1, 2, 4 or 8; a tuning knob, fixed
 // for the process: the per-expert counters assume it).
 int combine_send_parts() {
@@ -669,37 +580,124 @@ unsigned combine_recv_blocks_for(int64_t num_tokens) {
   const int64_t units = num_tokens * combine_recv_parts(num_tokens);
   return static_cast<unsigned>(units < 1 ? 1 : (units < kCombineRecvBlocks ? units : kCombineRecvBlocks));
 }
+
 }  // namespace
+
+// ---- kernels ------------------------------------------------------------------------------------------
+
+// NOTE: one kernel function per direction, the phase a runtime argument. Profiler-based tools (DeepEP's
+// bench_kineto in its test_low_latency.py) look kernels up by name: exactly one kernel name may contain
+// "dispatch" and one "combine", launched once per call, or twice with a hook (send, then receive). A named
+// namespace, so that the demangled name reads epx::cuda::ll::dispatch<...>; no parameter type may contain the
+// other direction's word. The phase branch is uniform over the grid; the register count is the larger of the
+// two halves' (as the fused kernels' always was).
+namespace ll {
+
+enum class Phase : int {
+  kSend = 1,  // the hook's first half
+  kRecv = 2,  // the hook's second half
+  kBoth = 3,  // no hook: both halves in one launch
+};
+
+// kSend: one block per global expert. kRecv: one block per local expert. kBoth: every block sends one expert,
+// then the last E_local blocks (scheduled last, so no waiting block keeps a sending block off the SMs) receive
+// one local expert each, saving a launch on the critical path.
+template <typename TopkT>
+__global__ void __launch_bounds__(kThreads)
+    dispatch(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args, Phase phase) {
+  if (phase != Phase::kRecv) {
+    dispatch_send_block<TopkT>(peers, layout, set, args, blockIdx.x);
+    if (phase == Phase::kSend) return;
+  }
+  const int64_t first_recv = phase == Phase::kBoth ? layout.num_experts - layout.num_local_experts : 0;
+  if (blockIdx.x >= first_recv) {
+    if (phase == Phase::kBoth) __syncthreads();
+    dispatch_recv_block(peers, layout, set, args, blockIdx.x - first_recv);
+  }
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  finish_grid(&ctrl->dispatch_ticket[set], &ctrl->dispatch_seq[set]);
+}
+
+// kSend: `parts` blocks per local expert. kRecv: the receive blocks. kBoth: the first E_local * parts blocks
+// send, the rest receive.
+template <typename TopkT>
+__global__ void __launch_bounds__(kThreads) combine(LowLatencyPeers peers, LowLatencyLayout layout, int set,
+                                                    LowLatencyCombineLaunch args, int parts, Phase phase) {
+  const int64_t num_send = phase == Phase::kRecv ? 0 : layout.num_local_experts * parts;
+  if (blockIdx.x < num_send) {
+    combine_send_block(peers, layout, set, args, blockIdx.x, parts);
+    if (phase == Phase::kSend) return;
+  } else {
+    combine_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x - num_send, gridDim.x - num_send);
+  }
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  finish_grid(&ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
+}
+
+}  // namespace ll
+
+namespace {
+
+// Launch shape per phase (see ll::dispatch): the send blocks keep their pair list in dynamic shared memory.
+void launch_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                     const LowLatencyDispatchLaunch& args, ll::Phase phase, cudaStream_t stream, const char* what) {
+  const bool recv_only = phase == ll::Phase::kRecv;
+  const dim3 grid(static_cast<unsigned>(recv_only ? layout.num_local_experts : layout.num_experts));
+  const size_t smem = recv_only ? 0 : static_cast<size_t>(layout.max_tokens_per_rank) * sizeof(int);
+  // NOTE: both halves of a hook call must pick the same instantiation (one kernel name per call).
+  if (args.topk_int64) {
+    ll::dispatch<int64_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args, phase);
+  } else {
+    ll::dispatch<int32_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args, phase);
+  }
+  check_launch(what);
+}
+
+// Launch shape per phase (see ll::combine).
+void launch_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                    const LowLatencyCombineLaunch& args, ll::Phase phase, cudaStream_t stream, const char* what) {
+  const int parts = combine_send_parts();
+  const unsigned num_send = phase == ll::Phase::kRecv ? 0 : static_cast<unsigned>(layout.num_local_experts * parts);
+  const unsigned num_recv = phase == ll::Phase::kSend ? 0 : combine_recv_blocks_for(args.num_tokens);
+  const dim3 grid(num_send + num_recv);
+  if (args.topk_int64) {
+    ll::combine<int64_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts, phase);
+  } else {
+    ll::combine<int32_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts, phase);
+  }
+  check_launch(what);
+}
+
+}  // namespace
+
+void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
+  launch_dispatch(peers, layout, set, args, ll::Phase::kSend, stream, "low-latency dispatch send");
+}
+
+void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
+  launch_dispatch(peers, layout, set, args, ll::Phase::kRecv, stream, "low-latency dispatch receive");
+}
+
+void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                 const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
+  launch_dispatch(peers, layout, set, args, ll::Phase::kBoth, stream, "low-latency dispatch");
+}
 
 void launch_low_latency_combine_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                      const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  const int parts = combine_send_parts();
-  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * parts));
-  combine_send_kernel<<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts);
-  check_launch("low-latency combine send");
+  launch_combine(peers, layout, set, args, ll::Phase::kSend, stream, "low-latency combine send");
 }
 
 void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                      const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  const unsigned blocks = combine_recv_blocks_for(args.num_tokens);
-  if (args.topk_int64) {
-    combine_recv_kernel<int64_t><<<blocks, kThreads, 0, stream>>>(peers, layout, set, args);
-  } else {
-    combine_recv_kernel<int32_t><<<blocks, kThreads, 0, stream>>>(peers, layout, set, args);
-  }
-  check_launch("low-latency combine receive");
+  launch_combine(peers, layout, set, args, ll::Phase::kRecv, stream, "low-latency combine receive");
 }
 
 void launch_low_latency_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                 const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  const int parts = combine_send_parts();
-  const dim3 grid(static_cast<unsigned>(layout.num_local_experts * parts) + combine_recv_blocks_for(args.num_tokens));
-  if (args.topk_int64) {
-    combine_kernel<int64_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts);
-  } else {
-    combine_kernel<int32_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts);
-  }
-  check_launch("low-latency combine");
+  launch_combine(peers, layout, set, args, ll::Phase::kBoth, stream, "low-latency combine");
 }
 
 }  // namespace epx::cuda

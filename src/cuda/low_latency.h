@@ -17,8 +17,9 @@
 // and the last one signals. The receiver polls with ld.acquire.sys, so data written before the release is
 // visible after the acquire.
 //
-// Each call has a send and a receive kernel (the hook split) and a fused kernel doing both in one launch
-// (no hook: one launch less on the critical path).
+// One kernel function per direction (ll::dispatch, ll::combine) with a runtime phase: the hook split launches it
+// twice (send, then receive), a call without a hook once with both halves (one launch less on the critical
+// path). Profiler-based tools find the kernels by name; see docs/low-latency.md.
 #pragma once
 
 #include <cuda_runtime.h>
