@@ -262,6 +262,7 @@ class CudaBuffer final : public Buffer {
     comm_.signal_bytes = kSignalBytes;
     comm_.off_ring = kSignalBytes;
     comm_.ring_bytes = region_bytes_ - kSignalBytes;
+    comm_.ring_slab_bytes = (comm_.ring_bytes / (int64_t{num_ranks_} * num_channels_)) / 16 * 16;
     comm_.timeout_ns = static_cast<uint64_t>(group_->timeout_ms()) * 1'000'000ull;
     comm_.error = errors_device_;
   }
@@ -340,7 +341,7 @@ class CudaBuffer final : public Buffer {
     return Tensor::empty(dtype, shape, group_->device(), allocator_, stream);
   }
   int64_t ring_rows_for(int64_t row_bytes) const {
-    const int64_t rows = comm_.ring_bytes / (int64_t{num_ranks_} * num_channels_ * row_bytes);
+    const int64_t rows = comm_.ring_slab_bytes / row_bytes;
     EPX_CHECK_ARG(rows >= kMinRingRows,
                   "num_normal_bytes too small: rows of {} bytes need >= {} bytes of ring per rank and channel "
                   "({} ranks, {} channels), have {} in all",

@@ -426,7 +426,7 @@ __device__ bool send_rows(const CommArgs& comm, int dst, int channel, int64_t nu
   }
   named_barrier(1 + group_id, group_threads);
   if (s_abort[group_id]) return false;
-  char* ring = comm.peers[dst] + comm.off_ring + (static_cast<int64_t>(me) * C + channel) * ring_rows * row_bytes;
+  char* ring = comm.peers[dst] + comm.off_ring + (static_cast<int64_t>(me) * C + channel) * comm.ring_slab_bytes;
   const int64_t batch = ring_rows / 4 < 64 ? (ring_rows / 4 > 0 ? ring_rows / 4 : 1) : 64;
   for (int64_t sent = 0; sent < num_rows; sent += batch) {
     const int64_t n = num_rows - sent < batch ? num_rows - sent : batch;
@@ -562,7 +562,7 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
     const int64_t num_rows = a.recv_meta[m.chan_start(peer, channel + 1)] - first;
     const int64_t out_base = a.recv_meta[m.rank_prefix(peer)] + first;
     const char* ring =
-        comm.peers[me] + comm.off_ring + (static_cast<int64_t>(peer) * C + channel) * a.ring_rows * a.row_bytes;
+        comm.peers[me] + comm.off_ring + (static_cast<int64_t>(peer) * C + channel) * comm.ring_slab_bytes;
     int64_t consumed = 0;
     while (consumed < num_rows) {
       if (leader) {
@@ -998,7 +998,8 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
           if (a.is_token_in_rank[tt * R + r]) {
             const int64_t li = a.excl_pos[r * (T + 1) + tt] - a.chan_start[r * (C + 1) + channel];
             rows[num_src++] = comm.peers[me] + comm.off_ring +
-                              ((static_cast<int64_t>(r) * C + channel) * a.ring_rows + li % a.ring_rows) * a.row_bytes;
+                              (static_cast<int64_t>(r) * C + channel) * comm.ring_slab_bytes +
+                              (li % a.ring_rows) * a.row_bytes;
           }
         }
         const float* wrows[kMaxRanks];

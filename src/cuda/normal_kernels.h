@@ -72,8 +72,12 @@ struct CommArgs {
   // uint64 [R src]: rows (or tokens) the source's copy engine delivered into my staging, tagged with the
   // copy-engine operation count (ce_tag: a host counter, so a stream can write it without a kernel).
   int64_t off_ce_tail;
-  int64_t off_ring;      // ring rows [R src][C][ring_rows][row_bytes]; or the copy-engine staging slots
+  int64_t off_ring;      // rings [R src][C][ring_slab_bytes] of ring_rows x row_bytes; or the copy-engine staging slots
   int64_t ring_bytes;    // bytes available for rings
+  // NOTE: each (source, channel) ring owns a fixed slab of the ring area, whatever the row size of the
+  // operation: a sender that only waited for its own channel's `done` must not write into bytes that
+  // another channel or source of the previous operation (with other row sizes) may still be reading.
+  int64_t ring_slab_bytes;
   int64_t signal_bytes;  // bytes [0, off_ring) zeroed by a reset
   uint64_t timeout_ns;
   // Device aliases of mapped host records: [0] timeouts (also the abort signal of every wait of this
