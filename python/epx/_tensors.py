@@ -159,8 +159,8 @@ class Outputs:
         if not self.use_torch:
             return _numpy_view(array, dtype)
         torch = _torch()
-        shape = tuple(array.shape)
-        t = torch.from_dlpack(array)
+        t = torch.from_dlpack(array)  # CPU: a numpy array; CUDA: a DLPack capsule
+        shape = tuple(t.shape)
         ptr = t.data_ptr()
         nbytes = t.numel() * t.element_size()
         for base in self.made:  # a view of the torch allocation it lives in, so torch owns the memory
