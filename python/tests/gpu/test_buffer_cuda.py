@@ -44,8 +44,8 @@ def run_backend(groups, fn, cuda):
 
 
 def both_backends(fn):
-    host = run_backend(epx.host_groups(NUM_RANKS), lambda r, g: fn(r, g, "cpu"), cuda=False)
-    cuda = run_backend(epx.cuda_groups(devices()), lambda r, g: fn(r, g, f"cuda:{devices()[r]}"), cuda=True)
+    host = run_backend(epx.host_groups(NUM_RANKS, timeout_ms=15_000), lambda r, g: fn(r, g, "cpu"), cuda=False)
+    cuda = run_backend(epx.cuda_groups(devices(), timeout_ms=15_000), lambda r, g: fn(r, g, f"cuda:{devices()[r]}"), cuda=True)
     return host, cuda
 
 
@@ -94,7 +94,7 @@ def test_outputs_come_from_torch_allocator_and_record_stream_works():
         assert torch.equal(recv.recv_x, recv2.recv_x)
         return True
 
-    assert all(epx.run_host_ranks(epx.cuda_groups(devices()), fn))
+    assert all(epx.run_host_ranks(epx.cuda_groups(devices(), timeout_ms=15_000), fn))
 
 
 def test_low_latency_matches_host():
@@ -135,4 +135,4 @@ def test_cuda_errors_are_named():
             buffer.dispatch(x.cpu(), idx.cpu(), num_experts=8)
         return True
 
-    assert all(epx.run_host_ranks(epx.cuda_groups(devices()), fn))
+    assert all(epx.run_host_ranks(epx.cuda_groups(devices(), timeout_ms=15_000), fn))
