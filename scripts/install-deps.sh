@@ -19,8 +19,8 @@ if ! python3 -m pip --version >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-pip python3-dev
 fi
-py_pkgs=(nanobind scikit-build-core numpy ml_dtypes pytest)
-if ! python3 -c "import nanobind, scikit_build_core, numpy, ml_dtypes, pytest" >/dev/null 2>&1; then
+py_pkgs=(nanobind scikit-build-core numpy ml_dtypes pytest matplotlib)
+if ! python3 -c "import nanobind, scikit_build_core, numpy, ml_dtypes, pytest, matplotlib" >/dev/null 2>&1; then
   # Debian's own python3 refuses pip installs outside a venv (PEP 668) unless told otherwise.
   python3 -m pip install -q --disable-pip-version-check "${py_pkgs[@]}" 2>/dev/null ||
     python3 -m pip install -q --disable-pip-version-check --break-system-packages "${py_pkgs[@]}"

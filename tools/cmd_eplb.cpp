@@ -182,6 +182,7 @@ struct SimArgs {
   int steps = 1000, tokens = 4096, topk = 8, buffer = 100, every = 100, layers_per_step = 8, report_every = 50;
   double threshold = 0.95, max_balance_loss = 0.01;
   std::string policy = "default";
+  std::string plot;  // PNG path: drawn by the Python package's epx.plot (matplotlib)
   bool no_migration = false;
   uint64_t seed = 1;
   double expert_bytes = 3.0 * 7168 * 2048;  // DeepSeek-V3 expert: three 7168 x 2048 fp8 matrices
@@ -202,6 +203,25 @@ void to_physical(const ExpertLocation& loc, const std::vector<int64_t>& logical,
       }
     }
   }
+}
+
+// Draws the simulation with the Python package (python3 -m epx.plot; $EPX_PYTHON picks the interpreter).
+// NOTE: the chart needs matplotlib, which the C++ tool does not carry; a missing package is a failure
+// with a message that says what to install, not a silent skip.
+void plot_with_python(const nlohmann::json& result, const std::string& png) {
+  const std::string json_path = png + ".json";
+  std::ofstream(json_path) << result.dump();
+  const char* python = std::getenv("EPX_PYTHON");
+  const std::string command =
+      std::string(python != nullptr ? python : "python3") + " -m epx.plot '" + json_path + "' '" + png + "'";
+  const int rc = std::system(command.c_str());
+  std::remove(json_path.c_str());
+  if (rc != 0) {
+    std::cerr << "epx: --plot needs the epx Python package and matplotlib (pip install . matplotlib); `" << command
+              << "` exited with " << rc << "\n";
+    throw CLI::RuntimeError(kExitFailure);
+  }
+  std::cerr << "epx: wrote " << png << "\n";
 }
 
 void run_simulate(const SimArgs& a) {
@@ -274,6 +294,7 @@ void run_simulate(const SimArgs& a) {
   out["moved_experts"] = managed.total_moved_experts();
   out["moved_bytes"] = static_cast<double>(managed.total_moved_experts()) * a.expert_bytes;
   std::cout << out.dump() << "\n";
+  if (!a.plot.empty()) plot_with_python(out, a.plot);
 }
 
 void add_eplb(CLI::App& app) {
@@ -322,6 +343,7 @@ void add_eplb(CLI::App& app) {
   s->add_option("--seed", sim->seed)->capture_default_str();
   s->add_option("--expert-bytes", sim->expert_bytes, "Bytes of one expert's weights")->capture_default_str();
   s->add_option("--report-every", sim->report_every, "Timeline sampling, steps")->capture_default_str();
+  s->add_option("--plot", sim->plot, "Also draw utilization over time into this PNG (python3 -m epx.plot, matplotlib)");
   s->callback([sim] { run_simulate(*sim); });
 }
 
