@@ -231,6 +231,11 @@ class CudaBuffer final : public Buffer {
     for (cudaEvent_t* e : all_events()) {
       check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
     }
+    // NOTE: load every protocol kernel now, before the barrier below: with lazy loading a kernel's first
+    // launch waits for the device to drain, which deadlocks against a peer's spinning kernel when ranks
+    // share a process and a GPU (see preload_normal_kernels).
+    check_cuda(preload_normal_kernels(), "cudaFuncGetAttributes (preload normal kernels)");
+    check_cuda(preload_low_latency_kernels(), "cudaFuncGetAttributes (preload low-latency kernels)");
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     open_peers();
     if (cgroup_->world() != nullptr) seen_generation_ = cgroup_->world()->reset_generation.load();

@@ -636,6 +636,18 @@ __global__ void __launch_bounds__(kThreads) combine(LowLatencyPeers peers, LowLa
 
 }  // namespace ll
 
+cudaError_t preload_low_latency_kernels() {
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(&ll::dispatch<int64_t>), reinterpret_cast<const void*>(&ll::dispatch<int32_t>),
+      reinterpret_cast<const void*>(&ll::combine<int64_t>), reinterpret_cast<const void*>(&ll::combine<int32_t>)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr{};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 namespace {
 
 // Launch shape per phase (see ll::dispatch): the send blocks keep their pair list in dynamic shared memory.

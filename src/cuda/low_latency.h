@@ -71,6 +71,8 @@ struct LowLatencyCombineLaunch {
   int dispatch_set;  // the set of the dispatch whose slots x follows
 };
 
+// Loads the low-latency kernels into the current device's context; see preload_normal_kernels.
+cudaError_t preload_low_latency_kernels();
 // Send half of dispatch: quantize (optionally) and write every (token, expert) pair into the receiver's slot.
 void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                       const LowLatencyDispatchLaunch& args, cudaStream_t stream);

@@ -1098,6 +1098,31 @@ __global__ void __launch_bounds__(256)
 
 }  // namespace
 
+cudaError_t preload_normal_kernels() {
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(&layout_kernel),
+      reinterpret_cast<const void*>(&layout_cluster_kernel),
+      reinterpret_cast<const void*>(&scan_kernel),
+      reinterpret_cast<const void*>(&advance_epoch_kernel),
+      reinterpret_cast<const void*>(&notify_kernel),
+      reinterpret_cast<const void*>(&dispatch_kernel),
+      reinterpret_cast<const void*>(&copy_dispatch_begin_kernel),
+      reinterpret_cast<const void*>(&pack_fields_kernel),
+      reinterpret_cast<const void*>(&unpack_fields_kernel),
+      reinterpret_cast<const void*>(&wait_released_kernel),
+      reinterpret_cast<const void*>(&signal_rows_kernel),
+      reinterpret_cast<const void*>(&combine_kernel),
+      reinterpret_cast<const void*>(&combine_reduce_kernel),
+      reinterpret_cast<const void*>(&gather_scales_kernel),
+  };
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr{};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
                    int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,
                    uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream) {

@@ -190,6 +190,14 @@ void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int 
 // Per destination: the exclusive prefix of is_token_in_rank, the token lists, the channel prefixes.
 void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ranks, int num_channels,
                  int32_t* excl_pos, int32_t* list_tok, int32_t* chan_start, cudaStream_t stream);
+// Loads every kernel of this file into the current device's context (cudaFuncGetAttributes).
+// NOTE (invariant): every kernel that may run while a peer's kernel spins on it must already be loaded.
+// With lazy module loading (the CUDA 12.2+ default) the first launch of a kernel loads it under the
+// context lock and waits for the whole device to drain. Ranks that share a process and a GPU (thread
+// groups) share that context: rank 0's first combine_kernel launch then waits for its own dispatch_kernel,
+// which spins until rank 1's dispatch_kernel runs, which rank 1 cannot launch behind the lock -> both
+// time out. CudaBuffer calls this (and preload_low_latency_kernels) before the constructor's barrier.
+cudaError_t preload_normal_kernels();
 void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream);
 // Notify also tells each destination whether this rank sends it whole x (whole_copy with `whole`).
 // rank_prefix_matrix: int32 [R, R], [i][j] = tokens that ranks 0..i send to rank j (the same on every rank).
