@@ -34,11 +34,20 @@ def make_inputs(rank, T, H, K, E, seed):
     return x, idx, w
 
 
+def on_own_stream(rank, fn):
+    """Runs fn on a non-blocking stream of this rank's device.
+
+    NOTE: ranks that share a GPU must not share its legacy default stream: a rank's kernel that spins on
+    its peer would block the peer's own copies and launches queued behind it on that stream.
+    """
+    torch.cuda.set_device(devices()[rank])
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return fn()
+
+
 def run_backend(groups, fn, cuda):
     def body(rank, group):
-        if cuda:
-            torch.cuda.set_device(devices()[rank])
-        return fn(rank, group)
+        return on_own_stream(rank, lambda: fn(rank, group)) if cuda else fn(rank, group)
 
     return epx.run_host_ranks(groups, body)
 
@@ -61,7 +70,7 @@ def test_normal_dispatch_combine_matches_host(T):
         assert isinstance(recv.recv_x, torch.Tensor) and recv.recv_x.device == x.device
         out = buffer.combine(recv.recv_x, recv.handle, recv.recv_topk_weights)
         cached = buffer.dispatch(x, handle=recv.handle)
-        torch.cuda.synchronize() if x.is_cuda else None
+        torch.cuda.current_stream().synchronize() if x.is_cuda else None
         return {k: v.cpu() for k, v in dict(recv_x=recv.recv_x, recv_topk_idx=recv.recv_topk_idx,
                                               recv_topk_weights=recv.recv_topk_weights, recv_src_idx=recv.recv_src_idx,
                                               out=out.x, out_w=out.topk_weights, cached=cached.recv_x).items()}, \
@@ -80,7 +89,6 @@ def test_outputs_come_from_torch_allocator_and_record_stream_works():
     inputs = [make_inputs(r, T, H, K, E, seed=5) for r in range(NUM_RANKS)]
 
     def fn(rank, group):
-        torch.cuda.set_device(devices()[rank])
         buffer = epx.Buffer(group)
         side = torch.cuda.Stream()
         x, idx, w = (t.cuda() for t in inputs[rank])
@@ -94,7 +102,7 @@ def test_outputs_come_from_torch_allocator_and_record_stream_works():
         assert torch.equal(recv.recv_x, recv2.recv_x)
         return True
 
-    assert all(epx.run_host_ranks(epx.cuda_groups(devices(), timeout_ms=15_000), fn))
+    assert all(run_backend(epx.cuda_groups(devices(), timeout_ms=15_000), fn, cuda=True))
 
 
 def test_low_latency_matches_host():
@@ -125,7 +133,6 @@ def test_low_latency_matches_host():
 
 def test_cuda_errors_are_named():
     def fn(rank, group):
-        torch.cuda.set_device(devices()[rank])
         buffer = epx.Buffer(group)
         x = torch.zeros(4, 128, dtype=torch.bfloat16, device="cuda")
         idx = torch.full((4, 2), 99, dtype=torch.int64, device="cuda")
@@ -135,4 +142,4 @@ def test_cuda_errors_are_named():
             buffer.dispatch(x.cpu(), idx.cpu(), num_experts=8)
         return True
 
-    assert all(epx.run_host_ranks(epx.cuda_groups(devices(), timeout_ms=15_000), fn))
+    assert all(run_backend(epx.cuda_groups(devices(), timeout_ms=15_000), fn, cuda=True))
