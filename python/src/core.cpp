@@ -110,6 +110,11 @@ PyObject* make_error_class(nb::module_& m, const char* name, PyObject* base, PyO
   return cls;
 }
 
+// Host-only builds bind the CUDA entry points too (same signatures); they raise this.
+[[maybe_unused]] Error no_cuda_error() {
+  return Error(ErrorCode::kUnsupported, "this epx build has no CUDA backend (built without a CUDA toolkit)");
+}
+
 }  // namespace
 
 TensorView to_view(nb::handle obj, const char* name) {
@@ -298,53 +303,60 @@ void register_core(nb::module_& m) {
       nb::arg("num_ranks"), nb::arg("timeout_ms") = 60'000,
       "The groups of `num_ranks` thread ranks of the host backend; hand groups[r] to the thread of rank r.");
 
-#ifdef EPX_WITH_CUDA
+  // The same signatures in every build, so the stubs and help() do not depend on how epx was built.
   m.def(
       "cuda_groups",
-      [](const std::vector<int>& devices, int64_t timeout_ms) {
+      [](const std::vector<int>& devices, int64_t timeout_ms) -> std::vector<std::shared_ptr<Group>> {
+#ifdef EPX_WITH_CUDA
         CudaGroupOptions options;
         options.timeout_ms = timeout_ms;
         return create_cuda_groups(devices, options);
+#else
+        throw no_cuda_error();
+#endif
       },
       nb::arg("devices"), nb::arg("timeout_ms") = 60'000,
       "One CUDA group per entry of `devices` (one process, one thread per rank).");
   m.def(
       "cuda_group_from_nccl_comm",
-      [](uintptr_t comm, int64_t timeout_ms) {
+      [](uintptr_t comm, int64_t timeout_ms) -> std::shared_ptr<Group> {
+#ifdef EPX_WITH_CUDA
         CudaGroupOptions options;
         options.timeout_ms = timeout_ms;
         return create_cuda_group(reinterpret_cast<ncclComm_t>(comm), options);
+#else
+        throw no_cuda_error();
+#endif
       },
       nb::arg("comm"), nb::arg("timeout_ms") = 60'000,
       "A group over an existing NCCL communicator (its ncclComm_t as an int); the communicator must outlive it.");
   m.def(
       "nccl_unique_id",
-      []() {
+      []() -> nb::bytes {
+#ifdef EPX_WITH_CUDA
         std::vector<uint8_t> id = nccl_unique_id();
         return nb::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+#else
+        throw no_cuda_error();
+#endif
       },
       "NCCL's unique id as bytes (loads NCCL on first use).");
   m.def(
       "cuda_group_from_nccl_id",
-      [](nb::bytes unique_id, int rank, int num_ranks, int device, int64_t timeout_ms) {
+      [](nb::bytes unique_id, int rank, int num_ranks, int device, int64_t timeout_ms) -> std::shared_ptr<Group> {
+#ifdef EPX_WITH_CUDA
         std::vector<uint8_t> id(unique_id.size());
         std::memcpy(id.data(), unique_id.c_str(), id.size());
         CudaGroupOptions options;
         options.timeout_ms = timeout_ms;
         nb::gil_scoped_release release;
         return create_cuda_group(id, rank, num_ranks, device, options);
+#else
+        throw no_cuda_error();
+#endif
       },
       nb::arg("unique_id"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("device"), nb::arg("timeout_ms") = 60'000,
       "A group that creates and owns an NCCL communicator from a unique id shared by all ranks (collective).");
-#else
-  auto no_cuda = [](nb::args, nb::kwargs) -> nb::object {
-    throw Error(ErrorCode::kUnsupported, "this epx build has no CUDA backend (built without a CUDA toolkit)");
-  };
-  m.def("cuda_groups", no_cuda);
-  m.def("cuda_group_from_nccl_comm", no_cuda);
-  m.def("nccl_unique_id", no_cuda);
-  m.def("cuda_group_from_nccl_id", no_cuda);
-#endif
 }
 
 }  // namespace epx::py

@@ -2,6 +2,7 @@
 epx native module: the C++ API of epx. Use the `epx` package, which wraps it for numpy and torch.
 """
 
+from collections.abc import Sequence
 import enum
 
 from epx import (
@@ -95,9 +96,23 @@ def host_groups(num_ranks: int, timeout_ms: int = 60000) -> list[Group]:
     The groups of `num_ranks` thread ranks of the host backend; hand groups[r] to the thread of rank r.
     """
 
-def cuda_groups(*args, **kwargs) -> object: ...
+def cuda_groups(devices: Sequence[int], timeout_ms: int = 60000) -> list[Group]:
+    """
+    One CUDA group per entry of `devices` (one process, one thread per rank).
+    """
 
-def cuda_group_from_nccl_comm(*args, **kwargs) -> object: ...
+def cuda_group_from_nccl_comm(comm: int, timeout_ms: int = 60000) -> Group:
+    """
+    A group over an existing NCCL communicator (its ncclComm_t as an int); the communicator must outlive it.
+    """
+
+def nccl_unique_id() -> bytes:
+    """NCCL's unique id as bytes (loads NCCL on first use)."""
+
+def cuda_group_from_nccl_id(unique_id: bytes, rank: int, num_ranks: int, device: int, timeout_ms: int = 60000) -> Group:
+    """
+    A group that creates and owns an NCCL communicator from a unique id shared by all ranks (collective).
+    """
 
 class DispatchHandle:
     """
