@@ -10,6 +10,7 @@ import pytest
 import epx
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
+import reference  # noqa: E402
 BF16 = ml_dtypes.bfloat16
 
 
@@ -49,16 +50,7 @@ def test_normal_dispatch_combine_matches_reference(num_ranks):
         layout = buffer.get_dispatch_layout(idx, E)
         recv = buffer.dispatch(x, idx, w, num_experts=E, layout=layout)
         # Reference: rows by source rank, then token; local expert ids; weights where local.
-        rows, src, tidx, tw = [], [], [], []
-        for s, (xs, ids, ws) in enumerate(inputs):
-            for t in range(xs.shape[0]):
-                mine = (ids[t] >= 0) & (ids[t] // local == rank)
-                if not mine.any():
-                    continue
-                rows.append(xs[t])
-                src.append(t)
-                tidx.append(np.where(mine, ids[t] - rank * local, -1))
-                tw.append(np.where(mine, ws[t], 0))
+        rows, src, tidx, tw = reference.normal_dispatch(inputs, rank, E, num_ranks)
         assert recv.recv_x.dtype == BF16 and recv.recv_x.shape == (len(rows), H)
         np.testing.assert_array_equal(recv.recv_x.view(np.uint16), np.array(rows).view(np.uint16))
         np.testing.assert_array_equal(recv.recv_src_idx, src)
