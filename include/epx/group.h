@@ -38,6 +38,8 @@ class Group {
 };
 
 struct HostGroupOptions {
+  // Budget for every wait on a peer (>= 1). Values above 100 years (e.g. INT64_MAX for "wait forever")
+  // are clamped to 100 years; Group::timeout_ms() returns the clamped value.
   int64_t timeout_ms = 60'000;
 };
 

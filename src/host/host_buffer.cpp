@@ -24,6 +24,7 @@ struct Routes {
   int64_t num_tokens = 0;  // T on this rank
   int64_t num_recv = 0;    // rows received (exact)
   int64_t num_experts = 0;
+  uint64_t dispatch_id = 0;                  // HostGroup::seq() of the fresh dispatch: the same on every rank
   std::vector<uint8_t> is_token_in_rank;     // [T, R]
   std::vector<int32_t> num_tokens_per_rank;  // [R]
   std::vector<int32_t> send_row;             // [T, R]: the token's row on each destination, -1 if not sent
@@ -56,12 +57,15 @@ struct DispatchPost {
   const float* topk_weights = nullptr;
   bool has_weights = false;  // the pointer alone is null for T = 0
   int64_t num_experts = 0;
+  uint64_t dispatch_id = 0;                        // cached mode: Routes::dispatch_id of the handle
   const uint8_t* is_token_in_rank = nullptr;       // [T, R]
   const int32_t* num_tokens_per_rank = nullptr;    // [R]
   const int32_t* num_tokens_per_expert = nullptr;  // [num_experts]; fresh mode only
 };
 
 struct CombinePost {
+  uint64_t dispatch_id = 0;     // Routes::dispatch_id of the handle: every rank must reverse the same dispatch
+  int64_t num_rows = 0;         // rows of x
   const uint16_t* x = nullptr;  // [rows, H]
   int64_t hidden = 0;
   const float* topk_weights = nullptr;  // [rows, K]
@@ -81,6 +85,22 @@ void with_release(HostGroup& group, Body&& body) {
   }
   group.release();
   if (error) std::rethrow_exception(error);
+}
+
+// Runs prepare(), the work of a collective call before its rendezvous (validation). If it throws, this
+// rank still takes part in the rendezvous with an error flag (HostGroup::fail), so that every peer
+// raises Error(kPeerFailure) at once instead of timing out, and the ranks stay in step.
+template <typename Prepare>
+void prepare_or_fail(HostGroup& group, Prepare&& prepare) {
+  try {
+    prepare();
+  } catch (const std::exception& e) {
+    group.fail(e.what());
+    throw;
+  } catch (...) {
+    group.fail("unknown error");
+    throw;
+  }
 }
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
@@ -128,10 +148,18 @@ void HostBuffer::unmask_rank(int rank) {
 void HostBuffer::clear_rank_mask() { std::fill(mask_.begin(), mask_.end(), false); }
 
 void HostBuffer::clean_low_latency_buffer() {
-  // NOTE: the mailbox sequence (ll_seq_) and the set counter stay: every rank made the same calls, so they
-  // still agree, and posts are matched by them.
+  // NOTE: between the barriers no rank reads the mailbox (every rank is here), so each drops its own posts
+  // and restarts its sequence at 0: afterwards the ranks agree on it again, whatever happened before
+  // (a rank that fell behind, masks), and no old post can match a new call's number.
   group_->barrier();
+  if (mailbox_ != nullptr) {
+    std::lock_guard lock(mailbox_->mutex);
+    mailbox_->posts[rank_].clear();
+  }
+  ll_seq_ = 0;
+  ++ll_epoch_;
   ll_max_tokens_ = 0;
+  for (auto& set : recv_sets_) set.owner_dispatch = 0;
   clear_rank_mask();
   group_->barrier();
 }
@@ -150,35 +178,37 @@ Layout HostBuffer::get_dispatch_layout(const TensorView& topk_idx, int64_t num_e
 
 DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
   const Device cpu = Device::cpu();
-  const ep::DispatchShape shape = ep::validate_dispatch(args, num_ranks_, cpu);
-  ep::resolve_num_sms(args.num_sms, options_.num_sms);  // checked only: the host backend has no SMs
-  const int64_t num_tokens = shape.num_tokens;
-  const int64_t hidden = shape.hidden;
-
+  ep::DispatchShape shape;
   // Routes: from the handle (cached) or from topk_idx, whose values are checked before any copy.
   std::shared_ptr<const Routes> cached;
   std::optional<HostLayout> layout;
-  if (shape.is_cached) {
-    const auto* handle = dynamic_cast<const HostDispatchHandle*>(args.handle.get());
-    EPX_CHECK_ARG(handle != nullptr && handle->owner == this,
-                  "handle must come from a normal dispatch of this host buffer (rank {})", rank_);
-    cached = handle->routes;
-  } else {
-    layout = compute_layout_host(args.topk_idx, args.num_experts, num_ranks_);
-    if (args.layout != nullptr) {
-      const auto same = [](const TensorView& t, const auto& v) {
-        return v.empty() || std::memcmp(t.data, v.data(), v.size() * sizeof(v[0])) == 0;
-      };
-      EPX_CHECK_ARG(same(args.layout->num_tokens_per_rank, layout->num_tokens_per_rank) &&
-                        same(args.layout->num_tokens_per_expert, layout->num_tokens_per_expert) &&
-                        same(args.layout->is_token_in_rank, layout->is_token_in_rank),
-                    "layout does not match topk_idx (pass the layout get_dispatch_layout computed for it)");
+  DispatchPost mine;
+  prepare_or_fail(*host_group_, [&] {
+    shape = ep::validate_dispatch(args, num_ranks_, cpu);
+    ep::resolve_num_sms(args.num_sms, options_.num_sms);  // checked only: the host backend has no SMs
+    if (shape.is_cached) {
+      const auto* handle = dynamic_cast<const HostDispatchHandle*>(args.handle.get());
+      EPX_CHECK_ARG(handle != nullptr && handle->owner == this,
+                    "handle must come from a normal dispatch of this host buffer (rank {})", rank_);
+      cached = handle->routes;
+    } else {
+      layout = compute_layout_host(args.topk_idx, args.num_experts, num_ranks_);
+      if (args.layout != nullptr) {
+        const auto same = [](const TensorView& t, const auto& v) {
+          return v.empty() || std::memcmp(t.data, v.data(), v.size() * sizeof(v[0])) == 0;
+        };
+        EPX_CHECK_ARG(same(args.layout->num_tokens_per_rank, layout->num_tokens_per_rank) &&
+                          same(args.layout->num_tokens_per_expert, layout->num_tokens_per_expert) &&
+                          same(args.layout->is_token_in_rank, layout->is_token_in_rank),
+                      "layout does not match topk_idx (pass the layout get_dispatch_layout computed for it)");
+      }
     }
-  }
+  });
+  const int64_t num_tokens = shape.num_tokens;
+  const int64_t hidden = shape.hidden;
   const int64_t num_experts = cached ? cached->num_experts : args.num_experts;
   const int64_t num_local_experts = num_experts / num_ranks_;
 
-  DispatchPost mine;
   mine.shape = shape;
   mine.x_dtype = args.x.dtype;
   mine.x = static_cast<const uint8_t*>(args.x.data);
@@ -190,6 +220,7 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
   }
   mine.num_experts = num_experts;
   if (cached) {
+    mine.dispatch_id = cached->dispatch_id;
     mine.is_token_in_rank = cached->is_token_in_rank.data();
     mine.num_tokens_per_rank = cached->num_tokens_per_rank.data();
   } else {
@@ -216,6 +247,11 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
                     "dispatch arguments differ between rank {} and rank {} (cached mode, x hidden/dtype, x_scales "
                     "dtype, num_experts, topk_idx shape/dtype and topk_weights presence must agree)",
                     s, rank_);
+      // NOTE: every rank compares every peer, so a mismatch is raised on all ranks alike.
+      EPX_CHECK_ARG(!cached || p->dispatch_id == mine.dispatch_id,
+                    "cached dispatch: the handles of rank {} and rank {} come from different dispatches (collectives "
+                    "#{} and #{})",
+                    s, rank_, p->dispatch_id, mine.dispatch_id);
       num_recv += p->num_tokens_per_rank[rank_];
     }
     if (cached) {
@@ -293,6 +329,7 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
       fresh->num_tokens = num_tokens;
       fresh->num_recv = num_recv;
       fresh->num_experts = num_experts;
+      fresh->dispatch_id = host_group_->seq();
       fresh->is_token_in_rank = layout->is_token_in_rank;
       fresh->num_tokens_per_rank = layout->num_tokens_per_rank;
       // My token t's row on rank r: rows from ranks before me, then my earlier tokens sent to r.
@@ -334,17 +371,22 @@ DispatchResult HostBuffer::dispatch(const DispatchArgs& args) {
 
 CombineResult HostBuffer::combine(const CombineArgs& args) {
   const Device cpu = Device::cpu();
-  EPX_CHECK_ARG(args.handle != nullptr, "handle is required (from the dispatch being reversed)");
-  const auto* handle = dynamic_cast<const HostDispatchHandle*>(args.handle.get());
-  EPX_CHECK_ARG(handle != nullptr && handle->owner == this,
-                "handle must come from a normal dispatch of this host buffer (rank {})", rank_);
+  const HostDispatchHandle* handle = nullptr;
+  prepare_or_fail(*host_group_, [&] {
+    EPX_CHECK_ARG(args.handle != nullptr, "handle is required (from the dispatch being reversed)");
+    handle = dynamic_cast<const HostDispatchHandle*>(args.handle.get());
+    EPX_CHECK_ARG(handle != nullptr && handle->owner == this,
+                  "handle must come from a normal dispatch of this host buffer (rank {})", rank_);
+    ep::validate_combine(args, handle->routes->num_tokens, handle->num_rows, cpu);
+    ep::resolve_num_sms(args.num_sms, options_.num_sms);  // checked only
+  });
   const Routes& routes = *handle->routes;
   const int64_t num_tokens = routes.num_tokens;
-  ep::validate_combine(args, num_tokens, handle->num_rows, cpu);
-  ep::resolve_num_sms(args.num_sms, options_.num_sms);  // checked only
   const int64_t hidden = args.x.shape[1];
 
   CombinePost mine;
+  mine.dispatch_id = routes.dispatch_id;
+  mine.num_rows = handle->num_rows;
   mine.x = args.x.data_as<const uint16_t>();
   mine.hidden = hidden;
   if (args.topk_weights.defined()) {
@@ -364,6 +406,12 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
                     "combine arguments differ between rank {} and rank {} (x hidden size, topk_weights presence and "
                     "width must agree)",
                     r, rank_);
+      // NOTE: the rows this rank reads from r are bounded by r's x only if r reverses the same dispatch.
+      // Every rank compares every peer, so a mismatch is raised on all ranks alike.
+      EPX_CHECK_ARG(p->dispatch_id == mine.dispatch_id,
+                    "combine: the handles of rank {} and rank {} come from different dispatches (collectives #{} "
+                    "and #{}, {} and {} rows)",
+                    r, rank_, p->dispatch_id, mine.dispatch_id, p->num_rows, mine.num_rows);
     }
     result.x = alloc(DType::kBFloat16, {num_tokens, hidden});
     auto* out = result.x.data_as<uint16_t>();

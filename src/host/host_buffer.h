@@ -28,7 +28,7 @@ struct LowLatencyRecvSet {
   std::shared_ptr<void> count;         // int32 [E_local]
   std::shared_ptr<void> src_info;      // int32 [E_local, R * M]
   std::shared_ptr<void> layout_range;  // int64 [E_local, R]
-  uint64_t owner_seq = 0;              // the low-latency call whose result the set holds
+  uint64_t owner_dispatch = 0;         // LowLatencyState::dispatch_number of the result the set holds
 };
 
 class HostBuffer final : public Buffer {
@@ -55,7 +55,12 @@ class HostBuffer final : public Buffer {
   // Waits until every rank not masked has posted call `seq` of `kind`, or the group timeout. Ranks that
   // did not post in time, posted something else, or masked this rank are masked here. Returns the
   // posts by rank (null where masked).
+  // A post flagged as failed (a peer's invalid input) raises Error(kPeerFailure) naming it, after the wait.
   std::vector<std::shared_ptr<const LowLatencyPost>> collect(uint64_t seq, int kind);
+  // Runs prepare() (the validation of a low-latency call). If it throws, posts a failure for call
+  // ++ll_seq_ first, so that peers raise at once and the sequence numbers stay in step.
+  template <typename Prepare>
+  void prepare_or_post_failure(LowLatencyKind kind, Prepare&& prepare);
   void finish_dispatch_receive(const std::shared_ptr<LowLatencyState>& state);
   void finish_combine_receive(const std::shared_ptr<LowLatencyState>& state);
 
@@ -66,9 +71,10 @@ class HostBuffer final : public Buffer {
   int num_ranks_;
   std::vector<bool> mask_;
   std::shared_ptr<LowLatencyMailbox> mailbox_;
-  uint64_t ll_seq_ = 0;
-  uint64_t ll_num_dispatches_ = 0;
-  int64_t ll_max_tokens_ = 0;  // fixed by the first low-latency dispatch
+  uint64_t ll_seq_ = 0;             // low-latency calls since creation or clean (the same on every rank)
+  uint64_t ll_epoch_ = 0;           // clean_low_latency_buffer calls: handles and hooks of older epochs are stale
+  uint64_t ll_num_dispatches_ = 0;  // never reset: names a dispatch's buffer set
+  int64_t ll_max_tokens_ = 0;       // fixed by the first low-latency dispatch
   LowLatencyRecvSet recv_sets_[2];
 };
 

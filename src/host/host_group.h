@@ -7,6 +7,16 @@
 //                  no published memory is freed or reused while a peer still reads it.
 // NOTE: a rank cannot publish call n+1 before every participant released call n, so the pointers
 // of call n stay valid until this rank's release().
+//
+// Failures (see docs/reliability.md):
+//   - A rank that leaves a collective before every peer released it (its wait timed out) withdraws
+//     its publication first, so a late peer sees "withdrawn" and raises instead of reading memory
+//     that may be gone. release() never returns while a peer that took this rank's pointers is
+//     still reading them (readers do no waits between exchange and release).
+//   - A rank that fails before it can publish (e.g. invalid input) calls fail() instead of
+//     exchange(): it takes part with an error flag, and every peer's exchange() raises
+//     Error(kPeerFailure) naming it, at once. The sequence numbers stay in step, so the group is
+//     usable again afterwards.
 #pragma once
 
 #include <array>
@@ -37,12 +47,21 @@ class HostGroup final : public Group {
   void all_gather_bytes(const void* send, void* recv, size_t bytes) override;
 
   // Phase 1 of a collective. `skip` (optional, [num_ranks]) names ranks not to wait for. If
-  // `timed_out` is null a wait that expires throws Error(kTimeout); else the ranks that did not
-  // arrive are appended to it and their pointers are null.
+  // `timed_out` is null a wait that expires throws Error(kTimeout), and a peer that withdrew (it gave
+  // up on this call) makes it throw Error(kPeerFailure); else those ranks are appended to `timed_out`
+  // and their pointers are null. A peer that called fail() makes it throw Error(kPeerFailure) naming
+  // that peer and its reason, in either mode, after completing the collective (no release() then).
   std::vector<const void*> exchange(const void* mine, const std::vector<bool>* skip = nullptr,
                                     std::vector<int>* timed_out = nullptr);
   // Phase 2. Same skip/timeout rules; ranks that time out here are appended to `timed_out`.
   void release(const std::vector<bool>* skip = nullptr, std::vector<int>* timed_out = nullptr);
+  // Instead of exchange() + release(): this rank failed before it could publish (`reason` says why).
+  // Completes the collective with an error flag, waiting (bounded) until every peer has seen it. Never
+  // throws; the caller raises its own error afterwards.
+  void fail(const std::string& reason) noexcept;
+  // The number of this rank's last collective (1, 2, ...): the same on every rank that made the same calls,
+  // so it names a collective across ranks (e.g. the dispatch that made a handle).
+  uint64_t seq() const { return seq_; }
 
   // The object stored under `key` for the whole world (shared by every rank's group), made by make()
   // on the first call. Lets host objects meet without a collective (e.g. low-latency mailboxes, where

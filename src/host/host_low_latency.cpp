@@ -77,6 +77,23 @@ void HostBuffer::post(std::shared_ptr<const LowLatencyPost> message) {
   mailbox_->cv.notify_all();
 }
 
+template <typename Prepare>
+void HostBuffer::prepare_or_post_failure(LowLatencyKind kind, Prepare&& prepare) {
+  EPX_CHECK_ARG(mailbox_ != nullptr, "low-latency calls need BufferOptions::num_low_latency_bytes > 0");
+  try {
+    prepare();
+  } catch (const std::exception& e) {
+    auto message = std::make_shared<LowLatencyPost>();
+    message->kind = kind;
+    message->seq = ++ll_seq_;
+    message->mask = mask_;
+    message->failed = true;
+    message->reason = e.what();
+    post(std::move(message));
+    throw;
+  }
+}
+
 std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t seq, int kind) {
   enum class Status { kPending, kFound, kGone };
   std::vector<std::shared_ptr<const LowLatencyPost>> found(num_ranks_);
@@ -103,8 +120,16 @@ std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t 
     mailbox_->cv.wait_until(lock, deadline, scan);
   }
   const char* what = kind == static_cast<int>(LowLatencyKind::kDispatch) ? "dispatch" : "combine";
+  std::vector<int> failed;
+  std::string failures;
   for (int r = 0; r < num_ranks_; ++r) {
     if (mask_[r]) continue;
+    if (status[r] == Status::kFound && found[r]->failed) {
+      // NOTE: not masked: the peer is alive and in step; the group stays usable after this call.
+      failed.push_back(r);
+      failures += fmt::format("{}rank {}: {}", failures.empty() ? "" : "; ", r, found[r]->reason);
+      continue;
+    }
     const char* reason = nullptr;
     if (status[r] == Status::kPending) {
       reason = "did not post within the group timeout";
@@ -121,6 +146,8 @@ std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t 
     log(LogLevel::kWarn,
         fmt::format("epx host rank {}: low-latency {} #{}: rank {} {}; masking it", rank_, what, seq, r, reason));
   }
+  EPX_CHECK(ErrorCode::kPeerFailure, failed.empty(), "host rank {}: low-latency {} #{} failed on ranks {} ({})", rank_,
+            what, seq, failed, failures);
   for (int r = 0; r < num_ranks_; ++r) {
     if (mask_[r]) found[r] = nullptr;
   }
@@ -129,21 +156,23 @@ std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t 
 
 LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispatchArgs& args) {
   const Device cpu = Device::cpu();
-  EPX_CHECK_ARG(mailbox_ != nullptr, "low-latency calls need BufferOptions::num_low_latency_bytes > 0");
-  const ep::LowLatencyShape shape = ep::validate_low_latency_dispatch(args, num_ranks_, cpu);
+  ep::LowLatencyShape shape;
+  prepare_or_post_failure(LowLatencyKind::kDispatch, [&] {
+    shape = ep::validate_low_latency_dispatch(args, num_ranks_, cpu);
+    EPX_CHECK_ARG(ll_max_tokens_ == 0 || ll_max_tokens_ == args.max_tokens_per_rank,
+                  "max_tokens_per_rank must be the same on every call of a buffer: {} before, {} now", ll_max_tokens_,
+                  args.max_tokens_per_rank);
+    // Checks every topk_idx value before anything is copied.
+    const HostLayout layout = compute_layout_host(args.topk_idx, args.num_experts, num_ranks_);
+    for (int64_t e = 0; e < args.num_experts; ++e) {
+      EPX_CHECK_ARG(layout.num_tokens_per_expert[e] <= args.max_tokens_per_rank,
+                    "topk_idx sends {} (token, slot) pairs to expert {}, more than max_tokens_per_rank = {} slots",
+                    layout.num_tokens_per_expert[e], e, args.max_tokens_per_rank);
+    }
+  });
   const int64_t max_tokens = args.max_tokens_per_rank;
-  EPX_CHECK_ARG(ll_max_tokens_ == 0 || ll_max_tokens_ == max_tokens,
-                "max_tokens_per_rank must be the same on every call of a buffer: {} before, {} now", ll_max_tokens_,
-                max_tokens);
   const int64_t num_tokens = shape.num_tokens, hidden = shape.hidden, num_topk = shape.num_topk;
   const int64_t num_local_experts = shape.num_local_experts;
-  // Checks every topk_idx value before anything is copied.
-  const HostLayout layout = compute_layout_host(args.topk_idx, args.num_experts, num_ranks_);
-  for (int64_t e = 0; e < args.num_experts; ++e) {
-    EPX_CHECK_ARG(layout.num_tokens_per_expert[e] <= max_tokens,
-                  "topk_idx sends {} (token, slot) pairs to expert {}, more than max_tokens_per_rank = {} slots",
-                  layout.num_tokens_per_expert[e], e, max_tokens);
-  }
   ll_max_tokens_ = max_tokens;
 
   auto message = std::make_shared<LowLatencyPost>();
@@ -177,6 +206,7 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
   state->owner = this;
   state->kind = LowLatencyKind::kDispatch;
   state->seq = message->seq;
+  state->epoch = ll_epoch_;
   state->shape = shape;
   state->max_tokens = max_tokens;
   state->num_experts = args.num_experts;
@@ -192,7 +222,8 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
   state->cumulative_recv_counts = args.cumulative_recv_counts;
 
   // Receive storage: the buffer set of this call (two alternate).
-  state->set_idx = static_cast<int>(ll_num_dispatches_++ % 2);
+  state->set_idx = static_cast<int>(ll_num_dispatches_ % 2);
+  state->dispatch_number = ++ll_num_dispatches_;
   LowLatencyRecvSet& set = recv_sets_[state->set_idx];
   const int64_t num_slots = num_ranks_ * max_tokens;
   if (set.x == nullptr || set.max_tokens != max_tokens || set.hidden != hidden ||
@@ -207,7 +238,7 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
     set.src_info = allocate_bytes(a, num_local_experts * num_slots * 4);
     set.layout_range = allocate_bytes(a, num_local_experts * num_ranks_ * 8);
   }
-  set.owner_seq = state->seq;
+  set.owner_dispatch = state->dispatch_number;
   state->recv_x = set.x;
   state->recv_x_scales = set.x_scales;
   state->recv_count = set.count;
@@ -242,7 +273,9 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
 }
 
 void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>& state) {
-  EPX_CHECK_ARG(recv_sets_[state->set_idx].owner_seq == state->seq,
+  EPX_CHECK_ARG(state->epoch == ll_epoch_,
+                "the receive hook of low-latency dispatch #{} ran after clean_low_latency_buffer", state->seq);
+  EPX_CHECK_ARG(recv_sets_[state->set_idx].owner_dispatch == state->dispatch_number,
                 "the receive hook of low-latency dispatch #{} ran after two later dispatches reused its buffer set",
                 state->seq);
   const auto posts = collect(state->seq, static_cast<int>(LowLatencyKind::kDispatch));
@@ -304,30 +337,37 @@ void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>&
 
 LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineArgs& args) {
   const Device cpu = Device::cpu();
-  EPX_CHECK_ARG(mailbox_ != nullptr, "low-latency calls need BufferOptions::num_low_latency_bytes > 0");
-  EPX_CHECK_ARG(args.handle != nullptr, "handle is required (from the low-latency dispatch being reversed)");
-  const auto* handle = dynamic_cast<const HostLowLatencyHandle*>(args.handle.get());
-  EPX_CHECK_ARG(handle != nullptr && handle->state->owner == this && handle->state->kind == LowLatencyKind::kDispatch,
-                "handle must come from a low-latency dispatch of this host buffer (rank {})", rank_);
-  const std::shared_ptr<const LowLatencyState> dispatch = handle->state;
-  EPX_CHECK_ARG(dispatch->received, "low-latency dispatch #{} has not completed: call its recv_hook first",
-                dispatch->seq);
-  ep::validate_low_latency_combine(args, dispatch->shape, dispatch->max_tokens, num_ranks_, cpu);
+  std::shared_ptr<const LowLatencyState> dispatch;
+  prepare_or_post_failure(LowLatencyKind::kCombine, [&] {
+    EPX_CHECK_ARG(args.handle != nullptr, "handle is required (from the low-latency dispatch being reversed)");
+    const auto* handle = dynamic_cast<const HostLowLatencyHandle*>(args.handle.get());
+    EPX_CHECK_ARG(handle != nullptr && handle->state->owner == this && handle->state->kind == LowLatencyKind::kDispatch,
+                  "handle must come from a low-latency dispatch of this host buffer (rank {})", rank_);
+    dispatch = handle->state;
+    EPX_CHECK_ARG(dispatch->epoch == ll_epoch_,
+                  "handle of low-latency dispatch #{} is from before clean_low_latency_buffer", dispatch->seq);
+    EPX_CHECK_ARG(dispatch->received, "low-latency dispatch #{} has not completed: call its recv_hook first",
+                  dispatch->seq);
+    ep::validate_low_latency_combine(args, dispatch->shape, dispatch->max_tokens, num_ranks_, cpu);
+    const int64_t num_tokens = dispatch->shape.num_tokens, num_topk = dispatch->shape.num_topk;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      for (int64_t k = 0; k < num_topk; ++k) {
+        const int64_t e = topk_at(args.topk_idx, t, k);
+        EPX_CHECK_ARG(e == dispatch->topk[t * num_topk + k], "topk_idx[{}][{}] = {} differs from the dispatch's {}", t,
+                      k, e, dispatch->topk[t * num_topk + k]);
+      }
+    }
+  });
   const int64_t num_tokens = dispatch->shape.num_tokens, num_topk = dispatch->shape.num_topk;
   const int64_t hidden = dispatch->shape.hidden, num_local_experts = dispatch->shape.num_local_experts;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int64_t k = 0; k < num_topk; ++k) {
-      const int64_t e = topk_at(args.topk_idx, t, k);
-      EPX_CHECK_ARG(e == dispatch->topk[t * num_topk + k], "topk_idx[{}][{}] = {} differs from the dispatch's {}", t, k,
-                    e, dispatch->topk[t * num_topk + k]);
-    }
-  }
 
   auto message = std::make_shared<LowLatencyPost>();
   message->kind = LowLatencyKind::kCombine;
   message->seq = ++ll_seq_;
   message->mask = mask_;
   message->hidden = hidden;
+  message->dispatch_seq = dispatch->seq;
+  message->num_local_experts = num_local_experts;
   message->block_offset.assign(num_local_experts * num_ranks_, 0);
   message->block_count.assign(num_local_experts * num_ranks_, 0);
   int64_t num_rows = 0;
@@ -352,6 +392,7 @@ LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineA
   state->owner = this;
   state->kind = LowLatencyKind::kCombine;
   state->seq = message->seq;
+  state->epoch = ll_epoch_;
   state->shape = dispatch->shape;
   state->dispatch = dispatch;
   const auto* weights = args.topk_weights.data_as<const float>();
@@ -372,14 +413,22 @@ LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineA
 }
 
 void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& state) {
+  EPX_CHECK_ARG(state->epoch == ll_epoch_,
+                "the receive hook of low-latency combine #{} ran after clean_low_latency_buffer", state->seq);
   const auto posts = collect(state->seq, static_cast<int>(LowLatencyKind::kCombine));
   const LowLatencyState& dispatch = *state->dispatch;
   const int64_t num_tokens = dispatch.shape.num_tokens, num_topk = dispatch.shape.num_topk;
   const int64_t hidden = dispatch.shape.hidden, num_local_experts = dispatch.shape.num_local_experts;
+  // NOTE: checked before the blocks are indexed (with this rank's expert count). Every rank compares every
+  // peer it did not mask, so a mismatch is raised on all of them alike.
   for (int r = 0; r < num_ranks_; ++r) {
-    EPX_CHECK_ARG(posts[r] == nullptr || posts[r]->hidden == hidden,
-                  "low-latency combine hidden size differs between rank {} ({}) and rank {} ({})", r, posts[r]->hidden,
-                  rank_, hidden);
+    const LowLatencyPost* p = posts[r].get();
+    EPX_CHECK_ARG(p == nullptr || (p->hidden == hidden && p->num_local_experts == num_local_experts &&
+                                   p->dispatch_seq == dispatch.seq),
+                  "low-latency combine: rank {} reverses dispatch #{} (hidden {}, {} local experts) but rank {} "
+                  "reverses dispatch #{} (hidden {}, {} local experts); every rank must pass the handle of the same "
+                  "dispatch",
+                  r, p->dispatch_seq, p->hidden, p->num_local_experts, rank_, dispatch.seq, hidden, num_local_experts);
   }
   auto* out = state->out.data_as<uint16_t>();
   std::vector<float> acc(hidden);

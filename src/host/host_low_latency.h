@@ -7,6 +7,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "ep/validate.h"
@@ -26,6 +27,9 @@ struct LowLatencyPost {
   LowLatencyKind kind = LowLatencyKind::kDispatch;
   uint64_t seq = 0;        // the sender's low-latency call number (1, 2, ...)
   std::vector<bool> mask;  // the sender's rank mask when it posted
+  // The sender failed this call before it could send (invalid input): receivers raise kPeerFailure.
+  bool failed = false;
+  std::string reason;
   int64_t hidden = 0;
   // Dispatch: the sender's tokens.
   int64_t num_tokens = 0, num_topk = 0, max_tokens = 0, num_experts = 0;
@@ -35,6 +39,10 @@ struct LowLatencyPost {
   std::vector<uint8_t> x;       // [T, H]: bf16, or fp8 after quantize_fp8_host
   std::vector<uint8_t> scales;  // [T, H / 128]: fp32 or uint8; fp8 only
   // Combine: the expert outputs of the received slots, per (local expert, destination rank) block.
+  // dispatch_seq and num_local_experts identify the dispatch being reversed; receivers check them
+  // before indexing the blocks.
+  uint64_t dispatch_seq = 0;
+  int64_t num_local_experts = 0;
   std::vector<int64_t> block_offset;  // [E_local, R]: first row of the block in `rows`
   std::vector<int32_t> block_count;   // [E_local, R]
   std::vector<uint16_t> rows;         // bf16 [sum of counts, H]
@@ -61,6 +69,7 @@ struct LowLatencyState {
   const void* owner = nullptr;  // the HostBuffer
   LowLatencyKind kind = LowLatencyKind::kDispatch;
   uint64_t seq = 0;
+  uint64_t epoch = 0;  // HostBuffer::ll_epoch_ when made
   bool received = false;
   ep::LowLatencyShape shape;
   int64_t max_tokens = 0, num_experts = 0;
@@ -71,6 +80,7 @@ struct LowLatencyState {
   std::vector<int32_t> slot_idx;          // [T, K]: index of (t, k) in its (expert, rank) block, -1 if none
   std::vector<int32_t> recv_block_count;  // [E_local, R]: pairs received per block (set on receive)
   int set_idx = 0;
+  uint64_t dispatch_number = 0;  // the buffer's dispatch count, never reset: owner of the buffer set
   std::shared_ptr<void> recv_x, recv_x_scales, recv_count, recv_src_info, recv_layout_range;
   TensorView cumulative_recv_counts;
   // Combine.
