@@ -22,7 +22,9 @@ typedef struct ncclComm* ncclComm_t;  // NOLINT: the same typedef as nccl.h
 namespace epx {
 
 struct CudaGroupOptions {
-  // Budget for every wait on a peer (host collectives and device-side waits), in milliseconds.
+  // Budget for every wait on a peer (host collectives and device-side waits), in milliseconds, >= 1. Values
+  // above kMaxTimeoutMs (100 years, epx/group.h), e.g. INT64_MAX for "wait forever", are clamped to it when
+  // the group is created; Group::timeout_ms() returns the clamped value.
   int64_t timeout_ms = 60'000;
 };
 

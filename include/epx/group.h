@@ -19,6 +19,11 @@ namespace epx {
 enum class Backend : uint8_t { kHost, kCuda };
 const char* to_string(Backend backend) noexcept;
 
+// The longest wait budget a group keeps: 100 years, in milliseconds. Larger timeouts (INT64_MAX meaning
+// "wait forever") are clamped to it when a group is created, so that deadlines (now + timeout) and the
+// conversions to nanoseconds or clock cycles cannot overflow.
+inline constexpr int64_t kMaxTimeoutMs = int64_t{100} * 365 * 24 * 3600 * 1000;  // 3'153'600'000'000
+
 class Group {
  public:
   virtual ~Group() = default;

@@ -56,14 +56,17 @@ struct TensorView {
   int64_t strides[kMaxDims] = {0, 0, 0, 0};
   Device device{};
 
-  // A contiguous (row-major) view.
+  // A contiguous (row-major) view. Throws Error(kInvalidArgument) for more than kMaxDims dims, a negative
+  // dim, or a shape of more than 2^63 - 1 bytes.
   static TensorView of(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device = {});
   static TensorView of(void* data, DType dtype, const std::vector<int64_t>& shape, Device device = {});
 
   bool defined() const { return ndim >= 0; }
   int64_t size(int dim) const { return shape[dim]; }
+  // Elements (0 when absent) and bytes. Throw Error(kInvalidArgument) for a view no memory can back: ndim
+  // above kMaxDims, a negative dimension, or more than 2^63 - 1 elements or bytes (a hand-built view).
   int64_t numel() const;
-  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
+  size_t nbytes() const;
   bool is_contiguous() const;
   std::vector<int64_t> sizes() const { return {shape, shape + (ndim > 0 ? ndim : 0)}; }
   template <typename T>
@@ -91,7 +94,8 @@ std::shared_ptr<Allocator> default_allocator();
 class Tensor {
  public:
   Tensor() = default;
-  // Allocates a contiguous tensor; contents are uninitialized.
+  // Allocates a contiguous tensor; contents are uninitialized. Throws Error(kInvalidArgument) for a bad
+  // shape (see TensorView::of; the message names the bytes), kOutOfMemory when the allocator fails.
   static Tensor empty(DType dtype, const std::vector<int64_t>& shape, Device device = {},
                       const std::shared_ptr<Allocator>& allocator = nullptr, Stream stream = nullptr);
   // Wraps memory owned elsewhere; `keep_alive` (may be null) is held as long as the tensor.
@@ -119,7 +123,8 @@ class Tensor {
 };
 
 // ---- validation helpers (throw Error(kInvalidArgument) naming `name`) ----------------------------
-// shape entries < 0 are wildcards. Requires a defined, contiguous view.
+// shape entries < 0 are wildcards. Requires a defined, contiguous view with dims >= 0 whose element count
+// and byte size fit in int64.
 void check_tensor(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape);
 void check_tensor(const TensorView& t, const char* name, std::initializer_list<DType> dtypes,
                   std::initializer_list<int64_t> shape);

@@ -54,34 +54,41 @@ std::string to_string(Device device) {
   return device.is_cuda() ? fmt::format("cuda:{}", device.index) : std::string("cpu");
 }
 
-TensorView TensorView::of(void* data, DType dtype, const std::vector<int64_t>& shape, Device device) {
-  EPX_CHECK_ARG(shape.size() <= static_cast<size_t>(kMaxDims), "tensors have at most {} dims, got {}", kMaxDims,
-                shape.size());
+namespace {
+
+// A contiguous view; `name` names the caller in the errors.
+TensorView contiguous_view(void* data, DType dtype, const std::vector<int64_t>& shape, Device device,
+                           std::string_view name) {
+  EPX_CHECK_ARG(shape.size() <= static_cast<size_t>(kMaxDims), "{}: tensors have at most {} dims, got {}", name,
+                kMaxDims, shape.size());
   TensorView v;
   v.data = data;
   v.dtype = dtype;
   v.ndim = static_cast<int>(shape.size());
   v.device = device;
+  for (int d = 0; d < v.ndim; ++d) v.shape[d] = shape[d];
+  detail::checked_nbytes(v, name);  // NOTE: bounds every stride below too (each is a partial product)
   int64_t stride = 1;
   for (int d = v.ndim - 1; d >= 0; --d) {
-    EPX_CHECK_ARG(shape[d] >= 0, "tensor dim {} must be >= 0, got {}", d, shape[d]);
-    v.shape[d] = shape[d];
     v.strides[d] = stride;
     stride *= shape[d];
   }
   return v;
 }
 
+}  // namespace
+
+TensorView TensorView::of(void* data, DType dtype, const std::vector<int64_t>& shape, Device device) {
+  return contiguous_view(data, dtype, shape, device, "tensor");
+}
+
 TensorView TensorView::of(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
   return of(data, dtype, std::vector<int64_t>(shape), device);
 }
 
-int64_t TensorView::numel() const {
-  if (ndim < 0) return 0;
-  int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
-  return n;
-}
+int64_t TensorView::numel() const { return detail::checked_numel(*this, "tensor"); }
+
+size_t TensorView::nbytes() const { return static_cast<size_t>(detail::checked_nbytes(*this, "tensor")); }
 
 bool TensorView::is_contiguous() const {
   // NOTE: a view with no elements addresses no memory, whatever its strides (numpy gives [0, H] arrays
@@ -92,13 +99,14 @@ bool TensorView::is_contiguous() const {
   int64_t expected = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;
-    expected *= shape[d];
+    if (__builtin_mul_overflow(expected, shape[d], &expected)) return false;  // no memory spans it
   }
   return true;
 }
 
 std::string TensorView::describe() const {
   if (!defined()) return "absent";
+  if (ndim > kMaxDims) return fmt::format("{}[{} dims] on {}", to_string(dtype), ndim, to_string(device));
   std::string dims;
   for (int d = 0; d < ndim; ++d) dims += fmt::format("{}{}", d ? ", " : "", shape[d]);
   return fmt::format("{}[{}] on {}", to_string(dtype), dims, to_string(device));
@@ -133,8 +141,11 @@ std::shared_ptr<Allocator> default_allocator() {
 Tensor Tensor::empty(DType dtype, const std::vector<int64_t>& shape, Device device,
                      const std::shared_ptr<Allocator>& allocator, Stream stream) {
   Tensor t;
-  t.view_ = TensorView::of(nullptr, dtype, shape, device);
-  t.storage_ = (allocator ? allocator : default_allocator())->allocate(t.view_.nbytes(), device, stream);
+  t.view_ = contiguous_view(nullptr, dtype, shape, device, "Tensor::empty");
+  const int64_t bytes = detail::checked_nbytes(t.view_, "Tensor::empty");
+  t.storage_ = (allocator ? allocator : default_allocator())->allocate(static_cast<size_t>(bytes), device, stream);
+  EPX_CHECK(ErrorCode::kOutOfMemory, t.storage_ != nullptr || bytes == 0,
+            "Tensor::empty: allocating {} bytes for {} failed", bytes, t.view_.describe());
   t.view_.data = t.storage_.get();
   return t;
 }
@@ -145,6 +156,39 @@ Tensor Tensor::wrap(TensorView view, std::shared_ptr<void> keep_alive) {
   t.storage_ = std::move(keep_alive);
   return t;
 }
+
+namespace detail {
+
+int64_t checked_numel(const TensorView& t, std::string_view name) {
+  if (t.ndim < 0) return 0;
+  EPX_CHECK_ARG(t.ndim <= kMaxDims, "{} has {} dims, more than the limit {}", name, t.ndim, kMaxDims);
+  for (int d = 0; d < t.ndim; ++d) {
+    EPX_CHECK_ARG(t.shape[d] >= 0, "{} dim {} must be >= 0, got {}", name, d, t.shape[d]);
+  }
+  int64_t n = 1;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (__builtin_mul_overflow(n, t.shape[d], &n)) {
+      // NOTE: a zero dim makes the product 0 whatever the others are.
+      for (int z = 0; z < t.ndim; ++z) {
+        if (t.shape[z] == 0) return 0;
+      }
+      raise(ErrorCode::kInvalidArgument, "{} {} has more than 2^63 - 1 elements", name, t.describe());
+    }
+  }
+  return n;
+}
+
+int64_t checked_nbytes(const TensorView& t, std::string_view name) {
+  const int64_t n = checked_numel(t, name);
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, static_cast<int64_t>(dtype_size(t.dtype)), &bytes)) {
+    raise(ErrorCode::kInvalidArgument, "{} {}: {} elements * {} bytes overflows int64 (max 2^63 - 1 bytes)", name,
+          t.describe(), n, dtype_size(t.dtype));
+  }
+  return bytes;
+}
+
+}  // namespace detail
 
 namespace {
 
@@ -158,8 +202,10 @@ void check_shape(const TensorView& t, const char* name, std::initializer_list<in
                   t.describe());
     ++d;
   }
+  detail::checked_nbytes(t, name);
+  const int64_t numel = detail::checked_numel(t, name);
   EPX_CHECK_ARG(t.is_contiguous(), "{} must be contiguous", name);
-  EPX_CHECK_ARG(t.data != nullptr || t.numel() == 0, "{} has a null data pointer", name);
+  EPX_CHECK_ARG(t.data != nullptr || numel == 0, "{} has a null data pointer", name);
 }
 
 }  // namespace

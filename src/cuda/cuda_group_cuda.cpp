@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "core/check.h"
+#include "core/timeout.h"
 #include "cuda/cuda_group.h"
 #include "cuda/cuda_util.h"
 #include "cuda/nccl_loader.h"
@@ -46,7 +47,7 @@ class NcclCudaGroup final : public CudaGroup {
  public:
   // owns_comm: the group destroys the communicator with itself.
   NcclCudaGroup(ncclComm_t comm, const CudaGroupOptions& options, bool owns_comm = false)
-      : comm_(comm), owns_comm_(owns_comm), timeout_ms_(options.timeout_ms) {
+      : comm_(comm), owns_comm_(owns_comm), timeout_ms_(detail::clamp_timeout_ms(options.timeout_ms)) {
     check_nccl(nccl().CommUserRank(comm, &rank_), "ncclCommUserRank");
     check_nccl(nccl().CommCount(comm, &num_ranks_), "ncclCommCount");
     check_nccl(nccl().CommCuDevice(comm, &device_), "ncclCommCuDevice");
@@ -84,7 +85,7 @@ class NcclCudaGroup final : public CudaGroup {
     check_nccl(nccl().AllGather(dev_send, scratch_, bytes, ncclChar, comm_, stream_), "ncclAllGather");
     check_cuda(cudaMemcpyAsync(recv, scratch_, total, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
     // NOTE: poll with a deadline instead of cudaStreamSynchronize so that a missing peer is a timeout.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms_);
+    const auto deadline = detail::deadline_after_ms(timeout_ms_);
     while (true) {
       const cudaError_t status = cudaStreamQuery(stream_);
       if (status == cudaSuccess) break;
@@ -128,7 +129,7 @@ std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& d
                   devices[r], count);
   }
   HostGroupOptions host_options;
-  host_options.timeout_ms = options.timeout_ms;
+  host_options.timeout_ms = detail::clamp_timeout_ms(options.timeout_ms);
   auto hosts = create_host_groups(num_ranks, host_options);
   auto world = std::make_shared<cuda::CudaWorld>();
   std::vector<std::shared_ptr<Group>> groups;

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/check.h"
+#include "core/timeout.h"
 #include "cuda/cuda_util.h"
 #include "cuda/nccl_loader.h"
 
@@ -39,7 +40,8 @@ std::unique_ptr<Entry> create_entry(Group& group) {
   entry->num_ranks = group.num_ranks();
   DpComm& dp = entry->dp;
   dp.device = group.device().index;
-  dp.timeout_ms = group.timeout_ms();
+  // NOTE: clamped here too: a Group implemented outside epx may return INT64_MAX ("wait forever").
+  dp.timeout_ms = detail::clamp_timeout_ms(group.timeout_ms());
   ncclUniqueId id{};
   if (group.rank() == 0) {
     const ncclResult_t res = nccl().GetUniqueId(&id);
@@ -75,7 +77,7 @@ void nccl_wait(const DpComm& dp, ncclResult_t result, const char* what) {
   if (result != ncclInProgress) {
     detail::raise(ErrorCode::kNcclError, "{} failed: {}", what, nccl().GetErrorString(result));
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(dp.timeout_ms);
+  const auto deadline = detail::deadline_after_ms(dp.timeout_ms);
   while (true) {
     ncclResult_t state = ncclInProgress;
     nccl().CommGetAsyncError(dp.comm, &state);

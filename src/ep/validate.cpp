@@ -20,10 +20,35 @@ void check_topk_idx(const TensorView& topk_idx, int64_t num_tokens, Device devic
   EPX_CHECK_ARG(topk_idx.shape[1] >= 1, "topk_idx must have >= 1 column (num_topk), got {}", topk_idx.describe());
 }
 
+// NOTE: expert ids and the per-expert counts of the layout are int32.
+void check_num_experts(int64_t num_experts) {
+  EPX_CHECK_ARG(num_experts <= kMaxExperts, "num_experts must be <= 2^31 - 1 (int32 expert ids and counts), got {}",
+                num_experts);
+}
+
+// Bytes of one received row of a normal dispatch: data, scales, top-k ids (at most 8 bytes each) and weights,
+// and the int32 source index. Checked, so that rows * row bytes below can be checked too.
+int64_t received_row_bytes(const DispatchShape& shape, const TensorView& x) {
+  int64_t bytes = detail::checked_mul(shape.hidden, static_cast<int64_t>(dtype_size(x.dtype)), "x row bytes");
+  bytes = detail::checked_add(bytes, shape.scale_bytes, "x row bytes + x_scales row bytes");
+  const int64_t topk_bytes = detail::checked_mul(shape.num_topk, 8 + 4, "num_topk * 12 bytes");
+  return detail::checked_add(detail::checked_add(bytes, topk_bytes, "received row bytes"), 4, "received row bytes");
+}
+
+// Worst-token mode allocates num_worst_tokens rows whatever arrives: their bytes must be representable.
+// NOTE: checks the row bytes in every mode: x [0, 2^62] has 0 bytes here but not on the receivers.
+void check_received_rows(const DispatchArgs& args, const DispatchShape& shape) {
+  const int64_t row_bytes = received_row_bytes(shape, args.x);
+  if (args.num_worst_tokens > 0) {
+    detail::checked_mul(args.num_worst_tokens, row_bytes, "num_worst_tokens * received row bytes");
+  }
+}
+
 }  // namespace
 
 void validate_layout_args(const TensorView& topk_idx, int64_t num_experts, int num_ranks, Device device) {
   check_expert_split(num_experts, num_ranks);
+  check_num_experts(num_experts);
   check_topk_idx(topk_idx, -1, device);
 }
 
@@ -48,14 +73,15 @@ DispatchShape validate_dispatch(const DispatchArgs& args, int num_ranks, Device 
     EPX_CHECK_ARG(s.ndim == 2 && s.shape[0] == shape.num_tokens && s.shape[1] == num_scales,
                   "x_scales must be [{}, {}] ({}), got {}", shape.num_tokens, num_scales,
                   packed ? "int32: ceil(H / 512) packed UE8M0" : "H / 128 blocks", s.describe());
-    EPX_CHECK_ARG(s.data != nullptr || s.numel() == 0, "x_scales has a null data pointer");
+    EPX_CHECK_ARG(s.data != nullptr || detail::checked_numel(s, "x_scales") == 0, "x_scales has a null data pointer");
     check_device(s, "x_scales", device);
     shape.scale_bytes = num_scales * static_cast<int64_t>(dtype_size(s.dtype));
   } else {
     EPX_CHECK_ARG(!args.x_scales.defined(), "x_scales must be absent with bf16 x, got {}", args.x_scales.describe());
   }
   EPX_CHECK_ARG(args.expert_alignment >= 1, "expert_alignment must be >= 1, got {}", args.expert_alignment);
-  EPX_CHECK_ARG(args.num_worst_tokens >= 0, "num_worst_tokens must be >= 0, got {}", args.num_worst_tokens);
+  EPX_CHECK_ARG(args.num_worst_tokens >= 0 && args.num_worst_tokens <= kMaxWorstTokens,
+                "num_worst_tokens must be in [0, 2^31 - 1] (0: off; int32 row indices), got {}", args.num_worst_tokens);
   shape.is_cached = args.handle != nullptr;
   if (shape.is_cached) {
     EPX_CHECK_ARG(!args.topk_idx.defined(), "topk_idx must be absent in cached mode (handle given), got {}",
@@ -66,12 +92,15 @@ DispatchShape validate_dispatch(const DispatchArgs& args, int num_ranks, Device 
     EPX_CHECK_ARG(args.handle->num_tokens() == shape.num_tokens,
                   "x has {} tokens but the cached handle was made for {} tokens", shape.num_tokens,
                   args.handle->num_tokens());
+    check_received_rows(args, shape);
     return shape;
   }
   check_expert_split(args.num_experts, num_ranks);
+  check_num_experts(args.num_experts);
   EPX_CHECK_ARG(args.topk_idx.defined(), "topk_idx is required unless a handle is given (cached mode)");
   check_topk_idx(args.topk_idx, shape.num_tokens, device);
   shape.num_topk = args.topk_idx.shape[1];
+  check_received_rows(args, shape);
   check_optional(args.topk_weights, "topk_weights", DType::kFloat32, {shape.num_tokens, shape.num_topk}, device);
   if (args.layout != nullptr) {
     check_tensor(args.layout->num_tokens_per_rank, "layout.num_tokens_per_rank", DType::kInt32, {num_ranks});
@@ -109,7 +138,7 @@ LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args
   LowLatencyShape shape;
   const int64_t max_tokens = args.max_tokens_per_rank;
   EPX_CHECK_ARG(max_tokens >= 1, "max_tokens_per_rank must be >= 1, got {}", max_tokens);
-  EPX_CHECK_ARG(max_tokens * num_ranks < (int64_t{1} << 31),
+  EPX_CHECK_ARG(detail::checked_mul(num_ranks, max_tokens, "num_ranks * max_tokens_per_rank") < (int64_t{1} << 31),
                 "num_ranks * max_tokens_per_rank must be < 2^31 (slot indices are 32-bit), got {} * {}", num_ranks,
                 max_tokens);
   check_tensor(args.x, "x", DType::kBFloat16, {-1, -1});
@@ -139,8 +168,10 @@ LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args
 
 void validate_low_latency_combine(const LowLatencyCombineArgs& args, const LowLatencyShape& dispatch_shape,
                                   int64_t max_tokens_per_rank, int num_ranks, Device device) {
-  check_tensor(args.x, "x", DType::kBFloat16,
-               {dispatch_shape.num_local_experts, num_ranks * max_tokens_per_rank, dispatch_shape.hidden});
+  check_tensor(
+      args.x, "x", DType::kBFloat16,
+      {dispatch_shape.num_local_experts,
+       detail::checked_mul(num_ranks, max_tokens_per_rank, "num_ranks * max_tokens_per_rank"), dispatch_shape.hidden});
   check_device(args.x, "x", device);
   check_tensor(args.topk_idx, "topk_idx", {DType::kInt64, DType::kInt32},
                {dispatch_shape.num_tokens, dispatch_shape.num_topk});

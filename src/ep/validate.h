@@ -14,6 +14,11 @@ namespace epx::ep {
 inline constexpr int64_t kMaxLowLatencyHidden = 16384;
 inline constexpr int64_t kMaxLowLatencyTopk = 16;
 inline constexpr int64_t kMaxLowLatencyExperts = 1024;
+// Normal-path limits: expert ids and per-expert counts are int32, and so are the row indices of a worst-token
+// dispatch (recv_src_idx, the kernels' row counters). num_worst_tokens * (the bytes of one received row) must
+// also fit in int64; the allocation itself may still fail with kOutOfMemory.
+inline constexpr int64_t kMaxExperts = INT32_MAX;
+inline constexpr int64_t kMaxWorstTokens = INT32_MAX;
 
 // Shapes of a validated normal dispatch.
 struct DispatchShape {
@@ -25,10 +30,12 @@ struct DispatchShape {
   int64_t scale_bytes = 0;  // bytes of one token's scales (x_scales.shape[1] * element size); 0 without fp8
 };
 
-// get_dispatch_layout: topk_idx int32/int64 [T, K] on `device`, num_experts divisible by num_ranks.
+// get_dispatch_layout: topk_idx int32/int64 [T, K] on `device`, num_experts in [1, 2^31 - 1] divisible by
+// num_ranks.
 void validate_layout_args(const TensorView& topk_idx, int64_t num_experts, int num_ranks, Device device);
 
-// Normal dispatch. In cached mode also checks handle->num_tokens() == T.
+// Normal dispatch. In cached mode also checks handle->num_tokens() == T. num_worst_tokens in [0, 2^31 - 1],
+// num_experts <= 2^31 - 1, and every tensor's element count and bytes fit in int64.
 DispatchShape validate_dispatch(const DispatchArgs& args, int num_ranks, Device device);
 
 // The SM count of one normal call: num_sms (DispatchArgs/CombineArgs) in [0, buffer_num_sms], 0 meaning

@@ -1,0 +1,162 @@
+// Sizes at the limits (issue 13, defect 4): every product of user-given sizes is checked and every bound
+// named. Each case below once wrapped around int64 silently (or threw std::length_error) and must now throw
+// Error(kInvalidArgument) naming the argument, before any memory is touched.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "core/timeout.h"
+#include "epx/buffer.h"
+#include "epx/error.h"
+#include "epx/group.h"
+#include "epx/tensor.h"
+#include "test_util.h"
+
+namespace epx {
+namespace {
+
+constexpr int64_t kPow62 = int64_t{1} << 62;
+
+// The code and message of the Error fn throws ("no error" when it returns).
+template <typename Fn>
+std::pair<ErrorCode, std::string> error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return {e.code(), e.what()};
+  }
+  return {ErrorCode::kInternal, "no error"};
+}
+
+#define EXPECT_INVALID(expr, needle)                                                                   \
+  do {                                                                                                 \
+    const auto [code, message] = error_of([&] { (void)(expr); });                                      \
+    EXPECT_EQ(code, ErrorCode::kInvalidArgument) << message;                                           \
+    EXPECT_NE(message.find(needle), std::string::npos) << "want '" << (needle) << "' in: " << message; \
+  } while (0)
+
+TEST(SizeLimits, CheckedArithmetic) {
+  EXPECT_EQ(detail::checked_mul(int64_t{1} << 31, int64_t{1} << 31, "a * b"), int64_t{1} << 62);
+  EXPECT_EQ(detail::checked_add(INT64_MAX - 1, 1, "a + b"), INT64_MAX);
+  EXPECT_INVALID(detail::checked_mul(kPow62, 4, "num_ranks * max_tokens_per_rank"),
+                 "num_ranks * max_tokens_per_rank = 4611686018427387904 * 4 overflows int64");
+  EXPECT_INVALID(detail::checked_add(INT64_MAX, 1, "rows + 1"), "rows + 1 =");
+}
+
+// Defect 5: "wait forever" (INT64_MAX) is clamped to kMaxTimeoutMs when a CUDA group or the DP communicator
+// is made (src/cuda/cuda_group_cuda.cpp, src/dp/comm_cuda.cpp use these helpers); the clamped budget converts
+// to nanoseconds and a steady-clock deadline without overflow, an unclamped one throws instead of wrapping.
+TEST(SizeLimits, TimeoutClampAndConversions) {
+  EXPECT_EQ(kMaxTimeoutMs, int64_t{3'153'600'000'000});
+  EXPECT_EQ(detail::clamp_timeout_ms(INT64_MAX), kMaxTimeoutMs);
+  EXPECT_EQ(detail::clamp_timeout_ms(60'000), 60'000);
+  EXPECT_EQ(detail::timeout_ns(kMaxTimeoutMs), int64_t{3'153'600'000'000} * 1'000'000);
+  const auto now = std::chrono::steady_clock::now();
+  EXPECT_GT(detail::deadline_after_ms(kMaxTimeoutMs), now + std::chrono::hours(24 * 365 * 99));
+  EXPECT_GE(detail::deadline_after_ms(1), now + std::chrono::milliseconds(1));
+  EXPECT_INVALID(detail::timeout_ns(INT64_MAX), "timeout_ms");
+  EXPECT_INVALID(detail::deadline_after_ms(INT64_MAX), "timeout_ms");
+}
+
+TEST(SizeLimits, TensorEmptyRejectsOverflowingBytes) {
+  // 2^62 * 8 elements * 8 bytes wrapped to a 0-byte tensor.
+  EXPECT_INVALID(Tensor::empty(DType::kInt64, {kPow62, 8}), "Tensor::empty");
+  // 2^61 int64 elements fit in int64, their 2^64 bytes do not.
+  EXPECT_INVALID(Tensor::empty(DType::kInt64, {int64_t{1} << 61}), "bytes");
+  // A zero dim makes any other dim harmless.
+  const Tensor none = Tensor::empty(DType::kInt64, {kPow62, 0});
+  EXPECT_EQ(none.numel(), 0);
+  EXPECT_EQ(none.nbytes(), 0u);
+}
+
+TEST(SizeLimits, HandBuiltViewsAreCheckedByName) {
+  std::vector<uint16_t> buf(16);
+  TensorView negative = TensorView::of(buf.data(), DType::kBFloat16, {4, 4});
+  negative.shape[0] = -4;  // strides stay {4, 1}: contiguous by the old test
+  EXPECT_INVALID(check_tensor(negative, "x", DType::kBFloat16, {-1, 4}), "x dim 0 must be >= 0, got -4");
+  EXPECT_INVALID(negative.numel(), "dim 0 must be >= 0");
+
+  TensorView huge = TensorView::of(buf.data(), DType::kBFloat16, {4, 4});
+  huge.shape[0] = huge.shape[1] = int64_t{1} << 32;  // 2^64 elements wrapped to 0
+  huge.strides[0] = int64_t{1} << 32;
+  EXPECT_INVALID(check_tensor(huge, "topk_weights", DType::kBFloat16, {-1, -1}), "topk_weights");
+  EXPECT_INVALID(huge.numel(), "more than 2^63 - 1 elements");
+
+  TensorView many_bytes = TensorView::of(buf.data(), DType::kInt64, {1});
+  many_bytes.shape[0] = int64_t{1} << 61;  // 2^61 elements, 2^64 bytes
+  EXPECT_INVALID(check_tensor(many_bytes, "topk_idx", DType::kInt64, {-1}), "topk_idx");
+  EXPECT_INVALID(many_bytes.nbytes(), "overflows int64");
+
+  TensorView too_many_dims = TensorView::of(buf.data(), DType::kBFloat16, {4, 4});
+  too_many_dims.ndim = 7;
+  EXPECT_INVALID(check_tensor(too_many_dims, "x", DType::kBFloat16, {-1, -1}), "x");
+  EXPECT_INVALID(too_many_dims.numel(), "more than the limit 4");
+
+  EXPECT_INVALID(TensorView::of(buf.data(), DType::kFloat32, {kPow62, 4}), "more than 2^63 - 1 elements");
+}
+
+TEST(SizeLimits, SizeHintsThrowInsteadOfWrapping) {
+  // Used to return a wrapped 362 MB.
+  EXPECT_INVALID(normal_buffer_size_hint(7168, 8, 24, int64_t{1} << 51), "max_tokens_per_rank");
+  EXPECT_INVALID(normal_buffer_size_hint(int64_t{1} << 62, 8, 24), "hidden");
+  EXPECT_INVALID(normal_buffer_size_hint(7168, 1 << 20, 1 << 30), "num_ranks");
+  // Large but representable: no wrap, and more tokens never mean fewer bytes.
+  EXPECT_GT(normal_buffer_size_hint(7168, 8, 24, int64_t{1} << 40), normal_buffer_size_hint(7168, 8, 24, 1 << 20));
+  EXPECT_INVALID(low_latency_buffer_size_hint(int64_t{1} << 40, 16384, 8, 1024), "max_tokens_per_rank");
+  EXPECT_INVALID(low_latency_buffer_size_hint(1 << 20, int64_t{1} << 50, 8, 1024), "hidden");
+  EXPECT_GT(low_latency_buffer_size_hint(int64_t{1} << 30, 16384, 8, 1024),
+            low_latency_buffer_size_hint(128, 16384, 8, 1024));
+}
+
+TEST(SizeLimits, LowLatencySlotCountOverflow) {
+  // 4 ranks * 2^62 tokens = 2^64 slots wrapped to 0 < 2^31: accepted, then an 8-byte write landed in a
+  // 1-byte block. Every rank gets the same invalid input, so each must throw on its own.
+  auto groups = create_host_groups(4, {.timeout_ms = 5'000});
+  run_host_ranks(groups, [&](int rank, Group&) {
+    BufferOptions options;
+    options.num_low_latency_bytes = 1 << 20;
+    auto buffer = Buffer::create(groups[rank], options);
+    std::vector<uint16_t> x(2 * 128);
+    std::vector<int64_t> topk = {0, 1};
+    LowLatencyDispatchArgs args;
+    args.x = TensorView::of(x.data(), DType::kBFloat16, {2, 128});
+    args.topk_idx = TensorView::of(topk.data(), DType::kInt64, {2, 1});
+    args.max_tokens_per_rank = kPow62;
+    args.num_experts = 4;
+    EXPECT_INVALID(buffer->low_latency_dispatch(args), "num_ranks * max_tokens_per_rank");
+  });
+}
+
+TEST(SizeLimits, NormalDispatchBoundsAndViews) {
+  auto groups = create_host_groups(1, {.timeout_ms = 5'000});
+  auto buffer = Buffer::create(groups[0]);
+  std::vector<uint16_t> x(2 * 128);
+  std::vector<int64_t> topk = {0, 1};
+  DispatchArgs args;
+  args.x = TensorView::of(x.data(), DType::kBFloat16, {2, 128});
+  args.topk_idx = TensorView::of(topk.data(), DType::kInt64, {2, 1});
+  args.num_experts = 2;
+  // Used to return a [2^62, 128] tensor backed by a wrapped allocation.
+  args.num_worst_tokens = kPow62;
+  EXPECT_INVALID(buffer->dispatch(args), "num_worst_tokens");
+  args.num_worst_tokens = int64_t{1} << 31;
+  EXPECT_INVALID(buffer->dispatch(args), "2^31 - 1");
+  args.num_worst_tokens = 0;
+
+  // A hand-built x with a negative dimension used to pass validation and throw std::length_error.
+  DispatchArgs bad = args;
+  bad.x.shape[0] = -2;
+  EXPECT_INVALID(buffer->dispatch(bad), "x dim 0 must be >= 0");
+
+  // Valid input still works after the rejections.
+  args.num_worst_tokens = 8;
+  const DispatchResult result = buffer->dispatch(args);
+  EXPECT_EQ(result.recv_x.size(0), 8);
+}
+
+}  // namespace
+}  // namespace epx
