@@ -324,6 +324,26 @@ void print_report(const nlohmann::json& report) {
   std::printf("check: %s\n", report["check"]["passed"].get<bool>() ? "passed" : "FAILED");
 }
 
+// The host backend holds every rank's tensors in this process. Lower bounds of what the run touches, per
+// rank: normal mode x (bf16), its fp8 copy, the combined output and at least as many received rows as the
+// rank sends (7 bytes per element); low-latency mode the received rows, --ll-tokens x --topk of them (bf16).
+// Each rank's low-latency receive buffer [E_local, R * M, H] bf16 (E x M x H x 2 bytes) is one allocation,
+// mostly untouched, but one allocation larger than physical memory fails.
+void check_host_bench_memory(const BenchConfig& c) {
+  const int num_ranks = c.num_ranks > 0 ? c.num_ranks : 4;
+  const double hidden = static_cast<double>(c.hidden);
+  const double normal = static_cast<double>(c.num_tokens) * hidden * 7;
+  const double low_latency = static_cast<double>(c.num_ll_tokens) * c.num_topk * hidden * 2;
+  check_fits_in_memory(num_ranks * (normal + low_latency),
+                       fmt::format("bench on the host backend: {} ranks x (--tokens {} x --hidden {} x 7 bytes + "
+                                   "--ll-tokens {} x --topk {} x --hidden {} x 2 bytes)",
+                                   num_ranks, c.num_tokens, c.hidden, c.num_ll_tokens, c.num_topk, c.hidden));
+  check_fits_in_memory(static_cast<double>(c.num_experts) * static_cast<double>(c.num_ll_tokens) * hidden * 2,
+                       fmt::format("bench on the host backend: each rank's low-latency receive buffer, --experts {} x "
+                                   "--ll-tokens {} x --hidden {} x 2 bytes,",
+                                   c.num_experts, c.num_ll_tokens, c.hidden));
+}
+
 void add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench",
                                  "Run dispatch + combine of a DeepSeek-V3-shaped MoE step, normal and low-latency: on "
@@ -331,26 +351,30 @@ void add_bench(CLI::App& app) {
   auto config = std::make_shared<BenchConfig>();
   auto json_path = std::make_shared<std::string>();
   cmd->add_option("--ranks", config->num_ranks, "Ranks (default: all visible GPUs; host backend: 4)")
-      ->check(CLI::Range(0, 1024));
+      ->check(int_in(1, 1024));
   auto* tokens = cmd->add_option("--tokens", config->num_tokens,
                                  "Tokens per rank, normal mode (default 4096; host "
                                  "backend 512)")
-                     ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
-  auto* hidden = cmd->add_option("--hidden", config->hidden, "Hidden size (default 7168; host backend 2048)")
-                     ->check(CLI::Range(int64_t{128}, int64_t{65536}));
-  cmd->add_option("--topk", config->num_topk, "Experts per token (default 8)")->check(CLI::Range(1, 16));
-  cmd->add_option("--experts", config->num_experts, "Experts (default 256)")
-      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
+                     ->check(int_in(0, int64_t{1} << 20));
+  auto* hidden =
+      cmd->add_option("--hidden", config->hidden, "Hidden size, a multiple of 128 (default 7168; host backend 2048)")
+          ->check(int_in(128, 65536));
+  cmd->add_option("--topk", config->num_topk, "Experts per token (default 8)")->check(int_in(1, 16));
+  cmd->add_option("--experts", config->num_experts, "Experts, a multiple of the ranks (default 256)")
+      ->check(int_in(1, 4096));
   cmd->add_option("--ll-tokens", config->num_ll_tokens,
                   "Tokens per rank, low-latency mode (default 128; on GPUs also 1, 32, 64 and 256)")
-      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
-  cmd->add_option("--sms", config->num_sms, "SM counts to sweep for the normal kernels (cuda; default 24)")
-      ->delimiter(',');
-  cmd->add_option("--warmup", config->num_warmup, "Warm-up iterations (default 5)")->check(CLI::Range(0, 10000));
+      ->check(int_in(1, 4096));
+  // NOTE: a string parsed in the callback: CLI11's delimiter drops empty items, so "24," would pass.
+  auto sms = std::make_shared<std::string>();
+  auto* sms_opt = cmd->add_option("--sms", *sms,
+                                  "SM counts to sweep for the normal kernels, comma-separated, each in [1, 1024] "
+                                  "(cuda; default 24)");
+  cmd->add_option("--warmup", config->num_warmup, "Warm-up iterations (default 5)")->check(int_in(0, 10000));
   cmd->add_option("--iters", config->num_iters, "Timed iterations; the median is reported (default 20)")
-      ->check(CLI::Range(1, 100000));
+      ->check(int_in(1, 100000));
   cmd->add_flag("--host", config->host, "Use the host backend even when GPUs are visible");
-  cmd->add_option("--seed", config->seed, "Random seed (default 1)");
+  cmd->add_option("--seed", config->seed, "Random seed (default 1)")->check(uint64_any());
   cmd->add_option("--json", *json_path, "Also write the report as JSON to this file");
   auto* quiet = cmd->add_flag("--quiet")->description("No progress lines on stderr");
   auto* dp = cmd->add_flag("--dp")->description(
@@ -362,6 +386,21 @@ void add_bench(CLI::App& app) {
   cmd->callback([=] {
     BenchConfig c = *config;
     c.progress = quiet->count() == 0;
+    if (sms_opt->count() > 0) {
+      c.num_sms.clear();
+      size_t begin = 0;
+      while (true) {
+        const size_t comma = sms->find(',', begin);
+        const std::string item = sms->substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+        const auto v = parse_decimal_int(item);
+        if (!v || *v < 1 || *v > 1024) {
+          throw BadInput(fmt::format("--sms: '{}' (item {}) is not an integer in [1, 1024]", item, c.num_sms.size()));
+        }
+        c.num_sms.push_back(static_cast<int>(*v));
+        if (comma == std::string::npos) break;
+        begin = comma + 1;
+      }
+    }
     if (c.hidden % kFp8BlockSize != 0) {
       throw BadInput(fmt::format("--hidden must be a multiple of {}, got {}", kFp8BlockSize, c.hidden));
     }
@@ -382,6 +421,18 @@ void add_bench(CLI::App& app) {
                   fmt::format("{} needs a CUDA build and visible GPUs (--host has no such run)",
                               dp->count() > 0 ? "--dp" : "--tbo"));
     }
+    const int num_ranks = c.num_ranks > 0 ? c.num_ranks : (use_cuda ? 0 : 4);
+    if (num_ranks > 0 && c.num_experts % num_ranks != 0) {
+      throw BadInput(fmt::format("--experts {} must be divisible by the {} ranks{}", c.num_experts, num_ranks,
+                                 c.num_ranks > 0 ? " of --ranks" : " (the host backend's default; set --ranks)"));
+    }
+    if (!use_cuda) check_host_bench_memory(c);
+    // Opened before the run, so an unwritable path fails before minutes of work.
+    std::ofstream json_file;
+    if (!json_path->empty()) {
+      json_file.open(*json_path);
+      if (!json_file) throw BadInput(fmt::format("--json: cannot write '{}'", *json_path));
+    }
 #ifdef EPX_WITH_CUDA
     if (extra) {
       report = dp->count() > 0 ? run_cuda_dp_bench(c) : run_cuda_tbo_bench(c);
@@ -391,10 +442,10 @@ void add_bench(CLI::App& app) {
 #endif
     if (!use_cuda) report = run_host_bench(c);
     print_report(report);
-    if (!json_path->empty()) {
-      std::ofstream f(*json_path);
-      if (!f) throw BadInput(fmt::format("--json: cannot write {}", *json_path));
-      f << report.dump(2) << "\n";
+    if (json_file.is_open()) {
+      json_file << report.dump(2) << "\n";
+      json_file.close();
+      if (!json_file) throw Error(ErrorCode::kInternal, fmt::format("--json: writing '{}' failed", *json_path));
     }
     if (!report["check"]["passed"].get<bool>()) throw CLI::RuntimeError(kExitFailure);
   });

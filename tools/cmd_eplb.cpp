@@ -1,10 +1,14 @@
 // `epx eplb plan` and `epx eplb simulate`: expert placement from a load file, and a simulated serving run
 // with load recording and rebalancing. Both print JSON on stdout.
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -23,15 +27,17 @@ namespace {
 
 using namespace epx::eplb;
 
-std::string read_file(const std::string& path, const char* option) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw BadInput(std::string("cannot read ") + option + " file '" + path + "'");
-  std::stringstream buf;
-  buf << in.rdbuf();
-  return buf.str();
-}
+// Bounds of the flags (--help shows them). Sizes up to 2^20 keep every index product of the library in
+// int64 and far from int32 per layer; the memory a run needs is checked separately (check_fits_in_memory).
+constexpr int64_t kMaxSize = int64_t{1} << 20;
+constexpr int64_t kMaxInt = INT32_MAX;
+constexpr double kMaxExpertBytes = 1e15;            // moved_bytes = moved_experts x this stays far from overflow
+constexpr int64_t kMaxStepLoad = int64_t{1} << 30;  // --tokens x --topk
+// A file's text as a parsed JSON document or vectors of doubles: at most this many bytes per byte of text.
+constexpr double kParseBytesPerByte = 16;
 
-// JSON {"weights": [[...], ...]} (or a bare array of rows), or CSV with one layer a line.
+// JSON {"weights": [[...], ...]} (or a bare array of rows), or CSV with one layer a line. Cells are plain
+// decimal numbers (no hex, inf or nan); an empty cell, including after a trailing comma, is an error.
 std::vector<std::vector<double>> parse_weights(const std::string& text, const std::string& path) {
   const size_t first = text.find_first_not_of(" \t\r\n");
   if (first != std::string::npos && (text[first] == '{' || text[first] == '[')) {
@@ -60,33 +66,84 @@ std::vector<std::vector<double>> parse_weights(const std::string& text, const st
   std::vector<std::vector<double>> out;
   std::istringstream lines(text);
   std::string line;
-  int line_no = 0;
+  int64_t line_no = 0;
   while (std::getline(lines, line)) {
     ++line_no;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     std::vector<double> row;
-    std::istringstream cells(line);
-    std::string cell;
-    int col = 0;
-    while (std::getline(cells, cell, ',')) {
-      ++col;
-      const char* begin = cell.c_str();
-      char* end = nullptr;
-      const double v = std::strtod(begin, &end);
-      while (end != nullptr && (*end == ' ' || *end == '\t' || *end == '\r')) ++end;
-      if (end == begin || *end != '\0') {
-        throw BadInput("--weights '" + path + "' line " + std::to_string(line_no) + " column " + std::to_string(col) +
-                       ": '" + cell + "' is not a number");
+    size_t begin = 0;
+    for (int64_t col = 1;; ++col) {
+      const size_t comma = line.find(',', begin);
+      std::string cell = line.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+      const size_t lo = cell.find_first_not_of(" \t\r"), hi = cell.find_last_not_of(" \t\r");
+      cell = lo == std::string::npos ? "" : cell.substr(lo, hi - lo + 1);
+      const auto v = parse_decimal_number(cell);
+      if (!v) {
+        throw BadInput(fmt::format("--weights '{}' line {} column {}: '{}' is not a number (plain decimal)", path,
+                                   line_no, col, cell));
       }
-      row.push_back(v);
+      row.push_back(*v);
+      if (comma == std::string::npos) break;
+      begin = comma + 1;
     }
     out.push_back(std::move(row));
   }
   return out;
 }
 
+// The library's weight checks, in the CLI's words, plus row sums: a row whose sum overflows a double
+// would make every load comparison and the balancedness meaningless (inf / inf).
+void check_weights(const std::vector<std::vector<double>>& weight, const std::string& path) {
+  if (weight.empty()) throw BadInput("--weights '" + path + "' holds no layers");
+  const size_t num_logical = weight[0].size();
+  if (num_logical == 0) throw BadInput("--weights '" + path + "': row 0 holds no experts");
+  for (size_t l = 0; l < weight.size(); ++l) {
+    if (weight[l].size() != num_logical) {
+      throw BadInput(fmt::format("--weights '{}' is ragged: row {} has {} experts, row 0 has {}", path, l,
+                                 weight[l].size(), num_logical));
+    }
+    double sum = 0;
+    for (size_t e = 0; e < num_logical; ++e) {
+      const double v = weight[l][e];
+      if (!std::isfinite(v) || v < 0) {
+        throw BadInput(fmt::format("--weights '{}': weight[{}][{}] must be finite and >= 0, got {}", path, l, e, v));
+      }
+      sum += v;
+    }
+    if (!std::isfinite(sum)) {
+      throw BadInput(
+          fmt::format("--weights '{}': row {} sums to more than the largest double ({:g}); scale the "
+                      "loads down",
+                      path, l, std::numeric_limits<double>::max()));
+    }
+  }
+}
+
+// The placement shape's rules (the library's make_layout), naming the flags. `logical` names where the
+// logical expert count comes from ("columns of --weights", "--experts").
+void check_shape(int64_t num_logical, const char* logical, int64_t replicas, int64_t groups, int64_t nodes,
+                 int64_t gpus) {
+  if (num_logical > kMaxSize) {
+    throw BadInput(
+        fmt::format("{} logical experts ({}) exceed the bound of --replicas, {}", num_logical, logical, kMaxSize));
+  }
+  if (replicas < num_logical) {
+    throw BadInput(fmt::format("--replicas {} must be >= the {} logical experts ({})", replicas, num_logical, logical));
+  }
+  if (replicas % gpus != 0) {
+    throw BadInput(fmt::format("--replicas {} must be divisible by --gpus {} (equal slots per GPU)", replicas, gpus));
+  }
+  if (gpus % nodes != 0) throw BadInput(fmt::format("--gpus {} must be divisible by --nodes {}", gpus, nodes));
+  if (groups % nodes == 0 && num_logical % groups != 0) {
+    throw BadInput(
+        fmt::format("the {} logical experts ({}) must be divisible by --groups {} (the hierarchical "
+                    "policy applies since --groups is a multiple of --nodes {})",
+                    num_logical, logical, groups, nodes));
+  }
+}
+
 // An ExpertLocation JSON or {"phy2log": [[...], ...]}.
-std::vector<int32_t> parse_current(const std::string& text, int num_layers, int num_physical) {
+std::vector<int32_t> parse_current(const std::string& text, int num_layers, int num_logical, int num_physical) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
@@ -102,14 +159,33 @@ std::vector<int32_t> parse_current(const std::string& text, int num_layers, int 
                    std::to_string(num_layers));
   }
   std::vector<int32_t> out;
+  std::vector<char> present(num_logical);
   for (size_t l = 0; l < rows.size(); ++l) {
     if (!rows[l].is_array() || rows[l].size() != static_cast<size_t>(num_physical)) {
       throw BadInput("--current phy2log row " + std::to_string(l) +
                      " must have --replicas = " + std::to_string(num_physical) + " entries");
     }
-    for (const auto& v : rows[l]) {
+    std::fill(present.begin(), present.end(), 0);
+    for (size_t s = 0; s < rows[l].size(); ++s) {
+      const auto& v = rows[l][s];
       if (!v.is_number_integer()) throw BadInput("--current phy2log row " + std::to_string(l) + " has a non-integer");
-      out.push_back(v.get<int32_t>());
+      // NOTE: read as the widest type nlohmann holds, so ids beyond int32 are rejected, not truncated.
+      const bool in_range = v.is_number_unsigned() ? v.get<uint64_t>() < static_cast<uint64_t>(num_logical)
+                                                   : v.get<int64_t>() >= 0 && v.get<int64_t>() < num_logical;
+      if (!in_range) {
+        throw BadInput(
+            fmt::format("--current phy2log[{}][{}] = {} is outside [0, {}) (the logical experts of "
+                        "--weights)",
+                        l, s, v.dump(), num_logical));
+      }
+      const auto id = static_cast<int32_t>(v.get<int64_t>());
+      present[id] = 1;
+      out.push_back(id);
+    }
+    const auto missing = std::find(present.begin(), present.end(), 0);
+    if (missing != present.end()) {
+      throw BadInput(fmt::format("--current phy2log row {} holds no replica of logical expert {} (each needs >= 1)", l,
+                                 missing - present.begin()));
     }
   }
   return out;
@@ -132,15 +208,29 @@ struct PlanArgs {
 };
 
 void run_plan(const PlanArgs& a) {
-  const auto weight = parse_weights(read_file(a.weights, "--weights"), a.weights);
-  if (weight.empty()) throw BadInput("--weights '" + a.weights + "' holds no layers");
+  // Every check before any placement work: flags (CLI11), then the files, then the products.
+  const auto weight = parse_weights(read_input_file(a.weights, "--weights", kParseBytesPerByte), a.weights);
+  check_weights(weight, a.weights);
+  if (weight.size() > static_cast<size_t>(kMaxInt)) {
+    throw BadInput(fmt::format("--weights '{}' holds {} layers, more than {}", a.weights, weight.size(), kMaxInt));
+  }
+  const int num_layers = static_cast<int>(weight.size());
+  const int num_logical = static_cast<int>(std::min(weight[0].size(), static_cast<size_t>(kMaxSize + 1)));
+  check_shape(num_logical, "columns of --weights", a.replicas, a.groups, a.nodes, a.gpus);
+  // NOTE: a lower bound per slot: phy2log, its ranks, log2phy and the trivial placement (4 bytes each), and
+  // the printed phy2log and log2phy (a 16-byte JSON node each).
+  check_fits_in_memory(
+      static_cast<double>(num_layers) * a.replicas * 48,
+      fmt::format("plan: {} layers (rows of --weights) x --replicas {} x 48 bytes per slot", num_layers, a.replicas));
   const Policy policy = policy_from_string(a.policy);
   const PlacementShape shape{a.replicas, a.groups, a.nodes, a.gpus};
-  const int num_layers = static_cast<int>(weight.size());
   nlohmann::json out;
   Placement placement;
   std::vector<int32_t> current;
-  if (!a.current.empty()) current = parse_current(read_file(a.current, "--current"), num_layers, a.replicas);
+  if (!a.current.empty()) {
+    current =
+        parse_current(read_input_file(a.current, "--current", kParseBytesPerByte), num_layers, num_logical, a.replicas);
+  }
   if (!current.empty() && policy == Policy::kDefault && !a.fresh) {
     MigrationResult r = rebalance_migration_aware(weight, shape, current, {a.max_balance_loss});
     placement = std::move(r.placement);
@@ -225,9 +315,30 @@ void plot_with_python(const nlohmann::json& result, const std::string& png) {
 }
 
 void run_simulate(const SimArgs& a) {
-  if (a.steps < 1) throw BadInput("--steps must be >= 1");
-  if (a.report_every < 1) throw BadInput("--report-every must be >= 1");
-  if (a.tokens < 0 || a.topk < 1) throw BadInput("--tokens must be >= 0 and --topk >= 1");
+  // Ranges are checked by CLI11; here the rules between flags and the products, before any work.
+  check_shape(a.experts, "--experts", a.replicas, a.groups, a.nodes, a.gpus);
+  if (a.every < a.buffer) {
+    throw BadInput(
+        fmt::format("--every {} must be >= --buffer {} (a rebalance reads a full recorder buffer)", a.every, a.buffer));
+  }
+  // NOTE: one step's count of an expert is about --tokens x --topk (all of it with a steep Zipf) plus noise,
+  // and the recorder keeps per-step counts in int32.
+  if (static_cast<int64_t>(a.tokens) * a.topk > kMaxStepLoad) {
+    throw BadInput(fmt::format("--tokens {} x --topk {} = {} exceeds 2^30 (per-step expert counts are int32)", a.tokens,
+                               a.topk, static_cast<int64_t>(a.tokens) * a.topk));
+  }
+  // A lower bound: per (layer, slot) the two recorders' rings of int32 counts (min(--buffer, --steps) + 1 steps
+  // each), their int64 sums, two placements (8 bytes each) and the step's int64 counts; per (layer, expert) the
+  // sampled int64 count and the popularity order; per timeline entry a JSON object (>= 128 bytes).
+  const double ring_steps = std::min(a.buffer, a.steps) + 1.0;
+  const double slots = static_cast<double>(a.layers) * a.replicas;
+  const double bytes = slots * (8 * ring_steps + 16 + 16 + 8) + static_cast<double>(a.layers) * a.experts * 12 +
+                       static_cast<double>(a.steps / a.report_every) * 128;
+  check_fits_in_memory(bytes, fmt::format("simulate: --layers {} x --replicas {} x (2 x 4 bytes x (min(--buffer {}, "
+                                          "--steps {}) + 1) + 40 bytes) + --layers x --experts {} x 12 bytes + "
+                                          "--steps / --report-every {} x 128 bytes",
+                                          a.layers, a.replicas, a.buffer, a.steps, a.experts, a.report_every));
+
   DriftingZipf load(a.layers, a.experts, a.exponent, static_cast<double>(a.tokens) * a.topk, a.drift, a.seed);
   const RecorderOptions rec{a.buffer, RecordMode::kStat};
   ManagerOptions opt;
@@ -238,11 +349,12 @@ void run_simulate(const SimArgs& a) {
   opt.policy = policy_from_string(a.policy);
   opt.migration_aware = !a.no_migration;
   opt.migration.max_balance_loss = a.max_balance_loss;
+  // The library's own shape check as a backstop (the deepseek policy: the shape rules are the same, and it is
+  // near-linear in the slots).
+  rebalance({std::vector<double>(a.experts, 1.0)}, {a.replicas, a.groups, a.nodes, a.gpus}, Policy::kDeepSeek);
   const auto initial = ExpertLocation::trivial(a.layers, a.experts, a.replicas, a.gpus, a.nodes);
   RebalanceManager managed(initial, rec, opt);
   LoadRecorder fixed(a.layers, a.experts, a.replicas, a.gpus, rec);  // the same load, never rebalanced
-  // Validate the shape up front so bad input fails before the run.
-  rebalance({std::vector<double>(a.experts, 1.0)}, {a.replicas, a.groups, a.nodes, a.gpus}, opt.policy);
 
   nlohmann::json timeline = nlohmann::json::array();
   std::vector<int64_t> physical;
@@ -303,46 +415,75 @@ void add_eplb(CLI::App& app) {
 
   auto plan_args = std::make_shared<PlanArgs>();
   auto* plan = eplb->add_subcommand("plan", "Compute an expert placement from a load file; prints JSON");
-  plan->add_option("--weights", plan_args->weights, "JSON {\"weights\": [[...], ...]} or CSV, layers x logical")
+  plan->add_option("--weights", plan_args->weights,
+                   "JSON {\"weights\": [[...], ...]} or CSV (plain decimal numbers), layers x logical; loads finite, "
+                   ">= 0, each row's sum finite")
       ->required();
-  plan->add_option("--replicas", plan_args->replicas, "Physical experts per layer")->required();
-  plan->add_option("--groups", plan_args->groups, "Expert groups")->required();
-  plan->add_option("--nodes", plan_args->nodes, "Nodes")->required();
-  plan->add_option("--gpus", plan_args->gpus, "GPUs")->required();
-  plan->add_option("--policy", plan_args->policy, "deepseek | default")->capture_default_str();
+  plan->add_option("--replicas", plan_args->replicas,
+                   "Physical experts per layer (>= the logical experts, a multiple of --gpus)")
+      ->required()
+      ->check(int_in(1, kMaxSize));
+  plan->add_option("--groups", plan_args->groups, "Expert groups")->required()->check(int_in(1, kMaxSize));
+  plan->add_option("--nodes", plan_args->nodes, "Nodes")->required()->check(int_in(1, kMaxSize));
+  plan->add_option("--gpus", plan_args->gpus, "GPUs (a multiple of --nodes)")->required()->check(int_in(1, kMaxSize));
+  plan->add_option("--policy", plan_args->policy, "Placement policy")
+      ->capture_default_str()
+      ->check(one_of({"deepseek", "default"}));
   plan->add_option("--current", plan_args->current,
-                   "Current placement JSON ({\"phy2log\": [[...]]}); reports moved_experts, and with the default "
-                   "policy keeps experts in place unless moving buys balance");
+                   "Current placement JSON ({\"phy2log\": [[...]]}, every logical expert in each row); reports "
+                   "moved_experts, and with the default policy keeps experts in place unless moving buys balance");
   plan->add_option("--max-balance-loss", plan_args->max_balance_loss,
                    "Migration-aware: allowed balancedness loss vs a fresh placement")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(number_in(0, 1));
   plan->add_flag("--fresh", plan_args->fresh, "With --current: compute a fresh placement anyway");
   plan->callback([plan_args] { run_plan(*plan_args); });
 
   auto sim = std::make_shared<SimArgs>();
   auto* s = eplb->add_subcommand("simulate", "Simulate serving with a drifting Zipf load, with and without EPLB");
-  s->add_option("--layers", sim->layers)->capture_default_str();
-  s->add_option("--experts", sim->experts, "Logical experts")->capture_default_str();
-  s->add_option("--replicas", sim->replicas, "Physical experts")->capture_default_str();
-  s->add_option("--groups", sim->groups)->capture_default_str();
-  s->add_option("--nodes", sim->nodes)->capture_default_str();
-  s->add_option("--gpus", sim->gpus)->capture_default_str();
-  s->add_option("--exponent", sim->exponent, "Zipf exponent")->capture_default_str();
+  s->add_option("--layers", sim->layers, "MoE layers")->capture_default_str()->check(int_in(1, kMaxSize));
+  s->add_option("--experts", sim->experts, "Logical experts")->capture_default_str()->check(int_in(1, kMaxSize));
+  s->add_option("--replicas", sim->replicas, "Physical experts (>= --experts, a multiple of --gpus)")
+      ->capture_default_str()
+      ->check(int_in(1, kMaxSize));
+  s->add_option("--groups", sim->groups, "Expert groups")->capture_default_str()->check(int_in(1, kMaxSize));
+  s->add_option("--nodes", sim->nodes, "Nodes")->capture_default_str()->check(int_in(1, kMaxSize));
+  s->add_option("--gpus", sim->gpus, "GPUs (a multiple of --nodes)")->capture_default_str()->check(int_in(1, kMaxSize));
+  s->add_option("--exponent", sim->exponent, "Zipf exponent")->capture_default_str()->check(number_in(0, 100));
   s->add_option("--drift", sim->drift, "Per-step probability that two neighbours in popularity swap")
-      ->capture_default_str();
-  s->add_option("--steps", sim->steps)->capture_default_str();
-  s->add_option("--tokens", sim->tokens, "Tokens per step")->capture_default_str();
-  s->add_option("--topk", sim->topk)->capture_default_str();
-  s->add_option("--buffer", sim->buffer, "Recorder buffer, steps")->capture_default_str();
-  s->add_option("--every", sim->every, "Rebalance every N steps (>= --buffer)")->capture_default_str();
-  s->add_option("--threshold", sim->threshold, "Rebalance only below this utilization")->capture_default_str();
-  s->add_option("--layers-per-step", sim->layers_per_step, "Layers applied per step (0 = all)")->capture_default_str();
-  s->add_option("--policy", sim->policy, "deepseek | default")->capture_default_str();
+      ->capture_default_str()
+      ->check(number_in(0, 1));
+  s->add_option("--steps", sim->steps, "Simulated steps")->capture_default_str()->check(int_in(1, kMaxInt));
+  s->add_option("--tokens", sim->tokens, "Tokens per step (--tokens x --topk <= 2^30)")
+      ->capture_default_str()
+      ->check(int_in(0, kMaxStepLoad));
+  s->add_option("--topk", sim->topk, "Experts per token")->capture_default_str()->check(int_in(1, 1024));
+  s->add_option("--buffer", sim->buffer, "Recorder buffer, steps")->capture_default_str()->check(int_in(1, kMaxInt));
+  s->add_option("--every", sim->every, "Rebalance every N steps (>= --buffer)")
+      ->capture_default_str()
+      ->check(int_in(1, kMaxInt));
+  s->add_option("--threshold", sim->threshold, "Rebalance only below this utilization")
+      ->capture_default_str()
+      ->check(number_in(0, 1));
+  s->add_option("--layers-per-step", sim->layers_per_step, "Layers applied per step (0 = all)")
+      ->capture_default_str()
+      ->check(int_in(0, kMaxInt));
+  s->add_option("--policy", sim->policy, "Placement policy")
+      ->capture_default_str()
+      ->check(one_of({"deepseek", "default"}));
   s->add_flag("--no-migration", sim->no_migration, "Fresh placements instead of migration-aware ones");
-  s->add_option("--max-balance-loss", sim->max_balance_loss)->capture_default_str();
-  s->add_option("--seed", sim->seed)->capture_default_str();
-  s->add_option("--expert-bytes", sim->expert_bytes, "Bytes of one expert's weights")->capture_default_str();
-  s->add_option("--report-every", sim->report_every, "Timeline sampling, steps")->capture_default_str();
+  s->add_option("--max-balance-loss", sim->max_balance_loss,
+                "Migration-aware: allowed balancedness loss vs a fresh placement")
+      ->capture_default_str()
+      ->check(number_in(0, 1));
+  s->add_option("--seed", sim->seed, "Random seed")->capture_default_str()->check(uint64_any());
+  s->add_option("--expert-bytes", sim->expert_bytes,
+                "Bytes of one expert's weights, for moved_bytes (default 44040192: a DeepSeek-V3 expert, three 7168 x "
+                "2048 fp8 matrices)")
+      ->check(number_in(0, kMaxExpertBytes));
+  s->add_option("--report-every", sim->report_every, "Timeline sampling, steps")
+      ->capture_default_str()
+      ->check(int_in(1, kMaxInt));
   s->add_option("--plot", sim->plot, "Also draw utilization over time into this PNG (python3 -m epx.plot, matplotlib)");
   s->callback([sim] { run_simulate(*sim); });
 }

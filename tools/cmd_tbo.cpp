@@ -4,10 +4,7 @@
 // Output: one line of JSON. Bad input: exit 2 and one line on stderr.
 #include <fmt/format.h>
 
-#include <charconv>
-#include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,21 +15,20 @@
 namespace epx::cli {
 namespace {
 
-int64_t parse_int(const std::string& text, const char* option) {
-  int64_t value = 0;
-  const char* end = text.data() + text.size();
-  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-  if (ec != std::errc() || ptr != end) throw BadInput(fmt::format("{}: '{}' is not an integer", option, text));
-  return value;
-}
+// One bound for every token count of this command (--extend lengths and their sum, --decode,
+// --tokens-per-seq): the library's 2^40.
+constexpr int64_t kMaxTokens = int64_t{1} << 40;
+constexpr const char* kMaxTokensText = "2^40 = 1099511627776";
 
-double parse_double(const std::string& text, const char* option) {
-  char* end = nullptr;
-  const double value = std::strtod(text.c_str(), &end);
-  if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(value)) {
-    throw BadInput(fmt::format("{}: '{}' is not a number", option, text));
+int64_t parse_count(const std::string& text, const char* option, int64_t lo) {
+  const auto value = parse_decimal_int(text);
+  if (!value) {
+    throw BadInput(fmt::format("{}: '{}' is not an integer (decimal, in [{}, {}])", option, text, lo, kMaxTokensText));
   }
-  return value;
+  if (*value < lo || *value > kMaxTokens) {
+    throw BadInput(fmt::format("{} must be >= {} and <= {}, got {}", option, lo, kMaxTokensText, *value));
+  }
+  return *value;
 }
 
 void add_split(CLI::App& tbo) {
@@ -41,9 +37,11 @@ void add_split(CLI::App& tbo) {
     std::string extend, decode, tokens_per_seq, threshold = "0.48";
   };
   auto args = std::make_shared<Args>();
-  auto* extend = cmd->add_option("--extend", args->extend, "Extend lengths of the sequences, comma-separated");
-  auto* decode = cmd->add_option("--decode", args->decode, "Decode/verify batch of N tokens");
-  auto* tps = cmd->add_option("--tokens-per-seq", args->tokens_per_seq, "Tokens per sequence (with --decode)");
+  auto* extend = cmd->add_option("--extend", args->extend,
+                                 "Extend lengths of the sequences, comma-separated, each and their sum in [0, 2^40]");
+  auto* decode = cmd->add_option("--decode", args->decode, "Decode/verify batch of N tokens, N in [0, 2^40]");
+  auto* tps =
+      cmd->add_option("--tokens-per-seq", args->tokens_per_seq, "Tokens per sequence (with --decode), in [1, 2^40]");
   auto* threshold =
       cmd->add_option("--threshold", args->threshold, "Two-chunk threshold in [0, 0.5] (with --extend; default 0.48)");
   cmd->callback([=] {
@@ -52,27 +50,42 @@ void add_split(CLI::App& tbo) {
     if (extend->count() > 0) {
       if (tps->count() > 0) throw BadInput("--tokens-per-seq goes with --decode, not --extend");
       std::vector<int64_t> lens;
+      int64_t total = 0;
       size_t begin = 0;
       while (true) {
         const size_t comma = args->extend.find(',', begin);
         const size_t len = comma == std::string::npos ? std::string::npos : comma - begin;
-        lens.push_back(parse_int(args->extend.substr(begin, len), "--extend"));
-        if (lens.back() < 0) {
-          throw BadInput(fmt::format("--extend: length {} of sequence {} is negative", lens.back(), lens.size() - 1));
+        const std::string text = args->extend.substr(begin, len);
+        const auto value = parse_decimal_int(text);
+        if (!value) {
+          throw BadInput(fmt::format("--extend: '{}' (sequence {}) is not an integer (decimal, in [0, {}])", text,
+                                     lens.size(), kMaxTokensText));
+        }
+        if (*value < 0) {
+          throw BadInput(fmt::format("--extend: length {} of sequence {} is negative", *value, lens.size()));
+        }
+        if (*value > kMaxTokens) {
+          throw BadInput(fmt::format("--extend: length {} of sequence {} exceeds {} (the bound of --decode too)",
+                                     *value, lens.size(), kMaxTokensText));
+        }
+        lens.push_back(*value);
+        total += *value;  // <= 2^40 before, <= 2^41 after: no overflow
+        if (total > kMaxTokens) {
+          throw BadInput(fmt::format("--extend: the lengths sum to more than {} tokens (the bound of --decode too)",
+                                     kMaxTokensText));
         }
         if (comma == std::string::npos) break;
         begin = comma + 1;
       }
-      const double t = parse_double(args->threshold, "--threshold");
-      if (t < 0.0 || t > 0.5) throw BadInput(fmt::format("--threshold must be in [0, 0.5], got {}", t));
-      split = compute_tbo_split_extend(lens, t);
+      const auto t = parse_decimal_number(args->threshold);
+      if (!t) throw BadInput(fmt::format("--threshold: '{}' is not a number (decimal, in [0, 0.5])", args->threshold));
+      if (*t < 0.0 || *t > 0.5) throw BadInput(fmt::format("--threshold must be in [0, 0.5], got {}", *t));
+      split = compute_tbo_split_extend(lens, *t);
     } else if (decode->count() > 0) {
       if (tps->count() == 0) throw BadInput("--decode needs --tokens-per-seq");
       if (threshold->count() > 0) throw BadInput("--threshold goes with --extend, not --decode");
-      const int64_t n = parse_int(args->decode, "--decode");
-      const int64_t k = parse_int(args->tokens_per_seq, "--tokens-per-seq");
-      if (n < 0) throw BadInput(fmt::format("--decode: token count must be >= 0, got {}", n));
-      if (k < 1) throw BadInput(fmt::format("--tokens-per-seq must be >= 1, got {}", k));
+      const int64_t n = parse_count(args->decode, "--decode", 0);
+      const int64_t k = parse_count(args->tokens_per_seq, "--tokens-per-seq", 1);
       if (n % k != 0) throw BadInput(fmt::format("--decode {} must be a multiple of --tokens-per-seq {}", n, k));
       split = compute_tbo_split_decode(n, k);
     } else {

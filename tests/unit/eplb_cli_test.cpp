@@ -112,7 +112,7 @@ TEST(EplbCli, BadInputExitsTwo) {
       {"--weights " + junk + " --replicas 4 --groups 1 --nodes 1 --gpus 1", "line 1 column 3"},
       {"--weights " + empty + " --replicas 4 --groups 1 --nodes 1 --gpus 1", "holds no layers"},
       {"--weights " + ok + " --replicas 3 --groups 1 --nodes 1 --gpus 1", "must be >= the 4 logical experts"},
-      {"--weights " + ok + " --replicas 6 --groups 1 --nodes 1 --gpus 4", "divisible by num_gpus (4)"},
+      {"--weights " + ok + " --replicas 6 --groups 1 --nodes 1 --gpus 4", "--replicas 6 must be divisible by --gpus 4"},
       {"--weights " + ok + " --replicas 4 --groups 1 --nodes 1 --gpus 1 --policy fancy", "'fancy'"},
       {"--weights /nonexistent/w.csv --replicas 4 --groups 1 --nodes 1 --gpus 1", "cannot read"},
   };
@@ -121,6 +121,53 @@ TEST(EplbCli, BadInputExitsTwo) {
     EXPECT_EQ(r.code, 2) << c.args << "\n" << r.err;
     EXPECT_NE(r.err.find(c.needle), std::string::npos) << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
+// Each case exits 2 with one stderr line naming the flag, before any placement work. Before the fix: row sums of
+// inf gave `balancedness: null`, ids beyond int32 were truncated, hex and trailing commas were read, a directory
+// read as an empty file ("holds no layers").
+TEST(EplbCli, HostileInputRejected) {
+  const std::string huge = write("huge.csv", "1e308,1e308,1e308,1e308\n");
+  const std::string hex = write("hex.csv", "0x10,2,3,4\n");
+  const std::string trailing = write("trailing.csv", "1,2,3,4,\n");
+  const std::string inf = write("inf.csv", "1,inf,3,4\n");
+  const std::string ok = write("ok2.csv", "1,2,3,4\n");
+  const std::string wide = write("wide.json", "{\"phy2log\": [[0, 1, 2, 4294967299]]}");
+  const std::string negative = write("negative.json", "{\"phy2log\": [[0, 1, 2, -1]]}");
+  const std::string missing = write("missing.json", "{\"phy2log\": [[0, 1, 2, 2]]}");
+  const std::string dir = temp_dir().string();
+  const std::string shape = " --replicas 4 --groups 1 --nodes 1 --gpus 1";
+  const struct {
+    std::string args, needle;
+  } cases[] = {
+      {"--weights " + huge + shape, "row 0 sums to more than the largest double"},
+      {"--weights " + hex + shape, "line 1 column 1: '0x10' is not a number (plain decimal)"},
+      {"--weights " + trailing + shape, "line 1 column 5: '' is not a number"},
+      {"--weights " + inf + shape, "line 1 column 2: 'inf' is not a number"},
+      {"--weights " + dir + shape, "--weights '" + dir + "' is a directory"},
+      {"--weights " + ok + shape + " --current " + dir, "--current '" + dir + "' is a directory"},
+      {"--weights " + ok + shape + " --current " + wide, "--current phy2log[0][3] = 4294967299 is outside [0, 4)"},
+      {"--weights " + ok + shape + " --current " + negative, "--current phy2log[0][3] = -1 is outside [0, 4)"},
+      {"--weights " + ok + shape + " --current " + missing, "row 0 holds no replica of logical expert 3"},
+      {"--weights " + ok + shape + " --max-balance-loss nan", "--max-balance-loss: 'nan' is not a finite"},
+  };
+  for (const auto& c : cases) {
+    const CliRun r = run("eplb plan " + c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(c.needle), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+}
+
+TEST(EplbCli, SimulateRejectsBadFlagsBeforeStepping) {
+  // Before: nan passed until the first rebalance, after --every steps; -1 bytes printed negative moved_bytes.
+  for (const char* args : {"--max-balance-loss nan", "--expert-bytes -1", "--expert-bytes nan"}) {
+    const CliRun r = run(std::string("eplb simulate --steps 200 ") + args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.err;
+    EXPECT_NE(r.err.find(std::string(args).substr(0, std::string(args).find(' '))), std::string::npos) << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
   }
 }
 
@@ -137,9 +184,7 @@ TEST(EplbCli, SimulateImprovesUtilization) {
   EXPECT_DOUBLE_EQ(out["moved_bytes"].get<double>(), 1000.0 * out["moved_experts"].get<double>());
   const CliRun bad = run("eplb simulate --buffer 50 --every 10 --steps 5");
   EXPECT_EQ(bad.code, 2);
-  EXPECT_NE(bad.err.find("rebalance_every_steps (10) must be >= the recorder buffer size (50 steps)"),
-            std::string::npos)
-      << bad.err;
+  EXPECT_NE(bad.err.find("--every 10 must be >= --buffer 50"), std::string::npos) << bad.err;
 }
 
 }  // namespace

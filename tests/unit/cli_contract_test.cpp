@@ -1,0 +1,166 @@
+// The epx CLI's contract (tools/command.h), through the built CLI (EPX_CLI_PATH): every bad invocation
+// exits 2 with exactly one stderr line `epx: ...` naming the flag and its bound, sizes whose product cannot
+// fit in memory are rejected at once, and --help tells the truth about the bounds.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "test_util.h"
+
+namespace epx {
+namespace {
+
+using testing::expect_bad_input;
+using testing::run_cli;
+
+// expect_bad_input, plus: the line starts with "epx: ", uses no library argument name, and came fast (the
+// check precedes any work).
+void expect_rejected(const std::string& args, const std::string& needle) {
+  const auto start = std::chrono::steady_clock::now();
+  expect_bad_input(args, needle);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0) << args;
+  const auto r = run_cli(args);
+  EXPECT_EQ(r.err.rfind("epx: ", 0), 0u) << args << ": " << r.err;
+  for (const char* library_name : {"num_", "_size", "_steps", "max_balance_loss"}) {
+    EXPECT_EQ(r.err.find(library_name), std::string::npos) << args << ": " << r.err;
+  }
+}
+
+std::string temp_file(const std::string& name, const std::string& text) {
+  const auto dir = std::filesystem::temp_directory_path() / ("epx_cli_contract_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto p = dir / name;
+  std::ofstream(p) << text;
+  return p.string();
+}
+
+TEST(CliContract, ParseErrorsExitTwoWithOneLine) {
+  // Before: CLI11's own exit codes (104-114) and a second line "Run with --help for more information."
+  expect_rejected("bench --ranks abc", "--ranks: 'abc' is not a decimal integer (expected one in [1, 1024])");
+  expect_rejected("bench --tokens 99999999", "--tokens: 99999999 is outside [0, 1048576]");
+  expect_rejected("bench --ranks 99999999999999999999", "--ranks: 99999999999999999999 is outside [1, 1024]");
+  expect_rejected("bench --topk 0x4", "--topk: '0x4' is not a decimal integer");
+  expect_rejected("bench --sms 24,", "--sms: '' (item 1) is not an integer in [1, 1024]");
+  expect_rejected("bench --seed -1", "--seed: '-1' is not a decimal integer in [0, 2^64 - 1]");
+  expect_rejected("bench --no-such-flag", "--no-such-flag");
+  expect_rejected("bench --ranks", "--ranks");
+  expect_rejected("frobnicate", "epx has no subcommand 'frobnicate'");
+  expect_rejected("", "epx needs a subcommand: one of bench, eplb, dp, tbo, doctor");
+  expect_rejected("eplb", "epx eplb needs a subcommand: one of plan, simulate");
+  expect_rejected("eplb plan --replicas 4 --groups 1 --nodes 1 --gpus 1", "--weights is required");
+}
+
+TEST(CliContract, BenchRanksZeroIsAnError) {
+  // Before: --ranks 0 silently meant "all GPUs" (host backend: 4 ranks) and ran.
+  expect_rejected("bench --host --quiet --ranks 0 --tokens 8 --hidden 128 --ll-tokens 1 --warmup 0 --iters 1",
+                  "--ranks: 0 is outside [1, 1024]");
+}
+
+TEST(CliContract, BenchExpertsMustSplitOverTheDefaultRanks) {
+  // Before: "num_experts (6) must be divisible by num_ranks (4)", the library's names.
+  expect_rejected("bench --host --quiet --experts 6 --tokens 8 --hidden 128",
+                  "--experts 6 must be divisible by the 4 ranks (the host backend's default; set --ranks)");
+}
+
+TEST(CliContract, BenchSizesCheckedAgainstMemory) {
+  // Before: std::bad_alloc (exit 1) or minutes of work. 1024 ranks x 2^36 elements: far beyond any machine.
+  expect_rejected("bench --host --quiet --ranks 1024 --experts 1024 --tokens 1048576 --hidden 65536",
+                  "bench on the host backend: 1024 ranks x (--tokens 1048576 x --hidden 65536 x 7 bytes");
+  expect_rejected("bench --host --quiet --ranks 1 --topk 1 --experts 4096 --ll-tokens 4096 --hidden 65536 --tokens 0",
+                  "each rank's low-latency receive buffer, --experts 4096 x --ll-tokens 4096 x --hidden 65536 x 2 "
+                  "bytes, needs at least 2 TiB");
+  const auto r = run_cli("bench --host --quiet --ranks 1024 --experts 1024 --tokens 1048576 --hidden 65536");
+  EXPECT_NE(r.err.find("of physical memory"), std::string::npos) << r.err;
+}
+
+TEST(CliContract, BenchJsonPathCheckedBeforeTheRun) {
+  // Before: the unwritable path was found after the whole run.
+  expect_rejected("bench --host --quiet --tokens 8 --hidden 128 --json /nonexistent/dir/out.json",
+                  "--json: cannot write '/nonexistent/dir/out.json'");
+}
+
+TEST(CliContract, EplbSizesCheckedUpFront) {
+  // Before: --replicas 2000000000 and --layers 2147483647 allocated (bad_alloc, exit 1) or ran for minutes.
+  const std::string ok = temp_file("ok.csv", "1,2,3,4\n");
+  expect_rejected("eplb plan --weights " + ok + " --replicas 2000000000 --groups 1 --nodes 1 --gpus 1",
+                  "--replicas: 2000000000 is outside [1, 1048576]");
+  expect_rejected("eplb simulate --layers 2147483647", "--layers: 2147483647 is outside [1, 1048576]");
+  std::string many_layers;
+  for (int l = 0; l < 65536; ++l) many_layers += "1,2,3,4\n";
+  const std::string tall = temp_file("tall.csv", many_layers);
+  expect_rejected("eplb plan --weights " + tall + " --replicas 1048576 --groups 1 --nodes 1 --gpus 1",
+                  "plan: 65536 layers (rows of --weights) x --replicas 1048576 x 48 bytes per slot needs at least");
+  expect_rejected("eplb simulate --layers 1048576 --replicas 1048576 --gpus 1 --nodes 1 --groups 1",
+                  "simulate: --layers 1048576 x --replicas 1048576");
+  expect_rejected("eplb simulate --tokens 1073741824 --topk 8",
+                  "--tokens 1073741824 x --topk 8 = 8589934592 exceeds 2^30");
+}
+
+TEST(CliContract, EplbSimulateFlagsCheckedBeforeTheRun) {
+  // Before: nan was accepted and rejected by the library only at the first rebalance (after --every steps);
+  // negative or nan --expert-bytes were accepted and printed as moved_bytes.
+  expect_rejected("eplb simulate --max-balance-loss nan", "--max-balance-loss: 'nan' is not a finite decimal number");
+  expect_rejected("eplb simulate --max-balance-loss 2", "--max-balance-loss: 2 is outside [0, 1]");
+  expect_rejected("eplb simulate --expert-bytes -1", "--expert-bytes: -1 is outside [0, 1e+15]");
+  expect_rejected("eplb simulate --expert-bytes nan", "--expert-bytes: 'nan' is not a finite decimal number");
+  expect_rejected("eplb simulate --threshold 1.5", "--threshold: 1.5 is outside [0, 1]");
+  expect_rejected("eplb simulate --drift -0.1", "--drift: -0.1 is outside [0, 1]");
+  expect_rejected("eplb simulate --policy fancy", "--policy: 'fancy' is not one of deepseek | default");
+  expect_rejected("eplb simulate --replicas 290", "--replicas 290 must be divisible by --gpus 32");
+  expect_rejected("eplb simulate --experts 300", "--replicas 288 must be >= the 300 logical experts (--experts)");
+  expect_rejected("eplb simulate --experts 252 --replicas 256", "must be divisible by --groups 8");
+  expect_rejected("eplb simulate --gpus 6 --replicas 288", "--gpus 6 must be divisible by --nodes 4");
+}
+
+TEST(CliContract, TboDecodeAndExtendShareOneBound) {
+  // Before: --decode had no upper bound (2^62 was accepted) while --extend stopped at 2^40 with the library's
+  // name (extend_lens[0]).
+  expect_rejected("tbo split --decode 4611686018427387904 --tokens-per-seq 2",
+                  "--decode must be >= 0 and <= 2^40 = 1099511627776, got 4611686018427387904");
+  expect_rejected("tbo split --extend 1099511627777", "--extend: length 1099511627777 of sequence 0 exceeds 2^40");
+  expect_rejected("tbo split --extend 1099511627776,1",
+                  "--extend: the lengths sum to more than 2^40 = 1099511627776 tokens");
+  expect_rejected("tbo split --decode 16 --tokens-per-seq 1099511627777", "--tokens-per-seq must be >= 1 and <= 2^40");
+  expect_rejected("tbo split --extend 10,20 --threshold 0x0.1", "--threshold: '0x0.1' is not a number");
+  const auto r = run_cli("tbo split --decode 1099511627776 --tokens-per-seq 2");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+TEST(CliContract, DpNamesFlagsNotFields) {
+  // Before: "world_size 8 must be divisible by attn_cp_size * attn_dp_size = 3 ...".
+  expect_rejected("dp groups --world 8 --attn-dp 3", "--world 8 must be divisible by --attn-cp * --attn-dp = 3");
+  expect_rejected("dp groups --world 0", "--world must be in [1, 1024], got 0");
+  expect_rejected("dp groups --world 8 --attn-dp 16", "--attn-dp must be in [1, 8] (--world), got 16");
+  expect_rejected("dp padding-mode --tokens 1099511627777", "--tokens: count 1099511627777 of DP rank 0 exceeds 2^40");
+  expect_rejected("dp padding-mode --tokens 1099511627776,1",
+                  "--tokens: the counts sum to 1099511627777, more than 2^40 rows");
+}
+
+TEST(CliContract, HelpTellsTheBounds) {
+  auto r = run_cli("--help");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  for (const char* sub : {"bench", "eplb", "dp", "tbo", "doctor"}) EXPECT_NE(r.out.find(sub), std::string::npos);
+  EXPECT_NE(r.out.find("2 bad input"), std::string::npos) << r.out;
+  r = run_cli("bench --help");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("in [1, 1024]"), std::string::npos) << r.out;  // --ranks: 0 is no longer accepted
+  r = run_cli("eplb simulate --help");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  for (const char* bound : {"in [1, 1048576]", "in [0, 1e+15]", "deepseek | default"}) {
+    EXPECT_NE(r.out.find(bound), std::string::npos) << bound << "\n" << r.out;
+  }
+  r = run_cli("eplb plan --help");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("each row's sum finite"), std::string::npos) << r.out;
+  r = run_cli("tbo split --help");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("N in [0, 2^40]"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace epx
