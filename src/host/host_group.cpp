@@ -216,17 +216,13 @@ void HostGroup::all_gather_bytes(const void* send, void* recv, size_t bytes) {
 
 namespace epx {
 
-namespace {
-constexpr int64_t kMaxHostTimeoutMs = int64_t{100} * 365 * 24 * 3600 * 1000;  // 100 years
-}  // namespace
-
 const char* to_string(Backend backend) noexcept { return backend == Backend::kHost ? "host" : "cuda"; }
 
 std::vector<std::shared_ptr<Group>> create_host_groups(int num_ranks, const HostGroupOptions& options) {
   EPX_CHECK_ARG(num_ranks >= 1 && num_ranks <= 1024, "num_ranks must be in [1, 1024], got {}", num_ranks);
   EPX_CHECK_ARG(options.timeout_ms >= 1, "timeout_ms must be >= 1, got {}", options.timeout_ms);
   // NOTE: "wait forever" (e.g. INT64_MAX) would overflow now() + timeout in nanoseconds.
-  const int64_t timeout_ms = std::min(options.timeout_ms, kMaxHostTimeoutMs);
+  const int64_t timeout_ms = std::min(options.timeout_ms, kMaxTimeoutMs);
   auto world = std::make_shared<host::HostWorld>(num_ranks, timeout_ms);
   std::vector<std::shared_ptr<Group>> groups;
   for (int r = 0; r < num_ranks; ++r) groups.push_back(std::make_shared<host::HostGroup>(world, r));
