@@ -24,8 +24,8 @@ BF16 = ml_dtypes.bfloat16
 def make_round(rng):
     R = int(rng.integers(1, 9))
     K = int(rng.integers(1, 10))
-    E = R * int(rng.integers(max(1, -(-K // R)), 9))
-    E = max(E, R * -(-K // R))
+    per_rank_min = -(-K // R)  # experts >= top-k
+    E = R * int(rng.integers(per_rank_min, max(per_rank_min, 8) + 1))
     H = 128 * int(rng.integers(1, 9))
     id_dtype = np.int32 if rng.random() < 0.5 else np.int64
     inputs = []
