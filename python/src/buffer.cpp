@@ -26,32 +26,59 @@ nb::object hook_of(std::function<void()> hook) {
 
 Tensor as_tensor(nb::handle obj, const char* name) { return Tensor::wrap(to_view(obj, name), nullptr); }
 
+// Fills a collective call's arguments with convert(args). If that throws (e.g. a float64 array), this rank
+// still makes the call, with empty arguments, which the backend rejects like any invalid input (the host
+// backend takes part in the rendezvous with an error flag, so the peers raise kPeerFailure at once); then
+// it raises the conversion error.
+// NOTE: without this the rank skipped the call, and its peers paired their call with its next one (the same
+// collective number): silently wrong data, or a timeout (docs/reliability.md, Soak).
+template <typename Args, typename Convert, typename Call>
+void convert_or_fail(Args& args, Convert&& convert, Call&& call) {
+  try {
+    convert(args);
+  } catch (...) {
+    {
+      nb::gil_scoped_release release;
+      try {
+        call(Args{});
+      } catch (...) {  // the expected rejection; this rank's error is the conversion error
+      }
+    }
+    throw;
+  }
+}
+
 nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle topk_idx, nb::handle topk_weights,
                   int64_t num_experts, nb::handle layout, std::shared_ptr<const DispatchHandle> handle,
                   int expert_alignment, int64_t num_worst_tokens, int num_sms, nb::handle stream) {
   DispatchArgs args;
-  args.x = to_view(x, "x");
-  args.x_scales = to_view(x_scales, "x_scales");
-  args.topk_idx = to_view(topk_idx, "topk_idx");
-  args.topk_weights = to_view(topk_weights, "topk_weights");
-  args.num_experts = num_experts;
   Layout given;
-  if (!layout.is_none()) {
-    auto parts = nb::cast<nb::tuple>(layout);
-    if (parts.size() != 3) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "layout: expected (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)");
-    }
-    given.num_tokens_per_rank = as_tensor(parts[0], "layout.num_tokens_per_rank");
-    given.num_tokens_per_expert = as_tensor(parts[1], "layout.num_tokens_per_expert");
-    given.is_token_in_rank = as_tensor(parts[2], "layout.is_token_in_rank");
-    args.layout = &given;
-  }
+  convert_or_fail(
+      args,
+      [&](DispatchArgs& a) {
+        a.x = to_view(x, "x");
+        a.x_scales = to_view(x_scales, "x_scales");
+        a.topk_idx = to_view(topk_idx, "topk_idx");
+        a.topk_weights = to_view(topk_weights, "topk_weights");
+        if (!layout.is_none()) {
+          auto parts = nb::cast<nb::tuple>(layout);
+          if (parts.size() != 3) {
+            throw Error(ErrorCode::kInvalidArgument,
+                        "layout: expected (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)");
+          }
+          given.num_tokens_per_rank = as_tensor(parts[0], "layout.num_tokens_per_rank");
+          given.num_tokens_per_expert = as_tensor(parts[1], "layout.num_tokens_per_expert");
+          given.is_token_in_rank = as_tensor(parts[2], "layout.is_token_in_rank");
+          a.layout = &given;
+        }
+        a.stream = to_stream(stream);
+      },
+      [&](const DispatchArgs& a) { buffer.dispatch(a); });
+  args.num_experts = num_experts;
   args.handle = std::move(handle);
   args.expert_alignment = expert_alignment;
   args.num_worst_tokens = num_worst_tokens;
   args.num_sms = num_sms;
-  args.stream = to_stream(stream);
   DispatchResult r;
   {
     nb::gil_scoped_release release;
@@ -73,13 +100,18 @@ nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle 
 nb::dict combine(Buffer& buffer, nb::handle x, nb::handle topk_weights, nb::handle bias_0, nb::handle bias_1,
                  std::shared_ptr<const DispatchHandle> handle, int num_sms, nb::handle stream) {
   CombineArgs args;
-  args.x = to_view(x, "x");
-  args.topk_weights = to_view(topk_weights, "topk_weights");
-  args.bias_0 = to_view(bias_0, "bias_0");
-  args.bias_1 = to_view(bias_1, "bias_1");
+  convert_or_fail(
+      args,
+      [&](CombineArgs& a) {
+        a.x = to_view(x, "x");
+        a.topk_weights = to_view(topk_weights, "topk_weights");
+        a.bias_0 = to_view(bias_0, "bias_0");
+        a.bias_1 = to_view(bias_1, "bias_1");
+        a.stream = to_stream(stream);
+      },
+      [&](const CombineArgs& a) { buffer.combine(a); });
   args.handle = std::move(handle);
   args.num_sms = num_sms;
-  args.stream = to_stream(stream);
   CombineResult r;
   {
     nb::gil_scoped_release release;
@@ -95,15 +127,20 @@ nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx,
                               int64_t num_experts, bool use_fp8, ScaleFormat scale_format, bool return_recv_hook,
                               nb::handle cumulative_recv_counts, nb::handle stream) {
   LowLatencyDispatchArgs args;
-  args.x = to_view(x, "x");
-  args.topk_idx = to_view(topk_idx, "topk_idx");
+  convert_or_fail(
+      args,
+      [&](LowLatencyDispatchArgs& a) {
+        a.x = to_view(x, "x");
+        a.topk_idx = to_view(topk_idx, "topk_idx");
+        a.cumulative_recv_counts = to_view(cumulative_recv_counts, "cumulative_recv_counts");
+        a.stream = to_stream(stream);
+      },
+      [&](const LowLatencyDispatchArgs& a) { buffer.low_latency_dispatch(a); });
   args.max_tokens_per_rank = max_tokens_per_rank;
   args.num_experts = num_experts;
   args.use_fp8 = use_fp8;
   args.scale_format = scale_format;
   args.return_recv_hook = return_recv_hook;
-  args.cumulative_recv_counts = to_view(cumulative_recv_counts, "cumulative_recv_counts");
-  args.stream = to_stream(stream);
   LowLatencyDispatchResult r;
   {
     nb::gil_scoped_release release;
@@ -124,13 +161,18 @@ nb::dict low_latency_combine(Buffer& buffer, nb::handle x, nb::handle topk_idx, 
                              std::shared_ptr<const LowLatencyHandle> handle, bool return_recv_hook, nb::handle out_arg,
                              nb::handle stream) {
   LowLatencyCombineArgs args;
-  args.x = to_view(x, "x");
-  args.topk_idx = to_view(topk_idx, "topk_idx");
-  args.topk_weights = to_view(topk_weights, "topk_weights");
+  convert_or_fail(
+      args,
+      [&](LowLatencyCombineArgs& a) {
+        a.x = to_view(x, "x");
+        a.topk_idx = to_view(topk_idx, "topk_idx");
+        a.topk_weights = to_view(topk_weights, "topk_weights");
+        a.out = to_view(out_arg, "out");
+        a.stream = to_stream(stream);
+      },
+      [&](const LowLatencyCombineArgs& a) { buffer.low_latency_combine(a); });
   args.handle = std::move(handle);
   args.return_recv_hook = return_recv_hook;
-  args.out = to_view(out_arg, "out");
-  args.stream = to_stream(stream);
   LowLatencyCombineResult r;
   {
     nb::gil_scoped_release release;

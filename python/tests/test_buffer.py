@@ -194,6 +194,53 @@ def test_bad_input_raises_named_errors():
         epx.host_groups(0)
 
 
+def test_input_the_binding_rejects_still_takes_part():
+    # Rank 1 passes float64 x to each collective call in turn; the binding rejects it before the C++ call.
+    # Rank 1 must still take part: rank 0 raises PeerFailureError naming it at once, and the next calls
+    # are in step. (Before, rank 1 skipped the call and rank 0's call paired with rank 1's next one.)
+    T, H, K, E, M = 6, 128, 2, 4, 8
+    inputs = [make_inputs(r, T, H, K, E, seed=5) for r in range(2)]
+    nbytes = epx.low_latency_buffer_size_hint(M, H, 2, E)
+
+    def body(rank, group):
+        buffer = epx.Buffer(group, num_low_latency_bytes=nbytes)
+        x, idx, w = inputs[rank]
+
+        def fails(call, bad_call):
+            if rank == 1:
+                with pytest.raises(epx.InvalidArgumentError, match="element type"):
+                    bad_call()
+            else:
+                with pytest.raises(epx.PeerFailureError, match=r"failed on ranks \[1\]"):
+                    call()
+
+        fails(lambda: buffer.dispatch(x, idx, w, num_experts=E),
+              lambda: buffer.dispatch(x.astype(np.float64), idx, w, num_experts=E))
+        recv = buffer.dispatch(x, idx, w, num_experts=E)
+        rows, src, _, _ = reference.normal_dispatch(inputs, rank, E, 2)
+        np.testing.assert_array_equal(recv.recv_x.view(np.uint16), np.array(rows).view(np.uint16))
+        np.testing.assert_array_equal(recv.recv_src_idx, src)
+        fails(lambda: buffer.combine(recv.recv_x, recv.handle),
+              lambda: buffer.combine(recv.recv_x.astype(np.float64), recv.handle))
+        out = buffer.combine(recv.recv_x, recv.handle)
+        dest = reference.destinations(idx, E, 2)
+        want = reference.normal_combine(x.astype(np.float32), dest).astype(BF16)
+        np.testing.assert_array_equal(out.x.astype(np.float32), want.astype(np.float32))
+        fails(lambda: buffer.low_latency_dispatch(x, idx, M, E),
+              lambda: buffer.low_latency_dispatch(x.astype(np.float64), idx, M, E))
+        d = buffer.low_latency_dispatch(x, idx, M, E)
+        assert int(np.sum(d.recv_count)) == sum(len(r) for r in reference.low_latency_rows(inputs, rank, E, 2))
+        fails(lambda: buffer.low_latency_combine(d.recv_x, idx, w, d.handle),
+              lambda: buffer.low_latency_combine(np.zeros(d.recv_x.shape), idx, w, d.handle))
+        c = buffer.low_latency_combine(d.recv_x, idx, w, d.handle)
+        np.testing.assert_array_equal(c.x.astype(np.float32), reference.low_latency_combine(
+            x.astype(np.float32), idx, w).astype(BF16).astype(np.float32))
+        assert buffer.rank_mask() == [False, False]
+        return True
+
+    assert all(run(2, body, timeout_ms=10_000))
+
+
 def test_timeout_is_a_timeout_error():
     groups = epx.host_groups(2, timeout_ms=200)
 
