@@ -48,6 +48,9 @@ inline int64_t checked_add(int64_t a, int64_t b, std::string_view what) {
 int64_t checked_numel(const TensorView& t, std::string_view name);
 // Bytes of a view (numel * dtype_size), with the checks of checked_numel.
 int64_t checked_nbytes(const TensorView& t, std::string_view name);
+// Bytes from the first to one past the last element of a strided view (0 when it has no elements), with
+// the checks of checked_numel; also throws kInvalidArgument for a negative stride or a span above 2^63 - 1.
+int64_t checked_span_bytes(const TensorView& t, std::string_view name);
 
 }  // namespace epx::detail
 

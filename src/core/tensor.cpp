@@ -188,6 +188,25 @@ int64_t checked_nbytes(const TensorView& t, std::string_view name) {
   return bytes;
 }
 
+int64_t checked_span_bytes(const TensorView& t, std::string_view name) {
+  if (checked_numel(t, name) == 0) return 0;
+  int64_t last = 0;  // element offset of the last element: sum of (shape[d] - 1) * strides[d]
+  for (int d = 0; d < t.ndim; ++d) {
+    EPX_CHECK_ARG(t.strides[d] >= 0, "{} stride {} must be >= 0, got {} ({})", name, d, t.strides[d], t.describe());
+    int64_t step = 0;
+    if (__builtin_mul_overflow(t.shape[d] - 1, t.strides[d], &step) || __builtin_add_overflow(last, step, &last)) {
+      raise(ErrorCode::kInvalidArgument, "{} {}: stride {} = {} spans more than 2^63 - 1 elements", name,
+            t.describe(), d, t.strides[d]);
+    }
+  }
+  int64_t bytes = 0;
+  if (__builtin_add_overflow(last, 1, &last) ||
+      __builtin_mul_overflow(last, static_cast<int64_t>(dtype_size(t.dtype)), &bytes)) {
+    raise(ErrorCode::kInvalidArgument, "{} {}: its strides span more than 2^63 - 1 bytes", name, t.describe());
+  }
+  return bytes;
+}
+
 }  // namespace detail
 
 namespace {

@@ -74,6 +74,7 @@ DispatchShape validate_dispatch(const DispatchArgs& args, int num_ranks, Device 
                   "x_scales must be [{}, {}] ({}), got {}", shape.num_tokens, num_scales,
                   packed ? "int32: ceil(H / 512) packed UE8M0" : "H / 128 blocks", s.describe());
     EPX_CHECK_ARG(s.data != nullptr || detail::checked_numel(s, "x_scales") == 0, "x_scales has a null data pointer");
+    detail::checked_span_bytes(s, "x_scales");  // kernels index t * strides[0] + j * strides[1]
     check_device(s, "x_scales", device);
     shape.scale_bytes = num_scales * static_cast<int64_t>(dtype_size(s.dtype));
   } else {

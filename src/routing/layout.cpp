@@ -66,7 +66,7 @@ HostLayout compute_layout_host(const TensorView& topk_idx, int64_t num_experts, 
   HostLayout layout;
   layout.num_tokens_per_rank.resize(num_ranks);
   layout.num_tokens_per_expert.resize(num_experts);
-  layout.is_token_in_rank.resize(num_tokens * num_ranks);
+  layout.is_token_in_rank.resize(detail::checked_mul(num_tokens, num_ranks, "num_tokens * num_ranks"));
   compute_layout_host(topk_idx, num_experts, num_ranks,
                       TensorView::of(layout.num_tokens_per_rank.data(), DType::kInt32, {num_ranks}),
                       TensorView::of(layout.num_tokens_per_expert.data(), DType::kInt32, {num_experts}),

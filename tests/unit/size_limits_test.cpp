@@ -152,6 +152,22 @@ TEST(SizeLimits, NormalDispatchBoundsAndViews) {
   bad.x.shape[0] = -2;
   EXPECT_INVALID(buffer->dispatch(bad), "x dim 0 must be >= 0");
 
+  // fp8 x with strided scales: a negative stride or one whose span wraps int64 used to be indexed as given.
+  std::vector<uint8_t> x8(2 * 128);
+  std::vector<float> scales(2);
+  DispatchArgs fp8 = args;
+  fp8.x = TensorView::of(x8.data(), DType::kFloat8E4M3, {2, 128});
+  fp8.x_scales = TensorView::of(scales.data(), DType::kFloat32, {2, 1});
+  fp8.x_scales.strides[0] = -1;
+  EXPECT_INVALID(buffer->dispatch(fp8), "x_scales stride 0 must be >= 0, got -1");
+  fp8.x_scales.strides[0] = kPow62;
+  EXPECT_INVALID(buffer->dispatch(fp8), "x_scales");
+  EXPECT_INVALID(detail::checked_span_bytes(fp8.x_scales, "x_scales"), "strides span more than 2^63 - 1 bytes");
+  fp8.x_scales.strides[0] = int64_t{1} << 40;  // 2^40 + 1 elements: fits int64, bytes too
+  EXPECT_EQ(detail::checked_span_bytes(fp8.x_scales, "x_scales"), ((int64_t{1} << 40) + 1) * 4);
+  fp8.x_scales.strides[0] = 1;  // column-major [2, 1] is also contiguous
+  EXPECT_EQ(buffer->dispatch(fp8).recv_x.size(0), 2);
+
   // Valid input still works after the rejections.
   args.num_worst_tokens = 8;
   const DispatchResult result = buffer->dispatch(args);
