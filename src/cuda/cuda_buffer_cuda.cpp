@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/timeout.h"
 #include "cuda/cuda_group.h"
 #include "cuda/cuda_util.h"
 #include "cuda/low_latency_engine.h"
@@ -268,7 +269,7 @@ class CudaBuffer final : public Buffer {
     comm_.off_ring = kSignalBytes;
     comm_.ring_bytes = region_bytes_ - kSignalBytes;
     comm_.ring_slab_bytes = (comm_.ring_bytes / (int64_t{num_ranks_} * num_channels_)) / 16 * 16;
-    comm_.timeout_ns = static_cast<uint64_t>(group_->timeout_ms()) * 1'000'000ull;
+    comm_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_->timeout_ms()));
     comm_.error = errors_device_;
   }
 
@@ -354,9 +355,10 @@ class CudaBuffer final : public Buffer {
     return std::min(rows, kMaxRingRows);
   }
   // Raises (once) what the device recorded since the last call. A timeout also asks every rank of
-  // this process to reset its signals on its next call.
-  void raise_recorded_errors();
-  void begin_collective(Stream stream);
+  // this process to reset its signals on its next call. keep_invalid_topk: leave an invalid-topk record
+  // for this dispatch's notify to carry to the peers (it is raised at the end of the dispatch).
+  void raise_recorded_errors(bool keep_invalid_topk = false);
+  void begin_collective(Stream stream, bool keep_invalid_topk = false);
   void request_reset();
 
   // Copy-engine path (docs/normal-kernels.md). Bytes of each staging slot when the host knows the
@@ -439,10 +441,11 @@ void CudaBuffer::request_reset() {
   }
 }
 
-void CudaBuffer::raise_recorded_errors() {
+void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
   ErrorRecord rec[2];
   std::memcpy(rec, errors_, sizeof(rec));
   if (rec[0].code == kErrNone && rec[1].code == kErrNone) return;
+  if (keep_invalid_topk && rec[0].code == kErrNone && rec[1].code == kErrInvalidTopk) return;
   std::memset(errors_, 0, sizeof(rec));
   if (rec[0].code == kErrTimeout) {
     request_reset();
@@ -463,8 +466,8 @@ void CudaBuffer::raise_recorded_errors() {
                 e.expected, e.observed, e.rank);
 }
 
-void CudaBuffer::begin_collective(Stream stream) {
-  raise_recorded_errors();
+void CudaBuffer::begin_collective(Stream stream, bool keep_invalid_topk) {
+  raise_recorded_errors(keep_invalid_topk);
   last_stream_ = stream;
   CudaWorld* world = cgroup_->world();
   if (world == nullptr) return;
@@ -709,7 +712,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   const int64_t ring_rows = ring_rows_for(row_bytes);
   Stream stream = args.stream;
   DeviceGuard guard(device_);
-  begin_collective(stream);
+  begin_collective(stream, /*keep_invalid_topk=*/cached == nullptr);
   timeline_.mark("call", stream);
 
   auto handle = std::make_shared<CudaDispatchHandle>();
@@ -854,8 +857,19 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   result.rank_prefix_matrix = handle->rank_prefix;
   if (args.num_worst_tokens == 0) result.num_recv_tokens_per_expert = handle->expert_counts_host;
   result.handle = handle;
-  // A bad topk_idx found by the layout kernel (checked after the data kernel so peers are not left waiting).
+  // A bad topk_idx found by the layout kernel: raised after the data kernels, so that no peer is left
+  // waiting. With the host synchronization (num_worst_tokens == 0) notify told every rank, so the whole
+  // call fails on every rank: kInvalidArgument on the rank with the bad input, kPeerFailure on the others.
+  // Without it (worst-token mode, graph capture) only this rank learns, here or on its next call.
   if (errors_[1].code != kErrNone) raise_recorded_errors();
+  if (cached == nullptr && args.num_worst_tokens == 0) {
+    const int32_t failed = handle->meta_host[RecvMetaLayout{num_ranks_, num_channels_, handle->num_local_experts}
+                                                 .failed_source()];
+    EPX_CHECK(ErrorCode::kPeerFailure, failed < 0,
+              "cuda rank {}: rank {} passed an invalid topk_idx entry to this dispatch (its bad entries were "
+              "dropped); the dispatch failed on every rank, the buffer stays usable",
+              rank_, failed);
+  }
   return result;
 }
 

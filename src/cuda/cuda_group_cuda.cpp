@@ -1,8 +1,11 @@
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <string>
 #include <thread>
 
 #include "core/check.h"
@@ -42,10 +45,19 @@ void check_nccl(ncclResult_t result, const char* what) {
   }
 }
 
-// One process per GPU: collectives are ncclAllGather on a private stream, waited on with a deadline.
+// One process per GPU: collectives are ncclAllGather on a private stream. Every wait is bounded:
+// - the host data goes through pinned staging, so no cudaMemcpyAsync blocks the host (from pageable
+//   memory it returns only once the all-gather ahead of it finished, and the deadline loop never ran);
+// - the stream is polled against the deadline together with ncclCommGetAsyncError, so a peer's failure
+//   that NCCL detects ends the wait at once;
+// - an owned communicator is non-blocking (created with blocking = 0), so neither its creation nor the
+//   first collective (which connects the peers) blocks the host; on a timeout or an NCCL error it is
+//   aborted (ncclCommAbort ends the kernels in flight) and the group fails for good.
+// A borrowed communicator (create_cuda_group(comm)) is never aborted by epx: after a failure its
+// all-gather may still be in flight, and the caller must abort it (see docs/reliability.md).
 class NcclCudaGroup final : public CudaGroup {
  public:
-  // owns_comm: the group destroys the communicator with itself.
+  // owns_comm: the group destroys (or aborts) the communicator with itself; owned ones are non-blocking.
   NcclCudaGroup(ncclComm_t comm, const CudaGroupOptions& options, bool owns_comm = false)
       : comm_(comm), owns_comm_(owns_comm), timeout_ms_(detail::clamp_timeout_ms(options.timeout_ms)) {
     check_nccl(nccl().CommUserRank(comm, &rank_), "ncclCommUserRank");
@@ -56,9 +68,16 @@ class NcclCudaGroup final : public CudaGroup {
   }
   ~NcclCudaGroup() override {
     DeviceGuard guard(device_);
+    if (!failed_.empty() && !owns_comm_) {
+      // NOTE: the caller's communicator may still run our all-gather into scratch_: freeing it (cudaFree
+      // synchronizes the device) could wait forever, so a failed borrowed group leaks its staging.
+      cudaStreamDestroy(stream_);
+      return;
+    }
+    if (owns_comm_ && comm_ != nullptr) finalize_owned_comm();
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
     cudaStreamDestroy(stream_);
-    if (owns_comm_) nccl().CommDestroy(comm_);
   }
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
@@ -72,35 +91,121 @@ class NcclCudaGroup final : public CudaGroup {
   void all_gather_bytes(const void* send, void* recv, size_t bytes) override {
     EPX_CHECK_ARG(bytes == 0 || (send != nullptr && recv != nullptr), "all_gather_bytes: null buffer for {} bytes",
                   bytes);
+    EPX_CHECK(ErrorCode::kPeerFailure, failed_.empty(),
+              "cuda rank {}: the NCCL group failed earlier ({}) and cannot be used again; create a new group",
+              rank_, failed_);
     DeviceGuard guard(device_);
-    const size_t total = bytes * num_ranks_;
-    if (total + bytes > scratch_bytes_) {
-      if (scratch_ != nullptr) cudaFree(scratch_);
-      scratch_ = nullptr;
-      scratch_bytes_ = std::max<size_t>(total + bytes, 4096);
-      check_cuda(cudaMalloc(&scratch_, scratch_bytes_), "cudaMalloc (group scratch)");
-    }
+    const size_t total = static_cast<size_t>(
+        detail::checked_mul(static_cast<int64_t>(bytes), num_ranks_, "all_gather_bytes: bytes * num_ranks"));
+    reserve_staging(total + bytes);
     char* dev_send = static_cast<char*>(scratch_) + total;
-    check_cuda(cudaMemcpyAsync(dev_send, send, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
-    check_nccl(nccl().AllGather(dev_send, scratch_, bytes, ncclChar, comm_, stream_), "ncclAllGather");
-    check_cuda(cudaMemcpyAsync(recv, scratch_, total, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
-    // NOTE: poll with a deadline instead of cudaStreamSynchronize so that a missing peer is a timeout.
+    char* host_send = static_cast<char*>(host_stage_) + total;
+    if (bytes > 0) std::memcpy(host_send, send, bytes);
     const auto deadline = detail::deadline_after_ms(timeout_ms_);
-    while (true) {
-      const cudaError_t status = cudaStreamQuery(stream_);
-      if (status == cudaSuccess) break;
-      if (status != cudaErrorNotReady) check_cuda(status, "all_gather_bytes");
-      if (std::chrono::steady_clock::now() > deadline) {
-        detail::raise(ErrorCode::kTimeout, "cuda rank {} waited {} ms in all_gather_bytes for its peers", rank_,
-                      timeout_ms_);
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    check_cuda(cudaMemcpyAsync(dev_send, host_send, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
+    const ncclResult_t posted = nccl().AllGather(dev_send, scratch_, bytes, ncclChar, comm_, stream_);
+    if (posted == ncclInProgress) {
+      wait_comm_ready(deadline, "ncclAllGather");  // a non-blocking communicator finishes the call later
+    } else if (posted != ncclSuccess) {
+      fail(ErrorCode::kNcclError, fmt::format("ncclAllGather failed: {}", nccl().GetErrorString(posted)));
     }
+    check_cuda(cudaMemcpyAsync(host_stage_, scratch_, total, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
+    wait_stream(deadline);
+    if (total > 0) std::memcpy(recv, host_stage_, total);
   }
   bool single_process() const override { return false; }
   CudaWorld* world() const override { return nullptr; }
 
  private:
+  // Waits until a non-blocking communicator finished its pending call (creation, a collective),
+  // polling ncclCommGetAsyncError against `deadline`; fails the group on an error or the deadline.
+  void wait_comm_ready(std::chrono::steady_clock::time_point deadline, const char* what) {
+    while (true) {
+      const ncclResult_t state = comm_state();
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress) {
+        fail(ErrorCode::kNcclError, fmt::format("{}: NCCL reports {}", what, nccl().GetErrorString(state)));
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        fail(ErrorCode::kTimeout, fmt::format("{} did not complete within {} ms: a peer rank is absent or stuck",
+                                              what, timeout_ms_));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  ncclResult_t comm_state() const {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = nccl().CommGetAsyncError(comm_, &state);
+    return r == ncclSuccess ? state : r;
+  }
+
+  void reserve_staging(size_t bytes) {
+    if (bytes <= scratch_bytes_) return;
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
+    scratch_ = host_stage_ = nullptr;
+    scratch_bytes_ = 0;
+    const size_t size = std::max<size_t>(bytes, 4096);
+    check_cuda(cudaMalloc(&scratch_, size), "cudaMalloc (group scratch)");
+    check_cuda(cudaMallocHost(&host_stage_, size), "cudaMallocHost (group staging)");
+    scratch_bytes_ = size;
+  }
+
+  void wait_stream(std::chrono::steady_clock::time_point deadline) {
+    while (true) {
+      const cudaError_t status = cudaStreamQuery(stream_);
+      if (status == cudaSuccess) return;
+      if (status != cudaErrorNotReady) check_cuda(status, "all_gather_bytes");
+      const ncclResult_t state = comm_state();
+      if (state != ncclSuccess && state != ncclInProgress) {
+        fail(ErrorCode::kPeerFailure,
+             fmt::format("all_gather_bytes: NCCL reports {} (a peer failed)", nccl().GetErrorString(state)));
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        fail(ErrorCode::kTimeout,
+             fmt::format("waited {} ms in all_gather_bytes for its peers: a peer rank is absent or stuck", timeout_ms_));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  // Marks the group failed and throws. An owned communicator is aborted first (that ends its kernels, so
+  // the stream drains and the group can be destroyed); a borrowed one is left to its owner.
+  [[noreturn]] void fail(ErrorCode code, const std::string& what) {
+    failed_ = what;
+    if (owns_comm_ && comm_ != nullptr) {
+      nccl().CommAbort(comm_);
+      comm_ = nullptr;
+      cudaStreamSynchronize(stream_);  // the aborted collective no longer blocks it
+      detail::raise(code, "cuda rank {}: {}; the group aborted its NCCL communicator and cannot be used again: "
+                          "destroy it and the buffers on it, and create a new group", rank_, what);
+    }
+    detail::raise(code, "cuda rank {}: {}; the caller's NCCL communicator may still run this all-gather: abort it "
+                        "(ncclCommAbort; it cannot be reused), then destroy this group and the buffers on it",
+                  rank_, what);
+  }
+
+  // ncclCommFinalize + ncclCommDestroy, bounded by the timeout: a communicator that cannot finish its
+  // pending work in time (an absent peer) is aborted instead.
+  void finalize_owned_comm() noexcept {
+    const ncclResult_t r = nccl().CommFinalize(comm_);
+    bool clean = r == ncclSuccess || r == ncclInProgress;
+    const auto deadline = detail::deadline_after_ms(std::min<int64_t>(timeout_ms_, 10'000));
+    while (clean) {
+      const ncclResult_t state = comm_state();
+      if (state == ncclSuccess) break;
+      if (state != ncclInProgress || std::chrono::steady_clock::now() > deadline) clean = false;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (clean) {
+      nccl().CommDestroy(comm_);
+    } else {
+      nccl().CommAbort(comm_);
+    }
+    comm_ = nullptr;
+  }
+
   ncclComm_t comm_;
   bool owns_comm_ = false;
   int64_t timeout_ms_;
@@ -108,8 +213,10 @@ class NcclCudaGroup final : public CudaGroup {
   int num_ranks_ = 0;
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
-  void* scratch_ = nullptr;
+  void* scratch_ = nullptr;     // device: [num_ranks * bytes] received, then [bytes] sent
+  void* host_stage_ = nullptr;  // pinned host, the same layout
   size_t scratch_bytes_ = 0;
+  std::string failed_;  // why the group failed; empty while it works
 };
 
 }  // namespace
@@ -164,14 +271,36 @@ std::shared_ptr<Group> create_cuda_group(const std::vector<uint8_t>& unique_id, 
   EPX_CHECK_ARG(device >= 0 && device < count, "device = {} is outside [0, {} visible GPUs)", device, count);
   std::memcpy(id.internal, unique_id.data(), sizeof(id));
   cuda::DeviceGuard guard(device);
+  // NOTE: non-blocking, so that neither this call nor the group's first all-gather (which connects the
+  // peers) can block forever on an absent rank; every wait polls ncclCommGetAsyncError with a deadline.
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 1;
+  config.blocking = 0;
   ncclComm_t comm = nullptr;
-  cuda::check_nccl(cuda::nccl().CommInitRankConfig(&comm, num_ranks, id, rank, &config), "ncclCommInitRankConfig");
+  const ncclResult_t created = cuda::nccl().CommInitRankConfig(&comm, num_ranks, id, rank, &config);
+  if (created != ncclSuccess && created != ncclInProgress) {
+    if (comm != nullptr) cuda::nccl().CommAbort(comm);
+    cuda::check_nccl(created, "ncclCommInitRankConfig");
+  }
+  const auto deadline = detail::deadline_after_ms(detail::clamp_timeout_ms(options.timeout_ms));
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t queried = cuda::nccl().CommGetAsyncError(comm, &state);
+    if (queried != ncclSuccess) state = queried;
+    if (state == ncclSuccess) break;
+    if (state != ncclInProgress || std::chrono::steady_clock::now() > deadline) {
+      cuda::nccl().CommAbort(comm);
+      if (state != ncclInProgress) cuda::check_nccl(state, "ncclCommInitRankConfig");
+      detail::raise(ErrorCode::kTimeout,
+                    "cuda rank {}: creating the NCCL communicator of {} ranks did not complete within {} ms: a "
+                    "rank did not join (each of the {} processes must call create_cuda_group with the same id)",
+                    rank, num_ranks, detail::clamp_timeout_ms(options.timeout_ms), num_ranks);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
   try {
     return std::make_shared<cuda::NcclCudaGroup>(comm, options, /*owns_comm=*/true);
   } catch (...) {
-    cuda::nccl().CommDestroy(comm);
+    cuda::nccl().CommAbort(comm);
     throw;
   }
 }

@@ -514,7 +514,9 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
       const int k = threadIdx.x;
       const int64_t e = static_cast<int64_t>(topk[t * K + k]);
       bool ok = false;
-      if (e >= 0) {
+      // NOTE: an id outside [0, num_experts) was sent to no expert by dispatch: treat it as -1 here too
+      // instead of indexing the mask and the signals out of bounds.
+      if (e >= 0 && e < layout.num_experts) {
         const int r = static_cast<int>(e / layout.num_local_experts);
         unsigned long long v = 0;
         if (ld_volatile(&ctrl->mask[r]) == 0 &&

@@ -1,7 +1,9 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "cuda/cuda_util.h"
 #include "cuda/low_latency_engine.h"
@@ -32,7 +34,9 @@ long long cycles_for(int64_t timeout_ms, int device) {
   int khz = 0;
   cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
   if (khz <= 0) khz = 2'000'000;
-  return static_cast<long long>(timeout_ms) * khz;
+  // NOTE: saturates: 100 years (kMaxTimeoutMs) at a 3 GHz clock would pass 2^63 cycles, and a budget that
+  // large means "wait forever" anyway.
+  return std::min<long long>(timeout_ms, std::numeric_limits<long long>::max() / khz) * khz;
 }
 
 }  // namespace

@@ -59,6 +59,7 @@ NcclApi load_nccl(const std::string& library) {
   resolve(handle, library, "ncclGetUniqueId", api.GetUniqueId);
   resolve(handle, library, "ncclCommInitRankConfig", api.CommInitRankConfig);
   resolve(handle, library, "ncclCommAbort", api.CommAbort);
+  resolve(handle, library, "ncclCommFinalize", api.CommFinalize);
   resolve(handle, library, "ncclCommDestroy", api.CommDestroy);
   resolve(handle, library, "ncclCommGetAsyncError", api.CommGetAsyncError);
   resolve(handle, library, "ncclCommUserRank", api.CommUserRank);

@@ -333,10 +333,12 @@ __global__ void __launch_bounds__(256)
     if (r != me && need > max_rows) max_rows = need;
   }
   const int64_t ring_kib = comm.ring_bytes >> 10;
+  // NOTE: the layout kernel ran before us on this stream; its record is in comm.error[1].
+  const bool input_invalid = reinterpret_cast<volatile const ErrorRecord*>(comm.error)[1].code == kErrInvalidTopk;
   for (int r = 0; r < R; ++r) {
     int32_t* slot = reinterpret_cast<int32_t*>(comm.peers[r] + comm.off_notify) + (parity * R + me) * kNotifyInts;
     if (threadIdx.x == 0) {
-      slot[0] = max_rows;
+      slot[0] = input_invalid ? -1 - max_rows : max_rows;  // sign bit: this rank's topk_idx was invalid
       slot[C + 2 + num_local_experts] = static_cast<int32_t>(ring_kib < 0x7fffffff ? ring_kib : 0x7fffffff);
       const int32_t n = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
       slot[C + 3 + num_local_experts] = whole_copy(n, num_tokens, whole) ? static_cast<int32_t>(num_tokens) : 0;
@@ -369,13 +371,16 @@ __global__ void __launch_bounds__(256)
       prefix += mine[s * kNotifyInts + 1 + C];
     }
     recv_meta[m.num_recv()] = prefix;
-    int32_t pair_rows = 0, ring = 0x7fffffff;
+    int32_t pair_rows = 0, ring = 0x7fffffff, failed = -1;
     for (int s = 0; s < R; ++s) {
-      pair_rows = max(pair_rows, mine[s * kNotifyInts]);
+      const int32_t rows = mine[s * kNotifyInts];
+      if (rows < 0 && failed < 0) failed = s;
+      pair_rows = max(pair_rows, rows < 0 ? -1 - rows : rows);
       ring = min(ring, mine[s * kNotifyInts + C + 2 + num_local_experts]);
     }
     recv_meta[m.max_pair_rows()] = pair_rows;
     recv_meta[m.min_ring_kib()] = ring;
+    recv_meta[m.failed_source()] = failed;
   }
   for (int s = threadIdx.x; s < R; s += blockDim.x) {
     recv_meta[m.whole_tokens(s)] = mine[s * kNotifyInts + C + 3 + num_local_experts];

@@ -100,7 +100,10 @@ struct RecvMetaLayout {
   __host__ __device__ int min_ring_kib() const { return max_pair_rows() + 1; }
   // Source s's token count when it sends its whole x to this rank (whole_copy), else 0.
   __host__ __device__ int whole_tokens(int s) const { return min_ring_kib() + 1 + s; }
-  __host__ __device__ int size() const { return whole_tokens(num_ranks); }
+  // The lowest rank whose layout kernel found an invalid topk_idx entry in this dispatch, or -1 (the same
+  // on every rank): notify carries the flag, so that every rank raises in the same call.
+  __host__ __device__ int failed_source() const { return whole_tokens(num_ranks); }
+  __host__ __device__ int size() const { return failed_source() + 1; }
 };
 
 // ---- copy-engine path (docs/normal-kernels.md) -----------------------------------------------------
@@ -199,7 +202,9 @@ void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ra
 // time out. CudaBuffer calls this (and preload_low_latency_kernels) before the constructor's barrier.
 cudaError_t preload_normal_kernels();
 void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream);
-// Notify also tells each destination whether this rank sends it whole x (whole_copy with `whole`).
+// Notify also tells each destination whether this rank sends it whole x (whole_copy with `whole`), and
+// whether this rank's layout kernel recorded an invalid topk_idx entry (comm.error[1]); the lowest such
+// rank lands in recv_meta[failed_source()] on every rank (its bad entries are dropped, the protocol runs on).
 // rank_prefix_matrix: int32 [R, R], [i][j] = tokens that ranks 0..i send to rank j (the same on every rank).
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
                    int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta,

@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "epx/quant.h"
+#include "epx/tensor.h"
 
 namespace epx {
 namespace {
@@ -158,22 +160,22 @@ ncclUniqueId share_id(int rank, int pipe_fds[2]) {
   return id;
 }
 
-TEST(MultiProcess, NcclGroupNormalAndLowLatency) {
+// Forks kRanks children that run body(rank, pipe) (exit codes: 0 pass, 1 mismatch, 2 error, 77 skip) and
+// returns their codes; children that outlive limit are killed (code -1).
+std::vector<int> fork_ranks(const std::function<int(int, int*)>& body, std::chrono::seconds limit) {
   int pipe_fds[2];
-  ASSERT_EQ(pipe(pipe_fds), 0);
+  if (pipe(pipe_fds) != 0) return std::vector<int>(kRanks, -2);
   std::vector<pid_t> children;
   for (int rank = 0; rank < kRanks; ++rank) {
     const pid_t pid = fork();
-    ASSERT_GE(pid, 0) << "fork failed";
+    if (pid < 0) return std::vector<int>(kRanks, -2);
     if (pid == 0) {
       int code = 0;
       try {
         int count = 0;
         if (cudaGetDeviceCount(&count) != cudaSuccess || count < kRanks) _exit(kExitSkip);
         cudaSetDevice(rank);
-        const int64_t bad = run_rank(rank, share_id(rank, pipe_fds));
-        if (bad != 0) std::fprintf(stderr, "rank %d: %lld mismatching elements\n", rank, static_cast<long long>(bad));
-        code = bad == 0 ? 0 : 1;
+        code = body(rank, pipe_fds);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
         code = 2;
@@ -185,7 +187,7 @@ TEST(MultiProcess, NcclGroupNormalAndLowLatency) {
   }
   close(pipe_fds[0]);
   close(pipe_fds[1]);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
   std::vector<int> codes(kRanks, -1);
   for (int rank = 0; rank < kRanks; ++rank) {
     int status = 0;
@@ -199,10 +201,130 @@ TEST(MultiProcess, NcclGroupNormalAndLowLatency) {
     }
     codes[rank] = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
+  return codes;
+}
+
+TEST(MultiProcess, NcclGroupNormalAndLowLatency) {
+  const auto codes = fork_ranks(
+      [](int rank, int* pipe_fds) {
+        const int64_t bad = run_rank(rank, share_id(rank, pipe_fds));
+        if (bad != 0) std::fprintf(stderr, "rank %d: %lld mismatching elements\n", rank, static_cast<long long>(bad));
+        return bad == 0 ? 0 : 1;
+      },
+      std::chrono::seconds(120));
   if (codes[0] == kExitSkip && codes[1] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
   for (int rank = 0; rank < kRanks; ++rank) {
     EXPECT_EQ(codes[rank], 0) << "rank " << rank << " (1 mismatch, 2 error, -1 killed)";
   }
+}
+
+// ---- an absent rank (issue 13, defect 6): every wait of the NCCL model ends within the timeout -------
+
+constexpr int64_t kFaultTimeoutMs = 2'000;
+
+// The code of the epx::Error fn throws, or -1 when it returns; *ms: how long it took.
+template <typename Fn>
+int error_code_of(Fn&& fn, int64_t* ms) {
+  const auto start = std::chrono::steady_clock::now();
+  int code = -1;
+  try {
+    fn();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "expected error: %s\n", e.what());
+    code = static_cast<int>(e.code());
+  }
+  *ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+  return code;
+}
+
+// 0 when code is one of `want` and the wait stayed within the timeout plus slack; prints why not.
+int expect_bounded_error(const char* what, int code, int64_t ms, std::initializer_list<ErrorCode> want) {
+  bool ok = false;
+  for (ErrorCode w : want) ok = ok || code == static_cast<int>(w);
+  if (ok && ms <= kFaultTimeoutMs + 8'000) return 0;
+  std::fprintf(stderr, "%s: error code %d after %lld ms\n", what, code, static_cast<long long>(ms));
+  return 1;
+}
+
+// The id through the pipe, as bytes for create_cuda_group(unique_id, ...).
+std::vector<uint8_t> share_id_bytes(int rank, int* pipe_fds) {
+  const ncclUniqueId id = share_id(rank, pipe_fds);
+  return {reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof(id)};
+}
+
+TEST(MultiProcess, AbsentRankAtCreationTimesOut) {
+  // Rank 1 takes the id and never joins: rank 0's create_cuda_group used to block in NCCL forever.
+  const auto codes = fork_ranks(
+      [](int rank, int* pipe_fds) {
+        const auto id = share_id_bytes(rank, pipe_fds);
+        if (rank == 1) return 0;
+        int64_t ms = 0;
+        const int code =
+            error_code_of([&] { create_cuda_group(id, 0, kRanks, 0, {.timeout_ms = kFaultTimeoutMs}); }, &ms);
+        return expect_bounded_error("create_cuda_group", code, ms, {ErrorCode::kTimeout});
+      },
+      std::chrono::seconds(60));
+  if (codes[0] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
+  EXPECT_EQ(codes[0], 0) << "rank 0 (1 wrong error or too slow, -1 hung and killed)";
+}
+
+TEST(MultiProcess, PeerThatLeavesMakesBarrierAndBufferFailInBoundedTime) {
+  // Both ranks make a group and a buffer and run one dispatch; then rank 1 exits. Rank 0's next barrier,
+  // its buffer's next calls and the destruction of both must end within the timeout.
+  const auto codes = fork_ranks(
+      [](int rank, int* pipe_fds) {
+        const auto id = share_id_bytes(rank, pipe_fds);
+        auto group = create_cuda_group(id, rank, kRanks, rank, {.timeout_ms = kFaultTimeoutMs});
+        const int64_t T = 64, H = 1024, E = 16;
+        BufferOptions options;
+        options.num_sms = 8;
+        options.num_normal_bytes = normal_buffer_size_hint(H, kRanks, options.num_sms, T);
+        auto buffer = Buffer::create(group, options);
+        cudaStream_t stream;
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        std::vector<int64_t> topk(T);
+        for (int64_t t = 0; t < T; ++t) topk[t] = t % E;
+        Tensor x = upload(std::vector<uint16_t>(T * H, 0), DType::kBFloat16, {T, H}, group->device(), stream);
+        Tensor topk_d = upload(topk, DType::kInt64, {T, 1}, group->device(), stream);
+        DispatchArgs da;
+        da.x = x;
+        da.topk_idx = topk_d;
+        da.num_experts = E;
+        da.stream = stream;
+        (void)buffer->dispatch(da);
+        cudaStreamSynchronize(stream);
+        group->barrier();
+        if (rank == 1) _exit(0);  // gone without a word: no destructor runs
+
+        int fails = 0;
+        int64_t ms = 0;
+        int code = error_code_of([&] { group->barrier(); }, &ms);
+        fails += expect_bounded_error("barrier", code, ms, {ErrorCode::kTimeout, ErrorCode::kPeerFailure});
+        code = error_code_of([&] { group->barrier(); }, &ms);  // the group failed for good: at once
+        fails += expect_bounded_error("second barrier", code, ms, {ErrorCode::kPeerFailure});
+        code = error_code_of(
+            [&] {
+              (void)buffer->dispatch(da);
+              cudaStreamSynchronize(stream);  // the kernels' own waits end at the timeout
+              (void)buffer->dispatch(da);     // and the recorded timeout is raised here at the latest
+            },
+            &ms);
+        fails += expect_bounded_error("dispatch", code, ms, {ErrorCode::kTimeout, ErrorCode::kPeerFailure});
+        const auto start = std::chrono::steady_clock::now();
+        buffer.reset();
+        group.reset();
+        cudaStreamDestroy(stream);
+        ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+        if (ms > kFaultTimeoutMs + 8'000) {
+          std::fprintf(stderr, "destroying the buffer and group took %lld ms\n", static_cast<long long>(ms));
+          ++fails;
+        }
+        return fails == 0 ? 0 : 1;
+      },
+      std::chrono::seconds(90));
+  if (codes[0] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
+  EXPECT_EQ(codes[0], 0) << "rank 0 (1 wrong error or too slow, 2 error, -1 hung and killed)";
+  EXPECT_EQ(codes[1], 0) << "rank 1";
 }
 
 }  // namespace
