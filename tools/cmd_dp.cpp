@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "command.h"
+#include "core/limits.h"
 #include "epx/dp.h"
 #include "epx/error.h"
 
@@ -63,9 +64,6 @@ std::vector<int64_t> parse_list(const std::string& text, const char* option) {
   return values;
 }
 
-constexpr int64_t kMaxRanks = 1024;
-constexpr int64_t kMaxRows = int64_t{1} << 40;  // the library's bound on gather buffer rows
-
 // ParallelLayout::create, its error message in the CLI's words: the flags instead of the field names.
 ParallelLayout create_layout(const ParallelSizes& sizes) {
   try {
@@ -101,20 +99,24 @@ void add_padding_mode(CLI::App& dp) {
   cmd->callback([=] {
     if (tokens_opt->count() == 0) throw BadInput("dp padding-mode needs --tokens N,N,...");
     const auto counts = parse_list(*tokens, "--tokens");
-    if (counts.size() > static_cast<size_t>(kMaxRanks)) {
-      throw BadInput(fmt::format("--tokens names {} DP ranks, more than {}", counts.size(), kMaxRanks));
+    if (counts.size() > static_cast<size_t>(kMaxDpWorldSize)) {
+      throw BadInput(fmt::format("--tokens names {} DP ranks, more than {}", counts.size(), kMaxDpWorldSize));
     }
     int64_t total = 0;
     for (size_t d = 0; d < counts.size(); ++d) {
       if (counts[d] < 0) throw BadInput(fmt::format("--tokens: count {} of DP rank {} is negative", counts[d], d));
-      if (counts[d] > kMaxRows) {
+      if (counts[d] > kMaxDpBufferRows) {
         throw BadInput(fmt::format("--tokens: count {} of DP rank {} exceeds 2^40", counts[d], d));
       }
       total += counts[d];  // <= 1024 * 2^40: no overflow
     }
-    if (total > kMaxRows) throw BadInput(fmt::format("--tokens: the counts sum to {}, more than 2^40 rows", total));
+    if (total > kMaxDpBufferRows) {
+      throw BadInput(fmt::format("--tokens: the counts sum to {}, more than 2^40 rows", total));
+    }
     const int64_t tp = parse_int(*attn_tp, "--attn-tp");
-    if (tp < 1 || tp > 1024) throw BadInput(fmt::format("--attn-tp must be in [1, 1024], got {}", tp));
+    if (tp < 1 || tp > kMaxDpWorldSize) {
+      throw BadInput(fmt::format("--attn-tp must be in [1, {}], got {}", kMaxDpWorldSize, tp));
+    }
     PaddingModeOptions options;
     options.is_extend_in_batch = extend->count() > 0;
     options.in_cuda_graph = graph->count() > 0;
@@ -123,7 +125,7 @@ void add_padding_mode(CLI::App& dp) {
     if (mode == DpPaddingMode::kMaxLen) {
       const int64_t max = *std::max_element(counts.begin(), counts.end());
       const int64_t slot = (max + tp - 1) / tp * tp;
-      if (slot > kMaxRows / static_cast<int64_t>(counts.size())) {
+      if (slot > kMaxDpBufferRows / static_cast<int64_t>(counts.size())) {
         throw BadInput(
             fmt::format("--tokens: MAX_LEN needs {} DP ranks x {} rows (the largest count rounded up to "
                         "--attn-tp {}), more than 2^40 rows",
@@ -158,7 +160,7 @@ void add_groups(CLI::App& dp) {
       return static_cast<int>(v);
     };
     ParallelSizes s;
-    s.world_size = size(args->world, "--world", 1, kMaxRanks, "");
+    s.world_size = size(args->world, "--world", 1, kMaxDpWorldSize, "");
     s.attn_dp_size = size(args->attn_dp, "--attn-dp", 1, s.world_size, " (--world)");
     s.attn_cp_size = size(args->attn_cp, "--attn-cp", 1, s.world_size, " (--world)");
     s.moe_ep_size = size(args->moe_ep, "--moe-ep", 0, s.world_size, " (--world; 0: derive)");

@@ -10,14 +10,14 @@
 #include <vector>
 
 #include "command.h"
+#include "core/limits.h"
 #include "epx/tbo.h"
 
 namespace epx::cli {
 namespace {
 
 // One bound for every token count of this command (--extend lengths and their sum, --decode,
-// --tokens-per-seq): the library's 2^40.
-constexpr int64_t kMaxTokens = int64_t{1} << 40;
+// --tokens-per-seq): the library's kMaxTboTokens (2^40).
 constexpr const char* kMaxTokensText = "2^40 = 1099511627776";
 
 int64_t parse_count(const std::string& text, const char* option, int64_t lo) {
@@ -25,7 +25,7 @@ int64_t parse_count(const std::string& text, const char* option, int64_t lo) {
   if (!value) {
     throw BadInput(fmt::format("{}: '{}' is not an integer (decimal, in [{}, {}])", option, text, lo, kMaxTokensText));
   }
-  if (*value < lo || *value > kMaxTokens) {
+  if (*value < lo || *value > kMaxTboTokens) {
     throw BadInput(fmt::format("{} must be >= {} and <= {}, got {}", option, lo, kMaxTokensText, *value));
   }
   return *value;
@@ -64,13 +64,13 @@ void add_split(CLI::App& tbo) {
         if (*value < 0) {
           throw BadInput(fmt::format("--extend: length {} of sequence {} is negative", *value, lens.size()));
         }
-        if (*value > kMaxTokens) {
+        if (*value > kMaxTboTokens) {
           throw BadInput(fmt::format("--extend: length {} of sequence {} exceeds {} (the bound of --decode too)",
                                      *value, lens.size(), kMaxTokensText));
         }
         lens.push_back(*value);
         total += *value;  // <= 2^40 before, <= 2^41 after: no overflow
-        if (total > kMaxTokens) {
+        if (total > kMaxTboTokens) {
           throw BadInput(fmt::format("--extend: the lengths sum to more than {} tokens (the bound of --decode too)",
                                      kMaxTokensText));
         }

@@ -1,22 +1,17 @@
 #include "epx/quant.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 
+#include "core/bf16.h"
 #include "core/check.h"
 
 namespace epx {
 
-uint16_t float_to_bf16(float value) noexcept {
-  const uint32_t bits = std::bit_cast<uint32_t>(value);
-  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding) >> 16);
-}
+uint16_t float_to_bf16(float value) noexcept { return detail::float_to_bf16(value); }
 
-float bf16_to_float(uint16_t bits) noexcept { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+float bf16_to_float(uint16_t bits) noexcept { return detail::bf16_to_float(bits); }
 
 uint8_t float_to_fp8_e4m3(float value) noexcept {
   const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/limits.h"
 #include "core/timeout.h"
 #include "cuda/cuda_group.h"
 #include "cuda/cuda_util.h"
@@ -25,12 +26,6 @@
 
 namespace epx::cuda {
 namespace {
-
-// Signals and notify slots live in the first kSignalBytes of every rank's region (src/ep/size_hints.cpp
-// reserves the same amount).
-constexpr int64_t kSignalBytes = int64_t{1} << 20;
-constexpr int64_t kMaxRingRows = 1024;
-constexpr int64_t kMinRingRows = 4;
 
 int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -204,21 +199,21 @@ class CudaBuffer final : public Buffer {
     rank_ = group_->rank();
     num_ranks_ = group_->num_ranks();
     device_ = group_->device().index;
-    EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kMaxRanks,
-              "the cuda backend supports up to {} ranks per host, got {}", kMaxRanks, num_ranks_);
-    num_channels_ = std::clamp(options.num_sms / 2, 1, kMaxChannels);
+    EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kNormalMaxRanks,
+              "the cuda backend supports up to {} ranks per host, got {}", kNormalMaxRanks, num_ranks_);
+    num_channels_ = std::clamp(options.num_sms / 2, 1, kNormalMaxChannels);
     num_sms_ = std::max(1, options.num_sms);
-    EPX_CHECK_ARG(options.num_sms <= 2 * kMaxChannels, "num_sms must be <= {} on the cuda backend, got {}",
-                  2 * kMaxChannels, options.num_sms);
+    EPX_CHECK_ARG(options.num_sms <= 2 * kNormalMaxChannels, "num_sms must be <= {} on the cuda backend, got {}",
+                  2 * kNormalMaxChannels, options.num_sms);
     int64_t bytes = options.num_normal_bytes;
     if (bytes == 0) bytes = normal_buffer_size_hint(8192, num_ranks_, options.num_sms);
-    EPX_CHECK_ARG(bytes > kSignalBytes, "num_normal_bytes must be > {} (signals) on the cuda backend, got {}",
-                  kSignalBytes, bytes);
+    EPX_CHECK_ARG(bytes > kNormalSignalBytes, "num_normal_bytes must be > {} (signals) on the cuda backend, got {}",
+                  kNormalSignalBytes, bytes);
     region_bytes_ = align_up(bytes, 4096);
 
     DeviceGuard guard(device_);
     check_cuda(cudaMalloc(&region_, region_bytes_), "cudaMalloc (peer region)");
-    check_cuda(cudaMemset(region_, 0, kSignalBytes), "cudaMemset (signals)");
+    check_cuda(cudaMemset(region_, 0, kNormalSignalBytes), "cudaMemset (signals)");
     check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&errors_), 2 * sizeof(ErrorRecord),
                              cudaHostAllocMapped | cudaHostAllocPortable),
                "cudaHostAlloc (error records)");
@@ -264,10 +259,10 @@ class CudaBuffer final : public Buffer {
     comm_.off_notify = take(4 * 2 * int64_t{num_ranks_} * kNotifyInts);
     comm_.off_copy_counter = take(8);
     comm_.off_ce_tail = take(8 * num_ranks_);
-    if (off > kSignalBytes) detail::raise(ErrorCode::kInternal, "signal area needs {} bytes", off);
-    comm_.signal_bytes = kSignalBytes;
-    comm_.off_ring = kSignalBytes;
-    comm_.ring_bytes = region_bytes_ - kSignalBytes;
+    if (off > kNormalSignalBytes) detail::raise(ErrorCode::kInternal, "signal area needs {} bytes", off);
+    comm_.signal_bytes = kNormalSignalBytes;
+    comm_.off_ring = kNormalSignalBytes;
+    comm_.ring_bytes = region_bytes_ - kNormalSignalBytes;
     comm_.ring_slab_bytes = (comm_.ring_bytes / (int64_t{num_ranks_} * num_channels_)) / 16 * 16;
     comm_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_->timeout_ms()));
     comm_.error = errors_device_;
@@ -296,8 +291,8 @@ class CudaBuffer final : public Buffer {
 
   Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) override {
     ep::validate_layout_args(topk_idx, num_experts, num_ranks_, group_->device());
-    EPX_CHECK_ARG(num_experts <= kMaxExperts, "num_experts must be <= {} on the cuda backend, got {}", kMaxExperts,
-                  num_experts);
+    EPX_CHECK_ARG(num_experts <= kNormalMaxExperts, "num_experts must be <= {} on the cuda backend, got {}",
+                  kNormalMaxExperts, num_experts);
     DeviceGuard guard(device_);
     raise_recorded_errors();
     return compute_layout(topk_idx, num_experts, stream);
@@ -348,11 +343,11 @@ class CudaBuffer final : public Buffer {
   }
   int64_t ring_rows_for(int64_t row_bytes) const {
     const int64_t rows = comm_.ring_slab_bytes / row_bytes;
-    EPX_CHECK_ARG(rows >= kMinRingRows,
+    EPX_CHECK_ARG(rows >= kNormalMinRingRows,
                   "num_normal_bytes too small: rows of {} bytes need >= {} bytes of ring per rank and channel "
                   "({} ranks, {} channels), have {} in all",
-                  row_bytes, kMinRingRows * row_bytes, num_ranks_, num_channels_, comm_.ring_bytes);
-    return std::min(rows, kMaxRingRows);
+                  row_bytes, kNormalMinRingRows * row_bytes, num_ranks_, num_channels_, comm_.ring_bytes);
+    return std::min(rows, kNormalMaxRingRows);
   }
   // Raises (once) what the device recorded since the last call. A timeout also asks every rank of
   // this process to reset its signals on its next call. keep_invalid_topk: leave an invalid-topk record
@@ -476,7 +471,7 @@ void CudaBuffer::begin_collective(Stream stream, bool keep_invalid_topk) {
   // A rank timed out: nobody may still run a kernel on the old signals, then everyone zeroes its own.
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
   group_->barrier();
-  check_cuda(cudaMemsetAsync(region_, 0, kSignalBytes, stream), "cudaMemsetAsync (reset)");
+  check_cuda(cudaMemsetAsync(region_, 0, kNormalSignalBytes, stream), "cudaMemsetAsync (reset)");
   ce_seq_ = 0;
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
   std::memset(errors_, 0, 2 * sizeof(ErrorRecord));
@@ -693,18 +688,18 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   const int64_t T = shape.num_tokens, H = shape.hidden;
   const int64_t x_row_bytes = H * static_cast<int64_t>(dtype_size(args.x.dtype));
   EPX_CHECK_ARG(x_row_bytes % 16 == 0, "x rows must be a multiple of 16 bytes on the cuda backend, got hidden = {}", H);
-  EPX_CHECK_ARG(shape.num_topk <= kMaxTopk, "topk_idx has {} columns; the cuda backend allows <= {}", shape.num_topk,
-                kMaxTopk);
+  EPX_CHECK_ARG(shape.num_topk <= kNormalMaxTopk, "topk_idx has {} columns; the cuda backend allows <= {}",
+                shape.num_topk, kNormalMaxTopk);
   std::shared_ptr<const CudaDispatchHandle> cached;
   if (shape.is_cached) {
     cached = std::dynamic_pointer_cast<const CudaDispatchHandle>(args.handle);
     EPX_CHECK_ARG(cached != nullptr && cached->owner == this, "handle was not made by this buffer");
   } else {
-    EPX_CHECK_ARG(args.num_experts / num_ranks_ <= kMaxLocalExperts,
-                  "num_experts / num_ranks must be <= {} on the cuda backend, got {}", kMaxLocalExperts,
+    EPX_CHECK_ARG(args.num_experts / num_ranks_ <= kNormalMaxLocalExperts,
+                  "num_experts / num_ranks must be <= {} on the cuda backend, got {}", kNormalMaxLocalExperts,
                   args.num_experts / num_ranks_);
-    EPX_CHECK_ARG(args.num_experts <= kMaxExperts, "num_experts must be <= {} on the cuda backend, got {}", kMaxExperts,
-                  args.num_experts);
+    EPX_CHECK_ARG(args.num_experts <= kNormalMaxExperts, "num_experts must be <= {} on the cuda backend, got {}",
+                  kNormalMaxExperts, args.num_experts);
   }
   const int64_t scale_row_bytes = shape.scale_bytes;
   const int K = shape.is_cached ? 0 : static_cast<int>(shape.num_topk);
@@ -881,7 +876,7 @@ CombineResult CudaBuffer::combine(const CombineArgs& args) {
   const int64_t H = args.x.shape[1];
   EPX_CHECK_ARG(H % 8 == 0, "x hidden size must be a multiple of 8 on the cuda backend, got {}", H);
   const int K = args.topk_weights.defined() ? static_cast<int>(args.topk_weights.shape[1]) : 0;
-  EPX_CHECK_ARG(K <= kMaxTopk, "topk_weights has {} columns; the cuda backend allows <= {}", K, kMaxTopk);
+  EPX_CHECK_ARG(K <= kNormalMaxTopk, "topk_weights has {} columns; the cuda backend allows <= {}", K, kNormalMaxTopk);
   const int64_t row_bytes = align_up(H * 2 + 4 * K, 16);
   const int64_t ring_rows = ring_rows_for(row_bytes);
   Stream stream = args.stream;

@@ -1,8 +1,8 @@
-#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <cstdlib>
 
+#include "core/bf16.h"
 #include "core/check.h"
 #include "cuda/low_latency.h"
 
@@ -97,19 +97,6 @@ __host__ __device__ inline int combine_recv_parts(int64_t num_tokens) {
                                                 : 1;
 }
 
-__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t bits) {
-  __nv_bfloat162 h;
-  memcpy(&h, &bits, 4);
-  return __bfloat1622float2(h);
-}
-
-__device__ __forceinline__ uint32_t float2_to_bf16x2(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  uint32_t bits;
-  memcpy(&bits, &h, 4);
-  return bits;
-}
-
 // Quantizes the 16 bf16 channels in (lo, hi) as part of a 128-channel block held by 8 consecutive lanes (the
 // whole warp must call: the block maximum is a shuffle over the 8 lanes). Writes the 16 fp8 values to *packed
 // and returns the scale to store: amax / 448 (fp32 scales) or the biased UE8M0 exponent.
@@ -121,7 +108,7 @@ __device__ __forceinline__ float quantize_16(int4 lo, int4 hi, bool ue8m0, uint4
   float amax = 1e-4f;
 #pragma unroll
   for (int w = 0; w < 8; ++w) {
-    const float2 f = bf16x2_to_float2(words[w]);
+    const float2 f = detail::cvt_bf16x2_to_float2(words[w]);
     v[2 * w] = f.x;
     v[2 * w + 1] = f.y;
     amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
@@ -548,15 +535,16 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
           const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
-            const float2 f = bf16x2_to_float2(words[w]);
+            const float2 f = detail::cvt_bf16x2_to_float2(words[w]);
             // NOTE: explicit rounding (no FMA contraction) so the sum matches the host backend bit for bit.
             acc[2 * w] = __fadd_rn(acc[2 * w], __fmul_rn(weights[k], f.x));
             acc[2 * w + 1] = __fadd_rn(acc[2 * w + 1], __fmul_rn(weights[k], f.y));
           }
         }
       }
-      out[t * row_vecs + v] = make_uint4(float2_to_bf16x2(acc[0], acc[1]), float2_to_bf16x2(acc[2], acc[3]),
-                                         float2_to_bf16x2(acc[4], acc[5]), float2_to_bf16x2(acc[6], acc[7]));
+      out[t * row_vecs + v] =
+          make_uint4(detail::cvt_float2_to_bf16x2(acc[0], acc[1]), detail::cvt_float2_to_bf16x2(acc[2], acc[3]),
+                     detail::cvt_float2_to_bf16x2(acc[4], acc[5]), detail::cvt_float2_to_bf16x2(acc[6], acc[7]));
     }
   }
 }

@@ -4,13 +4,9 @@
 
 #include <cstdint>
 
-namespace epx::cuda {
+#include "core/limits.h"
 
-inline constexpr int kLowLatencyMaxRanks = 16;
-inline constexpr int kLowLatencyMaxTopk = 16;
-inline constexpr int kLowLatencyMaxHidden = 16384;
-inline constexpr int kLowLatencyMaxExperts = 1024;
-inline constexpr int kLowLatencyMaxTokens = 4096;
+namespace epx::cuda {
 
 // Byte offsets of one buffer set inside a rank's region. The dispatch_* parts are the staging area peers
 // write into (source s's pairs for local expert e at rows [s * M, s * M + count)); the recv_* parts are the

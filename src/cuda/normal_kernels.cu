@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/bf16.h"
 #include "cuda/normal_kernels.h"
 
 namespace epx::cuda {
@@ -171,16 +172,16 @@ __device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64,
                                             int64_t num_experts, int num_ranks, int32_t* per_rank, int32_t* per_expert,
                                             uint8_t* in_rank, ErrorRecord* error, int rank) {
   extern __shared__ int32_t s_expert[];  // [num_experts]
-  __shared__ int32_t s_rank[kMaxRanks];
+  __shared__ int32_t s_rank[kNormalMaxRanks];
   for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) s_expert[i] = 0;
-  if (threadIdx.x < kMaxRanks) s_rank[threadIdx.x] = 0;
+  if (threadIdx.x < kNormalMaxRanks) s_rank[threadIdx.x] = 0;
   __syncthreads();
   const int64_t per = num_experts / num_ranks;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < num_tokens;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t e[kMaxTopk];
+    int64_t e[kNormalMaxTopk];
 #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) {
+    for (int k = 0; k < kNormalMaxTopk; ++k) {
       e[k] = -1;
       if (k < num_topk) {
         const int64_t i = t * num_topk + k;
@@ -190,7 +191,7 @@ __device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64,
     }
     uint32_t mask = 0;
 #pragma unroll
-    for (int k = 0; k < kMaxTopk; ++k) {
+    for (int k = 0; k < kNormalMaxTopk; ++k) {
       if (e[k] < -1 || e[k] >= num_experts) {
         volatile ErrorRecord* rec = error;
         if (rec->code == kErrNone) {
@@ -529,8 +530,8 @@ __device__ __forceinline__ void read_dispatch_row(const DispatchKernelArgs& a, c
 // sit at the same position of their pairs' sequences on all ranks, so every wait is for work that runs
 // (all blocks are resident) or is done; a channel never waits for a later one.
 __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm, DispatchKernelArgs a) {
-  __shared__ bool s_abort[kMaxRanks];
-  __shared__ int64_t s_avail[kMaxRanks];
+  __shared__ bool s_abort[kNormalMaxRanks];
+  __shared__ int64_t s_avail[kNormalMaxRanks];
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
   const bool is_sender = (blockIdx.x & 1) == 0;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -703,7 +704,7 @@ __global__ void __launch_bounds__(kNormalThreads)
   const int64_t warp_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int64_t T = a.num_tokens, xb = a.x_row_bytes, sb = a.scale_row_bytes;
-  int64_t begin[kMaxRanks], count[kMaxRanks], total = 0;
+  int64_t begin[kNormalMaxRanks], count[kNormalMaxRanks], total = 0;
   for (int d = 0; d < R; ++d) {
     const int64_t n = d != me && ((pack_mask >> d) & 1u) ? a.chan_start[d * (C + 1) + C] : 0;
     begin[d] = chunk_begin(n, num_chunks, chunk);
@@ -818,16 +819,6 @@ __global__ void signal_rows_kernel(CommArgs comm, RowCounts rows, uint64_t ce_ta
 
 // ---- combine ----------------------------------------------------------------------------------
 
-__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
-
-// Round-to-nearest-even, NaN kept (matches epx::float_to_bf16).
-__device__ __forceinline__ uint32_t to_bf16(float f) {
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-
 // One warp: out[tt] = bf16(sum of the rows (fp32, in the given order) + bias_0 + bias_1), and the same
 // sum of the top-k weights rows. Rows may be written by other GPUs or copy engines: loads skip L1.
 // kPairs: two source rows' loads in flight before either is added (more registers: blocks of at most
@@ -862,8 +853,8 @@ __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t
                                static_cast<uint32_t>(in[u].z), static_cast<uint32_t>(in[u].w)};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          acc[u][2 * q] += bf16_lo(w[q]);
-          acc[u][2 * q + 1] += bf16_hi(w[q]);
+          acc[u][2 * q] += detail::bf16x2_lo(w[q]);
+          acc[u][2 * q + 1] += detail::bf16x2_hi(w[q]);
         }
       }
     };
@@ -886,10 +877,11 @@ __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t
       const int64_t v = v0 + 32 * u;
       if (v >= num_chunks) continue;
       int4 o;
-      o.x = static_cast<int>(to_bf16(acc[u][0]) | (to_bf16(acc[u][1]) << 16));
-      o.y = static_cast<int>(to_bf16(acc[u][2]) | (to_bf16(acc[u][3]) << 16));
-      o.z = static_cast<int>(to_bf16(acc[u][4]) | (to_bf16(acc[u][5]) << 16));
-      o.w = static_cast<int>(to_bf16(acc[u][6]) | (to_bf16(acc[u][7]) << 16));
+      // NOTE: rounds exactly as epx::float_to_bf16 (NaN included), so the host reference matches bit for bit.
+      o.x = static_cast<int>(detail::float2_to_bf16x2(acc[u][0], acc[u][1]));
+      o.y = static_cast<int>(detail::float2_to_bf16x2(acc[u][2], acc[u][3]));
+      o.z = static_cast<int>(detail::float2_to_bf16x2(acc[u][4], acc[u][5]));
+      o.w = static_cast<int>(detail::float2_to_bf16x2(acc[u][6], acc[u][7]));
       reinterpret_cast<int4*>(a.out + tt * H)[v] = o;
     }
   }
@@ -901,10 +893,10 @@ __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t
 }
 
 __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, CombineKernelArgs a) {
-  __shared__ bool s_abort[kMaxRanks];
+  __shared__ bool s_abort[kNormalMaxRanks];
   __shared__ bool s_stall_abort;
-  __shared__ int64_t s_tail[kMaxRanks];
-  __shared__ int64_t s_consumed[kMaxRanks];
+  __shared__ int64_t s_tail[kNormalMaxRanks];
+  __shared__ int64_t s_consumed[kNormalMaxRanks];
   __shared__ int s_first_missing;
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
   const bool is_sender = (blockIdx.x & 1) == 0;
@@ -997,7 +989,7 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
       }
       stall_start = global_ns();
       for (int64_t tt = cursor + warp; tt < cursor + num_ready; tt += num_warps) {
-        const char* rows[kMaxRanks];
+        const char* rows[kNormalMaxRanks];
         int num_src = 0;
         for (int r = 0; r < R; ++r) {
           if (a.is_token_in_rank[tt * R + r]) {
@@ -1007,7 +999,7 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
                               (li % a.ring_rows) * a.row_bytes;
           }
         }
-        const float* wrows[kMaxRanks];
+        const float* wrows[kNormalMaxRanks];
         for (int j = 0; j < num_src; ++j) wrows[j] = reinterpret_cast<const float*>(rows[j] + x_bytes);
         reduce_token<false>(a, tt, rows, wrows, num_src, lane);
       }
@@ -1060,8 +1052,8 @@ __global__ void __launch_bounds__(kReduceThreads)
     __syncthreads();
     if (s_abort) return;
     for (int64_t tt = t0 + warp; tt < t1; tt += num_warps) {
-      const char* rows[kMaxRanks];
-      const float* wrows[kMaxRanks];
+      const char* rows[kNormalMaxRanks];
+      const float* wrows[kNormalMaxRanks];
       int num_src = 0;
       for (int r = 0; r < R; ++r) {
         if (!a.is_token_in_rank[tt * R + r]) continue;

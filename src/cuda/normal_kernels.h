@@ -6,18 +6,15 @@
 
 #include <cstdint>
 
+#include "core/limits.h"
+
 namespace epx::cuda {
 
-inline constexpr int kMaxRanks = 8;
-inline constexpr int kMaxChannels = 64;        // num_sms / 2, num_sms <= 128
-inline constexpr int kMaxLocalExperts = 1024;  // notify carries one count per local expert
-inline constexpr int kMaxTopk = 16;
-inline constexpr int kMaxExperts = 8192;  // the layout kernel counts experts in shared memory
 // Notify slot: [0] the source's largest staging need (rows) to one remote destination, [1, C + 2)
 // channel prefixes, [C + 2, C + 2 + E_local) expert counts, then the source's ring area in KiB, its
 // token count if it sends whole x to this destination (0: packed rows), and [C + 4 + E_local, + R) the
 // tokens it sends to every rank (for the rank prefix matrix).
-inline constexpr int kNotifyInts = 4 + kMaxChannels + kMaxLocalExperts + kMaxRanks;
+inline constexpr int kNotifyInts = 4 + kNormalMaxChannels + kNormalMaxLocalExperts + kNormalMaxRanks;
 inline constexpr int kLayoutThreads = 256;
 inline constexpr int kLayoutClusterBlocks = 8;  // portable cluster size
 inline constexpr int kLayoutClusterThreads = 1024;
@@ -58,7 +55,7 @@ const char* wait_site_name(int32_t site);
 // Byte offsets inside every rank's peer-visible region (identical on all ranks), and what each rank
 // needs to reach its peers. Signals are uint64: (epoch << 32) | rows for ring counters, epoch for flags.
 struct CommArgs {
-  char* peers[kMaxRanks];  // each rank's region, this rank's included
+  char* peers[kNormalMaxRanks];  // each rank's region, this rank's included
   int rank;
   int num_ranks;
   int num_channels;
@@ -121,7 +118,7 @@ __host__ __device__ inline int64_t chunk_begin(int64_t n, int num_chunks, int j)
 }
 
 struct RowCounts {
-  int64_t v[kMaxRanks];
+  int64_t v[kNormalMaxRanks];
 };
 
 // Copy-engine dispatch: a source sends its whole x (every token, one copy per chunk, the receiver picks

@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "core/limits.h"
 #include "dp/backends.h"
 #include "epx/dp.h"
 
@@ -10,14 +11,12 @@ namespace epx {
 
 namespace {
 
-// Keeps row offsets far from int64 overflow once multiplied by hidden and the element size.
-constexpr int64_t kMaxBufferRows = int64_t{1} << 40;
-
 void check_counts(std::span<const int64_t> num_tokens, const char* what) {
-  EPX_CHECK_ARG(!num_tokens.empty() && num_tokens.size() <= 1024,
-                "{}: num_tokens_per_dp_rank must name 1 to 1024 DP ranks, got {}", what, num_tokens.size());
+  EPX_CHECK_ARG(!num_tokens.empty() && num_tokens.size() <= static_cast<size_t>(kMaxDpWorldSize),
+                "{}: num_tokens_per_dp_rank must name 1 to {} DP ranks, got {}", what, kMaxDpWorldSize,
+                num_tokens.size());
   for (size_t d = 0; d < num_tokens.size(); ++d) {
-    EPX_CHECK_ARG(num_tokens[d] >= 0 && num_tokens[d] <= kMaxBufferRows,
+    EPX_CHECK_ARG(num_tokens[d] >= 0 && num_tokens[d] <= kMaxDpBufferRows,
                   "{}: num_tokens_per_dp_rank[{}] must be in [0, 2^40], got {}", what, d, num_tokens[d]);
   }
 }
@@ -40,8 +39,8 @@ DpPaddingMode choose_padding_mode(std::span<const int64_t> num_tokens_per_dp_ran
 
 DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpPaddingMode mode, int attn_tp_size) {
   check_counts(num_tokens_per_dp_rank, "plan_dp_gather");
-  EPX_CHECK_ARG(attn_tp_size >= 1 && attn_tp_size <= 1024, "plan_dp_gather: attn_tp_size must be in [1, 1024], got {}",
-                attn_tp_size);
+  EPX_CHECK_ARG(attn_tp_size >= 1 && attn_tp_size <= kMaxDpWorldSize,
+                "plan_dp_gather: attn_tp_size must be in [1, {}], got {}", kMaxDpWorldSize, attn_tp_size);
   EPX_CHECK_ARG(mode == DpPaddingMode::kMaxLen || mode == DpPaddingMode::kSumLen,
                 "plan_dp_gather: mode must be MAX_LEN or SUM_LEN, got {}", static_cast<int>(mode));
   const int64_t width = static_cast<int64_t>(num_tokens_per_dp_rank.size());
@@ -52,7 +51,7 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
   if (mode == DpPaddingMode::kMaxLen) {
     const int64_t max = *std::max_element(plan.num_tokens.begin(), plan.num_tokens.end());
     plan.slot_len = (max + attn_tp_size - 1) / attn_tp_size * attn_tp_size;
-    EPX_CHECK_ARG(plan.slot_len <= kMaxBufferRows / width,
+    EPX_CHECK_ARG(plan.slot_len <= kMaxDpBufferRows / width,
                   "plan_dp_gather: buffer of {} DP ranks x {} rows exceeds 2^40 rows", width, plan.slot_len);
     for (int64_t d = 0; d < width; ++d) plan.offsets[d] = d * plan.slot_len;
     plan.buffer_len = plan.slot_len * width;
@@ -61,7 +60,7 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
     for (int64_t d = 0; d < width; ++d) {
       plan.offsets[d] = offset;
       offset += plan.num_tokens[d];
-      EPX_CHECK_ARG(offset <= kMaxBufferRows, "plan_dp_gather: the sum of the counts exceeds 2^40 rows");
+      EPX_CHECK_ARG(offset <= kMaxDpBufferRows, "plan_dp_gather: the sum of the counts exceeds 2^40 rows");
     }
     plan.buffer_len = offset;
   }
@@ -77,7 +76,7 @@ void check_plan(const DpGatherPlan& plan, const ParallelLayout& layout, const ch
                 "{}: plan must have attn_dp_size = {} counts and offsets, got {} and {}", what, width,
                 plan.num_tokens.size(), plan.offsets.size());
   check_counts(plan.num_tokens, what);
-  EPX_CHECK_ARG(plan.buffer_len >= 0 && plan.buffer_len <= kMaxBufferRows,
+  EPX_CHECK_ARG(plan.buffer_len >= 0 && plan.buffer_len <= kMaxDpBufferRows,
                 "{}: plan.buffer_len must be in [0, 2^40], got {}", what, plan.buffer_len);
   int64_t expected = 0;
   for (size_t d = 0; d < width; ++d) {

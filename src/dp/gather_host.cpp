@@ -1,9 +1,9 @@
 // dp_gather / dp_scatter on the host backend: ranks are threads, so every rank reads the published
 // buffers of its peers directly between HostGroup::exchange and release.
-#include <bit>
 #include <cstring>
 #include <vector>
 
+#include "core/bf16.h"
 #include "core/check.h"
 #include "dp/backends.h"
 #include "epx/quant.h"
@@ -47,16 +47,12 @@ std::string find_mismatch(const std::vector<const void*>& ptrs) {
 }
 
 // out = 0 + x in the element type: what an all-reduce computes when one rank contributes x and the
-// others zeros. For bf16 this is x with -0 turned into +0 and NaNs quieted, done on the bits.
+// others zeros (for bf16 on the bits, core/bf16.h).
 inline float add_to_zero(float x) { return 0.f + x; }
-inline uint16_t add_to_zero(uint16_t x) {
-  if (x == 0x8000u) return 0;
-  if ((x & 0x7fffu) > 0x7f80u) return static_cast<uint16_t>(x | 0x0040u);
-  return x;
-}
+inline uint16_t add_to_zero(uint16_t x) { return detail::bf16_add_zero(x); }
 
 inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+inline float to_float(uint16_t x) { return detail::bf16_to_float(x); }
 inline void from_float(float x, float& out) { out = x; }
 inline void from_float(float x, uint16_t& out) { out = float_to_bf16(x); }
 

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "core/bf16.h"
 #include "dp/gather_kernels.h"
 
 namespace epx::cuda {
@@ -12,10 +13,8 @@ __device__ __forceinline__ uint32_t add_zero_bf16x2(uint32_t v) {
   uint32_t out = 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    uint32_t x = (v >> (16 * half)) & 0xffffu;
-    if (x == 0x8000u) x = 0;
-    if ((x & 0x7fffu) > 0x7f80u) x |= 0x0040u;
-    out |= x << (16 * half);
+    const auto x = static_cast<uint16_t>((v >> (16 * half)) & 0xffffu);
+    out |= static_cast<uint32_t>(detail::bf16_add_zero(x)) << (16 * half);
   }
   return out;
 }

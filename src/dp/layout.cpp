@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "core/check.h"
+#include "core/limits.h"
 #include "epx/dp.h"
 
 namespace epx {
@@ -25,8 +26,6 @@ const char* to_string(ParallelGroupKind kind) noexcept {
 }
 
 namespace {
-
-constexpr int kMaxWorld = 1024;
 
 // Fills a 0 entry of {a, b, c} so that a * b * c == world; checks the product otherwise.
 void derive_triple(int world, int& a, const char* a_name, int& b, const char* b_name, int& c, const char* c_name) {
@@ -54,8 +53,8 @@ void derive_triple(int world, int& a, const char* a_name, int& b, const char* b_
 }  // namespace
 
 ParallelLayout ParallelLayout::create(const ParallelSizes& sizes) {
-  EPX_CHECK_ARG(sizes.world_size >= 1 && sizes.world_size <= kMaxWorld, "world_size must be in [1, {}], got {}",
-                kMaxWorld, sizes.world_size);
+  EPX_CHECK_ARG(sizes.world_size >= 1 && sizes.world_size <= kMaxDpWorldSize, "world_size must be in [1, {}], got {}",
+                kMaxDpWorldSize, sizes.world_size);
   EPX_CHECK_ARG(sizes.attn_dp_size >= 1, "attn_dp_size must be >= 1, got {}", sizes.attn_dp_size);
   EPX_CHECK_ARG(sizes.attn_cp_size >= 1, "attn_cp_size must be >= 1, got {}", sizes.attn_cp_size);
   EPX_CHECK_ARG(sizes.moe_dp_size >= 1, "moe_dp_size must be >= 1, got {}", sizes.moe_dp_size);

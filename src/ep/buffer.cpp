@@ -1,4 +1,5 @@
 #include "core/check.h"
+#include "core/limits.h"
 #include "ep/backends.h"
 
 namespace epx {
@@ -8,7 +9,7 @@ std::unique_ptr<Buffer> Buffer::create(std::shared_ptr<Group> group, const Buffe
   EPX_CHECK_ARG(options.num_normal_bytes >= 0, "num_normal_bytes must be >= 0, got {}", options.num_normal_bytes);
   EPX_CHECK_ARG(options.num_low_latency_bytes >= 0, "num_low_latency_bytes must be >= 0, got {}",
                 options.num_low_latency_bytes);
-  EPX_CHECK_ARG(options.num_sms >= 1 && options.num_sms <= 1024, "num_sms must be in [1, 1024], got {}",
+  EPX_CHECK_ARG(options.num_sms >= 1 && options.num_sms <= kMaxNumSms, "num_sms must be in [1, {}], got {}", kMaxNumSms,
                 options.num_sms);
   switch (group->backend()) {
     case Backend::kHost:

@@ -3,16 +3,12 @@
 #include <cstdint>
 
 #include "core/check.h"
+#include "core/limits.h"
 #include "cuda/low_latency_layout.h"
 #include "epx/buffer.h"
 
 namespace epx {
 namespace {
-
-// Keep in step with src/cuda/cuda_buffer_cuda.cpp (signal area) and normal_kernels.h (limits).
-constexpr int64_t kSignalBytes = int64_t{1} << 20;
-constexpr int64_t kDefaultRingRows = 256;  // rows per (source rank, channel) ring
-constexpr int64_t kMaxTopk = 16;
 
 int64_t ceil_div(int64_t v, int64_t d) { return v / d + (v % d != 0); }
 
@@ -32,8 +28,9 @@ void check_low_latency_bytes(int64_t max_tokens_per_rank, int64_t hidden, int64_
   int64_t per_set = checked_mul(
       checked_mul(slots, row_bytes, "num_experts * max_tokens_per_rank * (hidden * 2 + scales) bytes"), 2, kWhat);
   per_set = checked_add(per_set, checked_mul(num_experts, 3 * 8 + 4, kWhat), kWhat);
-  const int64_t combine = checked_mul(checked_mul(max_tokens_per_rank, 16 * 2, "max_tokens_per_rank * 32"), hidden,
-                                      "max_tokens_per_rank * 32 * hidden");
+  const int64_t combine =
+      checked_mul(checked_mul(max_tokens_per_rank, kLowLatencyMaxTopk * 2, "max_tokens_per_rank * 32"), hidden,
+                  "max_tokens_per_rank * 32 * hidden");
   per_set = checked_add(checked_add(per_set, combine, kWhat), 12 * 256, kWhat);
   checked_add(checked_mul(per_set, 2, kWhat), int64_t{1} << 20, kWhat);
 }
@@ -50,21 +47,21 @@ int64_t normal_buffer_size_hint(int64_t hidden, int num_ranks, int num_sms, int6
   // The largest row: bf16 data, fp32 scales per 128 channels, top-k ids and weights, source index.
   const int64_t data_bytes = checked_mul(hidden, 2, "hidden * 2");
   const int64_t row_bytes =
-      align_up(checked_add(data_bytes, ceil_div(hidden, 128) * 4 + 8 * kMaxTopk + 4, kRow), 16, kRow);
+      align_up(checked_add(data_bytes, ceil_div(hidden, 128) * 4 + 8 * kNormalMaxTopk + 4, kRow), 16, kRow);
   const int64_t rings = checked_mul(
-      checked_mul(int64_t{num_ranks} * num_channels, kDefaultRingRows, "num_ranks * num_sms / 2 * 256 ring rows"),
+      checked_mul(int64_t{num_ranks} * num_channels, kNormalHintRingRows, "num_ranks * num_sms / 2 * 256 ring rows"),
       row_bytes, "num_ranks * num_sms / 2 * ring rows * row bytes");
   // Copy-engine staging (src/cuda/cuda_buffer_cuda.cpp, stage_fields and copy_slot_bytes): the ring area,
   // rounded down to KiB, split into one 256-byte aligned slot per peer, each holding the fields of up to T
   // rows in separate 256-byte aligned parts: data, scales, int64 top-k ids, weights, source index (the five
   // alignments and the rounding take at most 3 KiB).
-  const int64_t staged_row = checked_add(data_bytes, ceil_div(hidden, 128) * 4 + 12 * kMaxTopk + 4, kRow);
+  const int64_t staged_row = checked_add(data_bytes, ceil_div(hidden, 128) * 4 + 12 * kNormalMaxTopk + 4, kRow);
   const int64_t slot = checked_add(checked_mul(max_tokens_per_rank, staged_row, "max_tokens_per_rank * row bytes"),
                                    3072, "max_tokens_per_rank * row bytes");
   const int64_t staging = num_ranks > 1 && max_tokens_per_rank > 0
                               ? checked_mul(num_ranks - 1, slot, "(num_ranks - 1) * max_tokens_per_rank * row bytes")
                               : 0;
-  return checked_add(kSignalBytes, rings > staging ? rings : staging, "normal buffer bytes");
+  return checked_add(kNormalSignalBytes, rings > staging ? rings : staging, "normal buffer bytes");
 }
 
 int64_t low_latency_buffer_size_hint(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks, int64_t num_experts) {

@@ -149,16 +149,16 @@ LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args
   EPX_CHECK_ARG(shape.num_tokens <= max_tokens, "x has {} tokens, more than max_tokens_per_rank = {}", shape.num_tokens,
                 max_tokens);
   EPX_CHECK_ARG(
-      shape.hidden >= kFp8BlockSize && shape.hidden <= kMaxLowLatencyHidden && shape.hidden % kFp8BlockSize == 0,
-      "x hidden size must be a multiple of {} in [{}, {}], got {}", kFp8BlockSize, kFp8BlockSize, kMaxLowLatencyHidden,
+      shape.hidden >= kFp8BlockSize && shape.hidden <= kLowLatencyMaxHidden && shape.hidden % kFp8BlockSize == 0,
+      "x hidden size must be a multiple of {} in [{}, {}], got {}", kFp8BlockSize, kFp8BlockSize, kLowLatencyMaxHidden,
       shape.hidden);
   check_topk_idx(args.topk_idx, shape.num_tokens, device);
   shape.num_topk = args.topk_idx.shape[1];
-  EPX_CHECK_ARG(shape.num_topk <= kMaxLowLatencyTopk, "topk_idx has {} columns, more than the low-latency limit {}",
-                shape.num_topk, kMaxLowLatencyTopk);
+  EPX_CHECK_ARG(shape.num_topk <= kLowLatencyMaxTopk, "topk_idx has {} columns, more than the low-latency limit {}",
+                shape.num_topk, kLowLatencyMaxTopk);
   check_expert_split(args.num_experts, num_ranks);
-  EPX_CHECK_ARG(args.num_experts <= kMaxLowLatencyExperts, "num_experts must be <= {} for low-latency, got {}",
-                kMaxLowLatencyExperts, args.num_experts);
+  EPX_CHECK_ARG(args.num_experts <= kLowLatencyMaxExperts, "num_experts must be <= {} for low-latency, got {}",
+                kLowLatencyMaxExperts, args.num_experts);
   EPX_CHECK_ARG(args.scale_format == ScaleFormat::kFloat32 || args.scale_format == ScaleFormat::kUE8M0,
                 "scale_format {} is not a ScaleFormat", static_cast<int>(args.scale_format));
   shape.num_local_experts = args.num_experts / num_ranks;

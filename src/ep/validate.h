@@ -1,24 +1,16 @@
 // Backend-independent argument checks of the Buffer API (include/epx/buffer.h). Both backends call
 // these before touching memory; they read only shapes, dtypes and scalars, never tensor contents
 // (value checks such as topk_idx ranges need device reads and stay with each backend).
-// Every check throws Error(kInvalidArgument) whose message names the argument and the bound.
+// Every check throws Error(kInvalidArgument) whose message names the argument and the bound; the bounds
+// themselves (kMaxExperts, kMaxWorstTokens, kLowLatencyMax*) are in core/limits.h.
 #pragma once
 
 #include <cstdint>
 
+#include "core/limits.h"
 #include "epx/buffer.h"
 
 namespace epx::ep {
-
-// Low-latency limits (the kernels size per-thread state by them).
-inline constexpr int64_t kMaxLowLatencyHidden = 16384;
-inline constexpr int64_t kMaxLowLatencyTopk = 16;
-inline constexpr int64_t kMaxLowLatencyExperts = 1024;
-// Normal-path limits: expert ids and per-expert counts are int32, and so are the row indices of a worst-token
-// dispatch (recv_src_idx, the kernels' row counters). num_worst_tokens * (the bytes of one received row) must
-// also fit in int64; the allocation itself may still fail with kOutOfMemory.
-inline constexpr int64_t kMaxExperts = INT32_MAX;
-inline constexpr int64_t kMaxWorstTokens = INT32_MAX;
 
 // Shapes of a validated normal dispatch.
 struct DispatchShape {

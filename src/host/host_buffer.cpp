@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "core/bf16.h"
 #include "core/check.h"
 #include "ep/backends.h"
 #include "epx/routing.h"
@@ -431,10 +432,10 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
       for (int r = 0; r < num_ranks_; ++r) {
         if (rows[r] < 0) continue;
         const uint16_t* src = peers[r]->x + static_cast<int64_t>(rows[r]) * hidden;
-        for (int64_t h = 0; h < hidden; ++h) acc[h] += widen_bf16(src[h]);
+        for (int64_t h = 0; h < hidden; ++h) acc[h] += detail::bf16_to_float(src[h]);
       }
-      for (int64_t h = 0; h < hidden && bias_0 != nullptr; ++h) acc[h] += widen_bf16(bias_0[t * hidden + h]);
-      for (int64_t h = 0; h < hidden && bias_1 != nullptr; ++h) acc[h] += widen_bf16(bias_1[t * hidden + h]);
+      for (int64_t h = 0; h < hidden && bias_0 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_0[t * hidden + h]);
+      for (int64_t h = 0; h < hidden && bias_1 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_1[t * hidden + h]);
       for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
       for (int64_t k = 0; out_w != nullptr && k < num_topk; ++k) {
         float w = 0.f;

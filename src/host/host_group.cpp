@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/check.h"
+#include "core/limits.h"
 
 namespace epx::host {
 
@@ -219,7 +220,8 @@ namespace epx {
 const char* to_string(Backend backend) noexcept { return backend == Backend::kHost ? "host" : "cuda"; }
 
 std::vector<std::shared_ptr<Group>> create_host_groups(int num_ranks, const HostGroupOptions& options) {
-  EPX_CHECK_ARG(num_ranks >= 1 && num_ranks <= 1024, "num_ranks must be in [1, 1024], got {}", num_ranks);
+  EPX_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxHostGroupRanks, "num_ranks must be in [1, {}], got {}",
+                kMaxHostGroupRanks, num_ranks);
   EPX_CHECK_ARG(options.timeout_ms >= 1, "timeout_ms must be >= 1, got {}", options.timeout_ms);
   // NOTE: "wait forever" (e.g. INT64_MAX) would overflow now() + timeout in nanoseconds.
   const int64_t timeout_ms = std::min(options.timeout_ms, kMaxTimeoutMs);

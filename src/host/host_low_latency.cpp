@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "core/bf16.h"
 #include "core/check.h"
 #include "epx/log.h"
 #include "epx/routing.h"
@@ -446,7 +447,7 @@ void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& 
       const uint16_t* row = p->rows.data() + (p->block_offset[block] + idx) * hidden;
       const float w = state->topk_weights[t * num_topk + k];
       for (int64_t h = 0; h < hidden; ++h) {
-        const float product = w * widen_bf16(row[h]);
+        const float product = w * detail::bf16_to_float(row[h]);
         acc[h] += product;
       }
     }

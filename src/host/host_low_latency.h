@@ -1,7 +1,6 @@
 // Low-latency mailboxes of the host backend (private; see host_buffer.h for the protocol).
 #pragma once
 
-#include <bit>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -16,9 +15,6 @@
 #include "host/host_group.h"
 
 namespace epx::host {
-
-// epx::bf16_to_float, inline so that the host's accumulation loops vectorize.
-inline float widen_bf16(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
 enum class LowLatencyKind : int { kDispatch, kCombine };
 

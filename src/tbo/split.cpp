@@ -4,14 +4,12 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "core/limits.h"
 #include "epx/tbo.h"
 
 namespace epx {
 
 namespace {
-
-// Keeps sums of lengths far from int64 overflow.
-constexpr int64_t kMaxLen = int64_t{1} << 40;
 
 int64_t balanced_split(std::span<const int64_t> lens, int64_t total) {
   int64_t left = 0, best = 0;
@@ -44,11 +42,11 @@ TboSplit compute_tbo_split_extend(std::span<const int64_t> extend_lens, double t
                 "threshold must be in [0, 0.5], got {}", threshold);
   int64_t total = 0;
   for (size_t i = 0; i < extend_lens.size(); ++i) {
-    EPX_CHECK_ARG(extend_lens[i] >= 0 && extend_lens[i] <= kMaxLen, "extend_lens[{}] must be in [0, 2^40], got {}", i,
-                  extend_lens[i]);
+    EPX_CHECK_ARG(extend_lens[i] >= 0 && extend_lens[i] <= kMaxTboTokens,
+                  "extend_lens[{}] must be in [0, 2^40], got {}", i, extend_lens[i]);
     total += extend_lens[i];
   }
-  EPX_CHECK_ARG(total <= kMaxLen, "the sum of extend_lens must be <= 2^40, got {}", total);
+  EPX_CHECK_ARG(total <= kMaxTboTokens, "the sum of extend_lens must be <= 2^40, got {}", total);
   TboSplit split;
   split.split_seq_index = balanced_split(extend_lens, total);
   split.split_token_index =
@@ -110,9 +108,9 @@ TboChildren split_tbo_children(const TboSeqFields& parent, const TboSplit& split
       parent.seq_lens.size());
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    EPX_CHECK_ARG(parent.extend_lens[i] >= 0 && parent.extend_lens[i] <= kMaxLen,
+    EPX_CHECK_ARG(parent.extend_lens[i] >= 0 && parent.extend_lens[i] <= kMaxTboTokens,
                   "extend_lens[{}] must be in [0, 2^40], got {}", i, parent.extend_lens[i]);
-    EPX_CHECK_ARG(parent.prefix_lens[i] >= 0 && parent.prefix_lens[i] <= kMaxLen,
+    EPX_CHECK_ARG(parent.prefix_lens[i] >= 0 && parent.prefix_lens[i] <= kMaxTboTokens,
                   "prefix_lens[{}] must be in [0, 2^40], got {}", i, parent.prefix_lens[i]);
     EPX_CHECK_ARG(parent.seq_lens[i] == parent.prefix_lens[i] + parent.extend_lens[i],
                   "seq_lens[{}] must be prefix_lens + extend_lens = {}, got {}", i,
