@@ -2,7 +2,10 @@
 # Installs what epx needs to build and test: Debian packages by name, and the Python build/test packages
 # from PyPI for the python3 on PATH. Idempotent; needs root (or sudo) for the Debian packages.
 set -euo pipefail
-pkgs=(cmake ninja-build g++ libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libfmt-dev libspdlog-dev)
+# clang + libclang-rt-dev (its sanitizer and libFuzzer runtimes, only recommended by clang): the sanitizer and
+# fuzz build of scripts/test.sh and scripts/fuzz.sh.
+pkgs=(cmake ninja-build g++ clang libclang-rt-dev libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
+  libfmt-dev libspdlog-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -3,8 +3,10 @@
 # and its Python extension (with the CUDA backend when a toolkit is present, else host-only), runs every
 # CPU test, installs the Python package with `pip install .` from the same build tree and runs pytest on
 # it (host backend, numpy), runs the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer
-# (host-only build), runs `epx bench` on the host backend, and checks that an installed epx is usable
-# through find_package(epx). An empty test run is a failure.
+# (clang, host-only build, which also builds the libFuzzer targets), runs each fuzz target for
+# $EPX_FUZZ_SECONDS (default 30) over its seed corpus (scripts/fuzz.sh), runs `epx bench` on the host
+# backend, and checks that an installed epx is usable through find_package(epx). An empty test run is a
+# failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -26,12 +28,17 @@ python3 -m pip install -q --disable-pip-version-check --no-build-isolation -C bu
 (cd build && python3 -c "import epx, sys; print('epx', epx.__version__, 'from', epx.__file__)" &&
   python3 -m pytest -q -p no:cacheprovider ../python/tests)
 
-echo "== CPU tests under AddressSanitizer + UndefinedBehaviorSanitizer (host-only build)"
-cmake -S . -B build-asan -G Ninja -DEPX_CUDA=OFF -DEPX_WERROR=ON -DEPX_BUILD_BENCH=OFF \
-  -DEPX_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+echo "== CPU tests under AddressSanitizer + UndefinedBehaviorSanitizer (clang, host-only build with the fuzz targets)"
+# One configuration for both: the sanitizer build is clang's, so it also builds the libFuzzer targets.
+cmake -S . -B build-asan -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DEPX_CUDA=OFF -DEPX_WERROR=ON \
+  -DEPX_BUILD_BENCH=OFF -DEPX_SANITIZE=address,undefined -DEPX_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  >/dev/null
 cmake --build build-asan -j "$jobs"
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" --no-tests=error
+
+echo "== fuzzing (libFuzzer, ${EPX_FUZZ_SECONDS:=30} s per target, all targets at once)"
+EPX_FUZZ_BUILD_DIR=build-asan bash scripts/fuzz.sh "$EPX_FUZZ_SECONDS"
 
 echo "== epx bench on the host backend"
 ./build/epx bench --host --quiet --warmup 1 --iters 3 --json build/bench-host.json

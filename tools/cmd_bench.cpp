@@ -427,6 +427,7 @@ void add_bench(CLI::App& app) {
                                  c.num_ranks > 0 ? " of --ranks" : " (the host backend's default; set --ranks)"));
     }
     if (!use_cuda) check_host_bench_memory(c);
+    if (validate_only()) return;
     // Opened before the run, so an unwritable path fails before minutes of work.
     std::ofstream json_file;
     if (!json_path->empty()) {

@@ -3,18 +3,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
-#include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "command.h"
+#include "eplb_input.h"
 #include "epx/eplb/expert_location.h"
 #include "epx/eplb/manager.h"
 #include "epx/eplb/placement.h"
@@ -35,89 +33,6 @@ constexpr double kMaxExpertBytes = 1e15;            // moved_bytes = moved_exper
 constexpr int64_t kMaxStepLoad = int64_t{1} << 30;  // --tokens x --topk
 // A file's text as a parsed JSON document or vectors of doubles: at most this many bytes per byte of text.
 constexpr double kParseBytesPerByte = 16;
-
-// JSON {"weights": [[...], ...]} (or a bare array of rows), or CSV with one layer a line. Cells are plain
-// decimal numbers (no hex, inf or nan); an empty cell, including after a trailing comma, is an error.
-std::vector<std::vector<double>> parse_weights(const std::string& text, const std::string& path) {
-  const size_t first = text.find_first_not_of(" \t\r\n");
-  if (first != std::string::npos && (text[first] == '{' || text[first] == '[')) {
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& e) {
-      throw BadInput("--weights '" + path + "' is not valid JSON: " + e.what());
-    }
-    const nlohmann::json& rows = j.is_object() && j.contains("weights") ? j["weights"] : j;
-    if (!rows.is_array()) throw BadInput("--weights JSON must hold an array of rows in field 'weights'");
-    std::vector<std::vector<double>> out;
-    for (size_t l = 0; l < rows.size(); ++l) {
-      if (!rows[l].is_array()) throw BadInput("--weights row " + std::to_string(l) + " is not an array");
-      std::vector<double> row;
-      for (size_t e = 0; e < rows[l].size(); ++e) {
-        if (!rows[l][e].is_number()) {
-          throw BadInput("--weights[" + std::to_string(l) + "][" + std::to_string(e) + "] is not a number");
-        }
-        row.push_back(rows[l][e].get<double>());
-      }
-      out.push_back(std::move(row));
-    }
-    return out;
-  }
-  std::vector<std::vector<double>> out;
-  std::istringstream lines(text);
-  std::string line;
-  int64_t line_no = 0;
-  while (std::getline(lines, line)) {
-    ++line_no;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    std::vector<double> row;
-    size_t begin = 0;
-    for (int64_t col = 1;; ++col) {
-      const size_t comma = line.find(',', begin);
-      std::string cell = line.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
-      const size_t lo = cell.find_first_not_of(" \t\r"), hi = cell.find_last_not_of(" \t\r");
-      cell = lo == std::string::npos ? "" : cell.substr(lo, hi - lo + 1);
-      const auto v = parse_decimal_number(cell);
-      if (!v) {
-        throw BadInput(fmt::format("--weights '{}' line {} column {}: '{}' is not a number (plain decimal)", path,
-                                   line_no, col, cell));
-      }
-      row.push_back(*v);
-      if (comma == std::string::npos) break;
-      begin = comma + 1;
-    }
-    out.push_back(std::move(row));
-  }
-  return out;
-}
-
-// The library's weight checks, in the CLI's words, plus row sums: a row whose sum overflows a double
-// would make every load comparison and the balancedness meaningless (inf / inf).
-void check_weights(const std::vector<std::vector<double>>& weight, const std::string& path) {
-  if (weight.empty()) throw BadInput("--weights '" + path + "' holds no layers");
-  const size_t num_logical = weight[0].size();
-  if (num_logical == 0) throw BadInput("--weights '" + path + "': row 0 holds no experts");
-  for (size_t l = 0; l < weight.size(); ++l) {
-    if (weight[l].size() != num_logical) {
-      throw BadInput(fmt::format("--weights '{}' is ragged: row {} has {} experts, row 0 has {}", path, l,
-                                 weight[l].size(), num_logical));
-    }
-    double sum = 0;
-    for (size_t e = 0; e < num_logical; ++e) {
-      const double v = weight[l][e];
-      if (!std::isfinite(v) || v < 0) {
-        throw BadInput(fmt::format("--weights '{}': weight[{}][{}] must be finite and >= 0, got {}", path, l, e, v));
-      }
-      sum += v;
-    }
-    if (!std::isfinite(sum)) {
-      throw BadInput(
-          fmt::format("--weights '{}': row {} sums to more than the largest double ({:g}); scale the "
-                      "loads down",
-                      path, l, std::numeric_limits<double>::max()));
-    }
-  }
-}
 
 // The placement shape's rules (the library's make_layout), naming the flags. `logical` names where the
 // logical expert count comes from ("columns of --weights", "--experts").
@@ -140,55 +55,6 @@ void check_shape(int64_t num_logical, const char* logical, int64_t replicas, int
                     "policy applies since --groups is a multiple of --nodes {})",
                     num_logical, logical, groups, nodes));
   }
-}
-
-// An ExpertLocation JSON or {"phy2log": [[...], ...]}.
-std::vector<int32_t> parse_current(const std::string& text, int num_layers, int num_logical, int num_physical) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw BadInput(std::string("--current is not valid JSON: ") + e.what());
-  }
-  if (!j.is_object() || !j.contains("phy2log") || !j["phy2log"].is_array()) {
-    throw BadInput("--current JSON needs a field 'phy2log' with one row per layer");
-  }
-  const auto& rows = j["phy2log"];
-  if (rows.size() != static_cast<size_t>(num_layers)) {
-    throw BadInput("--current has " + std::to_string(rows.size()) + " layers, --weights has " +
-                   std::to_string(num_layers));
-  }
-  std::vector<int32_t> out;
-  std::vector<char> present(num_logical);
-  for (size_t l = 0; l < rows.size(); ++l) {
-    if (!rows[l].is_array() || rows[l].size() != static_cast<size_t>(num_physical)) {
-      throw BadInput("--current phy2log row " + std::to_string(l) +
-                     " must have --replicas = " + std::to_string(num_physical) + " entries");
-    }
-    std::fill(present.begin(), present.end(), 0);
-    for (size_t s = 0; s < rows[l].size(); ++s) {
-      const auto& v = rows[l][s];
-      if (!v.is_number_integer()) throw BadInput("--current phy2log row " + std::to_string(l) + " has a non-integer");
-      // NOTE: read as the widest type nlohmann holds, so ids beyond int32 are rejected, not truncated.
-      const bool in_range = v.is_number_unsigned() ? v.get<uint64_t>() < static_cast<uint64_t>(num_logical)
-                                                   : v.get<int64_t>() >= 0 && v.get<int64_t>() < num_logical;
-      if (!in_range) {
-        throw BadInput(
-            fmt::format("--current phy2log[{}][{}] = {} is outside [0, {}) (the logical experts of "
-                        "--weights)",
-                        l, s, v.dump(), num_logical));
-      }
-      const auto id = static_cast<int32_t>(v.get<int64_t>());
-      present[id] = 1;
-      out.push_back(id);
-    }
-    const auto missing = std::find(present.begin(), present.end(), 0);
-    if (missing != present.end()) {
-      throw BadInput(fmt::format("--current phy2log row {} holds no replica of logical expert {} (each needs >= 1)", l,
-                                 missing - present.begin()));
-    }
-  }
-  return out;
 }
 
 nlohmann::json rows_of(const std::vector<int32_t>& flat, int num_rows) {
@@ -231,6 +97,7 @@ void run_plan(const PlanArgs& a) {
     current =
         parse_current(read_input_file(a.current, "--current", kParseBytesPerByte), num_layers, num_logical, a.replicas);
   }
+  if (validate_only()) return;
   if (!current.empty() && policy == Policy::kDefault && !a.fresh) {
     MigrationResult r = rebalance_migration_aware(weight, shape, current, {a.max_balance_loss});
     placement = std::move(r.placement);
@@ -352,6 +219,7 @@ void run_simulate(const SimArgs& a) {
   // The library's own shape check as a backstop (the deepseek policy: the shape rules are the same, and it is
   // near-linear in the slots).
   rebalance({std::vector<double>(a.experts, 1.0)}, {a.replicas, a.groups, a.nodes, a.gpus}, Policy::kDeepSeek);
+  if (validate_only()) return;
   const auto initial = ExpertLocation::trivial(a.layers, a.experts, a.replicas, a.gpus, a.nodes);
   RebalanceManager managed(initial, rec, opt);
   LoadRecorder fixed(a.layers, a.experts, a.replicas, a.gpus, rec);  // the same load, never rebalanced

@@ -43,6 +43,18 @@ using Registrar = std::function<void(CLI::App& app)>;
 // `order` sorts the subcommands in --help.
 bool register_command(int order, Registrar registrar);
 
+// The whole CLI: builds the app from the registered commands, parses argv (argv[0] is the program name),
+// runs the chosen command and returns the exit status (kExitOk, kExitFailure or kExitBadInput) after
+// printing the one line the contract asks for. Never calls exit(); safe to call again in one process.
+int run(int argc, const char* const* argv);
+
+// Validate-only mode, for tests/fuzz/cli_fuzz.cpp: a command makes every check it makes on a real run
+// (flags, input files, sizes against memory), then returns before its work (placement, simulation,
+// benchmark) and before writing any file or starting a process. Commands whose whole work is a cheap
+// computation printed on stdout (dp, tbo, doctor) run in full. Off unless set.
+void set_validate_only(bool on);
+bool validate_only();
+
 // ---- parsing numbers ---------------------------------------------------------------------------------
 // A decimal integer: optional '-', digits, nothing else (no '+', spaces, hex, or exponent). nullopt when
 // the text is not one or does not fit int64.

@@ -67,8 +67,11 @@ struct TensorView {
   // above kMaxDims, a negative dimension, or more than 2^63 - 1 elements or bytes (a hand-built view).
   int64_t numel() const;
   size_t nbytes() const;
+  // Row-major strides for every dim of size > 1 (a view with no elements is contiguous whatever its strides);
+  // false for ndim above kMaxDims, which no memory can back.
   bool is_contiguous() const;
-  std::vector<int64_t> sizes() const { return {shape, shape + (ndim > 0 ? ndim : 0)}; }
+  // The dims; at most kMaxDims of them (a hand-built view with a larger ndim has no more).
+  std::vector<int64_t> sizes() const { return {shape, shape + (ndim < 0 ? 0 : ndim > kMaxDims ? kMaxDims : ndim)}; }
   template <typename T>
   T* data_as() const {
     return static_cast<T*>(data);

@@ -67,11 +67,14 @@ TensorView contiguous_view(void* data, DType dtype, const std::vector<int64_t>& 
   v.ndim = static_cast<int>(shape.size());
   v.device = device;
   for (int d = 0; d < v.ndim; ++d) v.shape[d] = shape[d];
-  detail::checked_nbytes(v, name);  // NOTE: bounds every stride below too (each is a partial product)
+  detail::checked_nbytes(v, name);
+  // NOTE: the byte check bounds every partial product below, unless a dim is 0: then the view has no elements
+  // and its other dims may multiply past int64 (found by fuzzing); such a view addresses no memory, so the
+  // strides past the overflow are 0.
   int64_t stride = 1;
   for (int d = v.ndim - 1; d >= 0; --d) {
     v.strides[d] = stride;
-    stride *= shape[d];
+    if (__builtin_mul_overflow(stride, shape[d], &stride)) stride = 0;
   }
   return v;
 }
@@ -91,6 +94,7 @@ int64_t TensorView::numel() const { return detail::checked_numel(*this, "tensor"
 size_t TensorView::nbytes() const { return static_cast<size_t>(detail::checked_nbytes(*this, "tensor")); }
 
 bool TensorView::is_contiguous() const {
+  if (ndim > kMaxDims) return false;  // shape[] has kMaxDims entries (reading past them was found by fuzzing)
   // NOTE: a view with no elements addresses no memory, whatever its strides (numpy gives [0, H] arrays
   // strides (0, 0)), so it is contiguous.
   for (int d = 0; d < ndim; ++d) {

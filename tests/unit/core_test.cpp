@@ -47,6 +47,36 @@ TEST(Tensor, ViewsAndValidation) {
   EXPECT_THROW(Tensor::empty(DType::kInt64, {-1}), Error);
 }
 
+TEST(Tensor, MoreDimsThanTheLimit) {
+  // A hand-built view with ndim above kMaxDims: is_contiguous and sizes read shape[4] and beyond (undefined
+  // behaviour, found by tests/fuzz/tensor_view_fuzz.cpp); now they stay within shape[] and numel throws.
+  std::vector<float> buf(4);
+  TensorView v = TensorView::of(buf.data(), DType::kFloat32, {1, 1, 2, 2});
+  v.ndim = kMaxDims + 1;
+  EXPECT_FALSE(v.is_contiguous());
+  EXPECT_EQ(v.sizes(), (std::vector<int64_t>{1, 1, 2, 2}));
+  EXPECT_THROW(v.numel(), Error);
+  EXPECT_THROW(check_tensor(v, "x", DType::kFloat32, {1, 1, 2, 2}), Error);
+  v.ndim = 1000;
+  EXPECT_FALSE(v.is_contiguous());
+  EXPECT_EQ(v.describe(), "fp32[1000 dims] on cpu");
+}
+
+TEST(Tensor, EmptyShapeWithHugeDims) {
+  // A zero dim makes the view empty whatever the others are; the row-major strides of the others used to be
+  // multiplied past int64 (signed overflow, reported by UBSan; found by tests/fuzz/tensor_view_fuzz.cpp).
+  const int64_t huge = INT64_MAX;
+  const TensorView v = TensorView::of(nullptr, DType::kBFloat16, {0, huge, int64_t{1} << 24});
+  EXPECT_EQ(v.numel(), 0);
+  EXPECT_EQ(v.nbytes(), 0u);
+  EXPECT_TRUE(v.is_contiguous());
+  EXPECT_EQ(v.strides[2], 1);
+  EXPECT_EQ(v.strides[1], int64_t{1} << 24);
+  const Tensor t = Tensor::empty(DType::kFloat32, {huge, 3, 0});
+  EXPECT_EQ(t.numel(), 0);
+  EXPECT_THROW(TensorView::of(nullptr, DType::kBFloat16, {1, huge, 2}), Error);  // not empty: too many bytes
+}
+
 TEST(Quant, Bf16RoundTrip) {
   EXPECT_EQ(float_to_bf16(1.f), 0x3f80);
   EXPECT_EQ(bf16_to_float(0x3f80), 1.f);
