@@ -30,6 +30,10 @@ python3 -m pip install -q --disable-pip-version-check --no-build-isolation -C bu
 
 echo "== CPU tests under AddressSanitizer + UndefinedBehaviorSanitizer (clang, host-only build with the fuzz targets)"
 # One configuration for both: the sanitizer build is clang's, so it also builds the libFuzzer targets.
+# A build-asan configured by an older test.sh (gcc) cannot switch compilers in place: start it afresh.
+if [ -f build-asan/CMakeCache.txt ] && ! grep -q '^CMAKE_CXX_COMPILER:.*clang' build-asan/CMakeCache.txt; then
+  rm -rf build-asan
+fi
 cmake -S . -B build-asan -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DEPX_CUDA=OFF -DEPX_WERROR=ON \
   -DEPX_BUILD_BENCH=OFF -DEPX_SANITIZE=address,undefined -DEPX_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   >/dev/null
