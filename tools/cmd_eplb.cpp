@@ -165,12 +165,19 @@ void to_physical(const ExpertLocation& loc, const std::vector<int64_t>& logical,
 // Draws the simulation with the Python package (python3 -m epx.plot; $EPX_PYTHON picks the interpreter).
 // NOTE: the chart needs matplotlib, which the C++ tool does not carry; a missing package is a failure
 // with a message that says what to install, not a silent skip.
+// path as one single-quoted shell word: each ' becomes '\'' so a path cannot end the quoting.
+std::string shell_quote(const std::string& path) {
+  std::string quoted = "'";
+  for (const char c : path) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
 void plot_with_python(const nlohmann::json& result, const std::string& png) {
   const std::string json_path = png + ".json";
   std::ofstream(json_path) << result.dump();
   const char* python = std::getenv("EPX_PYTHON");
   const std::string command =
-      std::string(python != nullptr ? python : "python3") + " -m epx.plot '" + json_path + "' '" + png + "'";
+      std::string(python != nullptr ? python : "python3") + " -m epx.plot " + shell_quote(json_path) + " " + shell_quote(png);
   const int rc = std::system(command.c_str());
   std::remove(json_path.c_str());
   if (rc != 0) {
