@@ -542,11 +542,11 @@ StageFields stage_fields(int64_t cap, const DispatchKernelArgs& k) {
     off = align_up(off + bytes, 256);
     return o;
   };
-  const int64_t topk_bytes = k.topk_idx != nullptr ? (k.topk_is_int64 ? 8 : 4) * k.num_topk : 0;
+  const int64_t topk_bytes = (k.topk_is_int64 ? 8 : 4) * k.num_topk;
   f.x = take(cap * k.x_row_bytes);
   f.scales = take(cap * k.scale_row_bytes);
   f.topk = take(cap * topk_bytes);
-  f.weights = take(k.topk_idx != nullptr && k.topk_weights != nullptr ? cap * 4 * k.num_topk : 0);
+  f.weights = take(k.has_weights ? cap * 4 * k.num_topk : 0);
   f.src = take(cap * 4);
   f.end = off;
   return f;
@@ -799,6 +799,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   k.topk_idx = shape.is_cached ? nullptr : args.topk_idx.data;
   k.topk_is_int64 = !shape.is_cached && args.topk_idx.dtype == DType::kInt64;
   k.topk_weights = args.topk_weights.defined() ? args.topk_weights.data_as<const float>() : nullptr;
+  k.has_weights = K > 0 && args.topk_weights.defined();
   k.num_topk = K;
   k.num_local_experts = handle->num_local_experts;
   k.num_tokens = T;

@@ -682,7 +682,7 @@ __global__ void __launch_bounds__(256)
     const int32_t* list = a.list_tok + d * T;
     char* slot = stage_slot_of(comm, d, me, slot_bytes);
     for (int64_t i = first; i < n; i += stride) reinterpret_cast<int32_t*>(slot + f.src)[i] = list[i];
-    if (a.topk_idx == nullptr) continue;
+    if (K == 0) continue;
     for (int64_t e = first; e < n * K; e += stride) {
       const int64_t i = e / K;
       const LocalTopk v = local_topk(a, list[i], static_cast<int>(e - i * K), d);
@@ -691,7 +691,7 @@ __global__ void __launch_bounds__(256)
       } else {
         reinterpret_cast<int32_t*>(slot + f.topk)[e] = v.id;
       }
-      if (a.topk_weights != nullptr) reinterpret_cast<float*>(slot + f.weights)[e] = v.weight;
+      if (a.has_weights) reinterpret_cast<float*>(slot + f.weights)[e] = v.weight;
     }
   }
 }

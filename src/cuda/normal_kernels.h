@@ -139,10 +139,14 @@ struct StageFields {
 struct DispatchKernelArgs {
   const char* x;         // [T, x_row_bytes]
   const char* x_scales;  // [T, scale_row_bytes] or null
-  const void* topk_idx;  // [T, K] or null (cached)
+  const void* topk_idx;  // [T, K] or null (cached; also an empty tensor may be null, as torch gives it)
   bool topk_is_int64;
   const float* topk_weights;  // [T, K] or null
-  int num_topk;
+  // NOTE: what the rows carry comes from these two, never from the pointers above: the staging layout must
+  // be the same on every rank, and an idle rank's empty tensors may be null (torch's are) while its peers'
+  // are not.
+  bool has_weights;  // topk_weights given (not cached)
+  int num_topk;      // 0 when cached
   int num_local_experts;
   int64_t num_tokens;
   int64_t x_row_bytes;

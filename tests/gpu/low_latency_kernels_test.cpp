@@ -426,6 +426,16 @@ class LowLatencyKernels : public ::testing::Test {
     num_gpus_ = device_count();
     if (num_gpus_ == 0) GTEST_SKIP() << "no GPU";
   }
+  // NOTE: more than two ranks per GPU are left out: each rank's kernel spins until its peers' kernels have
+  // written, and a GPU does not promise to run four such grids at once (four ranks on one H200 timed out on
+  // 2026-12-01), so such a case would test the scheduler, not the protocol. Grids of 1024 blocks (1024 experts)
+  // need a GPU per rank for the same reason.
+  bool runs_here(const Case& c, int max_ranks_per_gpu = 2) const {
+    if (c.num_ranks <= max_ranks_per_gpu * num_gpus_) return true;
+    std::printf("[ skipped  ] R=%d on %d GPU(s): more than %d rank(s) per GPU\n", c.num_ranks, num_gpus_,
+                max_ranks_per_gpu);
+    return false;
+  }
   int num_gpus_ = 0;
 };
 
@@ -438,6 +448,7 @@ TEST_F(LowLatencyKernels, MatchHostBackend) {
       {4, 32, 32, 2048, 9, 288, false, false},   {2, 64, 128, 2048, 8, 256, false, false, /*idle_rank1=*/true},
   };
   for (const Case& c : cases) {
+    if (!runs_here(c)) continue;
     SCOPED_TRACE("R=" + std::to_string(c.num_ranks) + " T=" + std::to_string(c.num_tokens) +
                  " H=" + std::to_string(c.hidden) + " K=" + std::to_string(c.num_topk) +
                  " E=" + std::to_string(c.num_experts) + (c.use_fp8 ? (c.ue8m0 ? " fp8/ue8m0" : " fp8") : " bf16"));
@@ -467,6 +478,7 @@ TEST_F(LowLatencyKernels, LimitShapes) {
   std::mt19937 rng(16384);
   for (const Case& c : {Case{2, 16, 16, 16384, 16, 1024, true, true}, Case{2, 64, 64, 16384, 16, 1024, false, false,
                                                                            /*idle_rank1=*/true}}) {
+    if (!runs_here(c, /*max_ranks_per_gpu=*/1)) continue;
     SCOPED_TRACE("H=" + std::to_string(c.hidden) + " T=" + std::to_string(c.num_tokens));
     Rig rig(c, num_gpus_);
     const std::vector<bool> all(c.num_ranks, true);
@@ -602,6 +614,7 @@ void* to_device(const std::vector<T>& v) {
 TEST_F(LowLatencyKernels, BufferApiWithHooks) {
   std::mt19937 rng(31);
   for (const Case& c : {Case{2, 128, 128, 7168, 8, 256, true, false}, Case{4, 32, 64, 2048, 9, 288, false, false}}) {
+    if (!runs_here(c)) continue;
     const std::vector<bool> all(c.num_ranks, true);
     auto in = make_inputs(c, rng);
     const auto expected = host_reference(c, in, all);

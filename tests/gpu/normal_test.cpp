@@ -66,10 +66,13 @@ int num_gpus() {
 }
 
 // Fills every allocation with 0xAB bytes so that an element the kernels forget to write shows up.
+// Poisons every CUDA allocation; an empty one is null, as torch's allocator gives it (a kernel that touches an
+// empty output faults here instead of writing into a spare byte).
 class PoisonAllocator final : public Allocator {
  public:
   std::shared_ptr<void> allocate(size_t bytes, Device device, Stream stream) override {
     if (!device.is_cuda()) return default_allocator()->allocate(bytes, device, stream);
+    if (bytes == 0) return nullptr;
     auto p = detail::cuda_allocate(bytes, device, stream);
     cudaMemsetAsync(p.get(), 0xAB, bytes, stream);
     return p;
@@ -193,7 +196,9 @@ struct DeviceInput {
   Tensor x, scales, topk, weights, bias_0, bias_1;
 };
 
+// An empty input is a null view, as torch passes it.
 Tensor upload(const void* data, size_t bytes, DType dtype, std::vector<int64_t> shape, Device device, Stream stream) {
+  if (bytes == 0) return Tensor::wrap(TensorView::of(nullptr, dtype, shape, device), nullptr);
   Tensor t = Tensor::empty(dtype, shape, device, nullptr, stream);
   if (bytes > 0) cudaMemcpyAsync(t.data(), data, bytes, cudaMemcpyHostToDevice, stream);
   return t;
