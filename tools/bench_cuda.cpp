@@ -197,7 +197,7 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
       options.num_sms = num_sms;
       // Sized for T tokens, so the copy-engine path can hold a whole transfer per peer.
       options.num_normal_bytes = normal_buffer_size_hint(H, R, num_sms, T);
-      auto buffer = Buffer::create(groups[r], options);
+      auto buffer = Buffer::create(groups[r], tuned_from_env(options));
       const auto& d = data[r];
       auto up = [&](const void* p, size_t bytes, DType dt, std::vector<int64_t> shape) {
         Tensor t = Tensor::empty(dt, shape, g.device(), nullptr, stream);

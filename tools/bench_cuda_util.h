@@ -10,10 +10,14 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <random>
 #include <type_traits>
 #include <vector>
 
+#include "epx/buffer.h"
 #include "epx/error.h"
 
 namespace epx::cli {
@@ -23,6 +27,36 @@ inline void cuda_ok(cudaError_t err, const char* what) {
 }
 inline void nccl_ok(ncclResult_t res, const char* what) {
   if (res != ncclSuccess) throw Error(ErrorCode::kNcclError, fmt::format("{}: {}", what, ncclGetErrorString(res)));
+}
+
+// The kernel tuning switches of the GPU benchmarks: the library reads no environment; `epx bench` maps these
+// variables onto BufferOptions (docs/normal-kernels.md, docs/low-latency.md). Unset: the library default.
+//   EPX_NORMAL_COPY_ENGINE=0  normal.copy_engines = false (SM rings only)
+//   EPX_COPY_WHOLE=0          normal.whole_copies = false
+//   EPX_STREAM_SIGNALS=0      normal.stream_signals = false
+//   EPX_COPY_CHUNKS=n         normal.max_copy_chunks = n (1..8)
+//   EPX_NORMAL_TIMELINE=1     normal.stage_timeline = true
+//   EPX_LL_COMBINE_PARTS=n    low_latency.combine_send_parts = n (1, 2, 4, 8)
+// A value that is not a whole number is kInvalidArgument naming the variable; ranges are Buffer::create's.
+inline BufferOptions tuned_from_env(BufferOptions options) {
+  auto number = [](const char* name, int fallback) {
+    const char* v = std::getenv(name);
+    if (v == nullptr) return fallback;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || n < -1'000'000 || n > 1'000'000) {
+      throw Error(ErrorCode::kInvalidArgument, fmt::format("{} must be a whole number, got '{}'", name, v));
+    }
+    return static_cast<int>(n);
+  };
+  auto flag = [&](const char* name, bool fallback) { return number(name, fallback ? 1 : 0) != 0; };
+  options.normal.copy_engines = flag("EPX_NORMAL_COPY_ENGINE", options.normal.copy_engines);
+  options.normal.whole_copies = flag("EPX_COPY_WHOLE", options.normal.whole_copies);
+  options.normal.stream_signals = flag("EPX_STREAM_SIGNALS", options.normal.stream_signals);
+  options.normal.max_copy_chunks = number("EPX_COPY_CHUNKS", options.normal.max_copy_chunks);
+  options.normal.stage_timeline = flag("EPX_NORMAL_TIMELINE", options.normal.stage_timeline);
+  options.low_latency.combine_send_parts = number("EPX_LL_COMBINE_PARTS", options.low_latency.combine_send_parts);
+  return options;
 }
 
 inline double median(std::vector<double> v) {

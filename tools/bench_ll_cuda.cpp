@@ -166,7 +166,7 @@ nlohmann::json run_cuda_ll_bench(const BenchConfig& config, const std::vector<in
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     BufferOptions options;
     options.num_low_latency_bytes = low_latency_buffer_size_hint(M, H, R, E);
-    auto buffer = Buffer::create(groups[r], options);
+    auto buffer = Buffer::create(groups[r], tuned_from_env(options));
     const int64_t pair_bytes = H + H / kBlock * 4;
     for (size_t ti = 0; ti < tokens.size(); ++ti) {
       const int64_t T = tokens[ti];

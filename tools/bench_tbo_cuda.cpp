@@ -133,7 +133,7 @@ nlohmann::json run_cuda_tbo_bench(const BenchConfig& config) {
     BufferOptions options;
     options.num_sms = comm_sms;
     options.num_normal_bytes = normal_buffer_size_hint(H, R, comm_sms);
-    auto buffer = Buffer::create(groups[r], options);
+    auto buffer = Buffer::create(groups[r], tuned_from_env(options));
     const Device dev = Device::cuda(r);
     auto upload = [&](const void* p, size_t bytes, DType dt, std::vector<int64_t> shape) {
       Tensor t = Tensor::empty(dt, shape, dev, nullptr, comm);

@@ -21,6 +21,22 @@
 
 namespace epx {
 
+// Tuning of the cuda backend's normal kernels (docs/normal-kernels.md). The host backend checks the ranges
+// and ignores the rest. Every rank must pass the same values (Buffer::create checks it), except
+// stage_timeline.
+struct NormalConfig {
+  bool copy_engines = true;    // copy engines carry the NVLink bytes when the staging fits (false: SM rings)
+  bool whole_copies = true;    // a destination that gets >= 15/16 of the tokens receives the whole x
+  bool stream_signals = true;  // copy completions are signalled by stream memory writes (false: a kernel)
+  int max_copy_chunks = 8;     // copies per destination and call, in [1, 8]
+  bool stage_timeline = false; // prints each copy-engine call's stage times to stderr (a debug aid)
+};
+
+// Tuning of the cuda backend's low-latency kernels (docs/low-latency.md). Same on every rank.
+struct LowLatencyConfig {
+  int combine_send_parts = 2;  // blocks per local expert in the combine send: 1, 2, 4 or 8
+};
+
 struct BufferOptions {
   // Bytes of peer-visible memory for the normal kernels (0: a size that fits the default workloads;
   // see normal_buffer_size_hint).
@@ -31,6 +47,8 @@ struct BufferOptions {
   // SMs the normal kernels may occupy (cuda backend).
   int num_sms = 24;
   std::shared_ptr<Allocator> allocator;  // null: default_allocator()
+  NormalConfig normal;
+  LowLatencyConfig low_latency;
 };
 
 // Peer memory the low-latency path needs for two buffer sets with these limits.

@@ -53,6 +53,8 @@ inline constexpr int64_t kNormalMinRingRows = 4;
 inline constexpr int64_t kNormalMaxRingRows = 1024;
 // The ring rows normal_buffer_size_hint reserves per (source rank, channel).
 inline constexpr int64_t kNormalHintRingRows = 256;
+// Copy-engine path: copies per destination and call (NormalConfig::max_copy_chunks; one event pair each).
+inline constexpr int kNormalMaxCopyChunks = 8;
 
 // ---- CUDA backend, low-latency path (src/cuda/low_latency.*) --------------------------------------------
 

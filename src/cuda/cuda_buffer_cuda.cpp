@@ -1,6 +1,7 @@
 // The cuda backend's Buffer: peer memory, the normal kernels' host side, handles and errors.
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +24,7 @@
 #include "cuda/peer_memory.h"
 #include "ep/backends.h"
 #include "ep/validate.h"
+#include "epx/log.h"
 
 namespace epx::cuda {
 namespace {
@@ -51,15 +53,6 @@ class CudaDispatchHandle final : public DispatchHandle {
   std::vector<int32_t> expert_counts_host;  // empty when unknown
   std::vector<int32_t> meta_host;           // recv_meta on the host; empty when unknown (worst-token mode)
 };
-
-// An environment switch: unset -> fallback, "0" -> off, anything else -> on. The normal path's knobs
-// (docs/normal-kernels.md): EPX_NORMAL_COPY_ENGINE=0 keeps it on SMs only; EPX_COPY_WHOLE=0 packs every
-// destination's rows by SMs (no whole-x copies); both must match on every rank. EPX_STREAM_SIGNALS=0
-// signals with a kernel; EPX_NORMAL_TIMELINE=1 prints stage times.
-bool env_flag(const char* name, bool fallback) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? fallback : std::strcmp(v, "0") != 0;
-}
 
 // Copies that one call enqueues together: one cudaMemcpyBatchAsync where the runtime has it. Measured on
 // 2x H200 while the receive kernels run (docs/perf-notes.md): a chunk to a peer by cudaMemcpyAsync or
@@ -107,11 +100,10 @@ struct CopyBatch {
 
 // cuStreamWriteValue64 from the driver (no link to libcuda): the signal stream writes a chunk's count into
 // the destination's memory once the chunk's copy is done, with no kernel launch. Null when the driver does
-// not offer it, or EPX_STREAM_SIGNALS=0 (then a one-block kernel signals).
+// not offer it (then a one-block kernel signals, as with NormalConfig::stream_signals off).
 using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 WriteValue64 stream_write_value() {
   static const WriteValue64 fn = []() -> WriteValue64 {
-    if (!env_flag("EPX_STREAM_SIGNALS", true)) return nullptr;
     void* p = nullptr;
     cudaDriverEntryPointQueryResult status{};
     if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &p, 12000, cudaEnableDefault, &status) !=
@@ -125,13 +117,13 @@ WriteValue64 stream_write_value() {
   return fn;
 }
 
-// EPX_NORMAL_TIMELINE=1 (a debug aid, docs/perf-notes.md): the copy-engine calls record timing events at
+// NormalConfig::stage_timeline (a debug aid, docs/perf-notes.md): the copy-engine calls record timing events at
 // their stages; each call prints, to stderr, the stages of the call kLag calls before it (done by then, so
 // nothing waits and back-to-back calls keep their overlap): times from that call's first mark, and the gap
 // since the end of the call before it.
 class StageTimeline {
  public:
-  StageTimeline() : on_(env_flag("EPX_NORMAL_TIMELINE", false)) {}
+  explicit StageTimeline(bool on) : on_(on) {}
   ~StageTimeline() {
     for (auto& c : calls_) {
       for (cudaEvent_t e : c.events) cudaEventDestroy(e);
@@ -193,7 +185,12 @@ class StageTimeline {
 class CudaBuffer final : public Buffer {
  public:
   CudaBuffer(std::shared_ptr<Group> group, const BufferOptions& options)
-      : group_(std::move(group)), allocator_(options.allocator ? options.allocator : default_allocator()) {
+      : group_(std::move(group)),
+        allocator_(options.allocator ? options.allocator : default_allocator()),
+        config_(options.normal),
+        write_value_(options.normal.stream_signals ? stream_write_value() : nullptr),
+        timeline_(options.normal.stage_timeline) {
+    ep::agree_on_options(*group_, options);  // first: every rank fails alike, before any local check
     cgroup_ = dynamic_cast<CudaGroup*>(group_.get());
     EPX_CHECK_ARG(cgroup_ != nullptr, "group must be a cuda group (see epx/cuda.h)");
     rank_ = group_->rank();
@@ -233,12 +230,24 @@ class CudaBuffer final : public Buffer {
     check_cuda(preload_normal_kernels(), "cudaFuncGetAttributes (preload normal kernels)");
     check_cuda(preload_low_latency_kernels(), "cudaFuncGetAttributes (preload low-latency kernels)");
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    if (cgroup_->single_process()) {
+      world_ = std::shared_ptr<CudaWorld>(group_, cgroup_->world());
+    } else {
+      world_ = map_shared_world(*group_);  // collective
+      if (world_ == nullptr) {
+        log(LogLevel::kWarn, fmt::format("epx cuda rank {}: no shared memory with the other ranks' processes (ranks "
+                                         "on several hosts, or no /dev/shm): after a timeout of the normal path "
+                                         "this buffer must be destroyed and made again on every rank",
+                                         rank_));
+      }
+    }
     open_peers();
-    if (cgroup_->world() != nullptr) seen_generation_ = cgroup_->world()->reset_generation.load();
+    if (world_ != nullptr) seen_generation_ = world_->reset_generation.load();
     group_->barrier();
     if (options.num_low_latency_bytes > 0) {
       low_latency_ = std::make_unique<LowLatencyEngine>(*group_, cgroup_->single_process(), device_,
-                                                        options.num_low_latency_bytes, allocator_);
+                                                        options.num_low_latency_bytes, allocator_,
+                                                        options.low_latency);
     }
 
     comm_.rank = rank_;
@@ -399,11 +408,10 @@ class CudaBuffer final : public Buffer {
   int num_channels_ = 1;
   // BufferOptions::num_sms: sizes the channels (rings, signals); a call may use fewer SMs (DispatchArgs::num_sms).
   int num_sms_ = 1;
-  bool copy_engines_ = env_flag("EPX_NORMAL_COPY_ENGINE", true);
-  bool whole_copies_ = env_flag("EPX_COPY_WHOLE", true);
+  NormalConfig config_;  // the same on every rank (Buffer::create checked it)
   cudaStream_t copy_stream_ = nullptr;    // copy-engine transfers into peers' staging
   cudaStream_t signal_stream_ = nullptr;  // announces finished transfers (stream writes, else a kernel)
-  WriteValue64 write_value_ = stream_write_value();
+  WriteValue64 write_value_ = nullptr;
   uint64_t ce_seq_ = 0;  // copy-engine operations so far (ce_tag)
   cudaEvent_t ev_start_ = nullptr, ev_copies_done_ = nullptr, ev_signals_done_ = nullptr;
   cudaEvent_t ev_pack_[kMaxCopyChunks] = {};
@@ -416,7 +424,10 @@ class CudaBuffer final : public Buffer {
   ErrorRecord* errors_device_ = nullptr;  // its device alias
   int32_t* meta_host_ = nullptr;          // pinned staging of the receive counts
   CommArgs comm_{};
-  StageTimeline timeline_;
+  StageTimeline timeline_{false};
+  // Reset requests, shared with the other ranks' buffers (see CudaWorld); null when the processes share no
+  // memory (then a timeout cannot be recovered from in place).
+  std::shared_ptr<CudaWorld> world_;
   uint64_t seen_generation_ = 0;
   Stream last_stream_ = nullptr;
 };
@@ -427,7 +438,7 @@ void CudaBuffer::open_peers() {
 }
 
 void CudaBuffer::request_reset() {
-  CudaWorld* world = cgroup_->world();
+  CudaWorld* world = world_.get();
   if (world == nullptr) return;
   // Every rank that failed asks for the same next generation, so simultaneous failures reset once.
   uint64_t current = world->reset_generation.load();
@@ -447,8 +458,11 @@ void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
     const auto& e = rec[0];
     detail::raise(ErrorCode::kTimeout,
                   "cuda rank {} timed out after {} ms in {}: peer rank {}, channel {}, expected counter {:#x}, "
-                  "observed {:#x}; the buffer resets on the next call of every rank",
-                  e.rank, group_->timeout_ms(), wait_site_name(e.where), e.peer, e.channel, e.expected, e.observed);
+                  "observed {:#x}; {}",
+                  e.rank, group_->timeout_ms(), wait_site_name(e.where), e.peer, e.channel, e.expected, e.observed,
+                  world_ != nullptr ? "the buffer resets on the next call of every rank"
+                                    : "this buffer cannot reset (no memory shared with the other ranks' processes): "
+                                      "destroy it and make a new one on every rank");
   }
   const auto& e = rec[1];
   if (e.code == kErrInvalidTopk) {
@@ -464,7 +478,7 @@ void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
 void CudaBuffer::begin_collective(Stream stream, bool keep_invalid_topk) {
   raise_recorded_errors(keep_invalid_topk);
   last_stream_ = stream;
-  CudaWorld* world = cgroup_->world();
+  CudaWorld* world = world_.get();
   if (world == nullptr) return;
   const uint64_t generation = world->reset_generation.load();
   if (generation == seen_generation_) return;
@@ -480,7 +494,7 @@ void CudaBuffer::begin_collective(Stream stream, bool keep_invalid_topk) {
 }
 
 int64_t CudaBuffer::copy_slot_bytes(const CudaDispatchHandle& h, int64_t pair_bytes) const {
-  if (!copy_engines_ || num_ranks_ < 2 || h.meta_host.empty()) return 0;
+  if (!config_.copy_engines || num_ranks_ < 2 || h.meta_host.empty()) return 0;
   const RecvMetaLayout m{num_ranks_, num_channels_, h.num_local_experts};
   const int64_t ring = int64_t{h.meta_host[m.min_ring_kib()]} << 10;
   const int64_t slot = ring / (num_ranks_ - 1) / 256 * 256;
@@ -522,14 +536,9 @@ void CudaBuffer::signal_rows(const RowCounts& rows, int j) {
   }
 }
 
-// Chunks per destination: about kCopyChunkRows rows each, at most kMaxCopyChunks (EPX_COPY_CHUNKS, a
-// tuning knob: at most that many).
-int copy_chunks(int64_t max_rows) {
-  static const int64_t limit = [] {
-    const char* v = std::getenv("EPX_COPY_CHUNKS");
-    const int64_t n = v != nullptr ? std::atoll(v) : kMaxCopyChunks;
-    return std::clamp<int64_t>(n, 1, kMaxCopyChunks);
-  }();
+// Chunks per destination: about kCopyChunkRows rows each, at most `limit` (NormalConfig::max_copy_chunks,
+// <= kMaxCopyChunks).
+int copy_chunks(int64_t max_rows, int limit) {
   return static_cast<int>(std::clamp<int64_t>((max_rows + kCopyChunkRows - 1) / kCopyChunkRows, 1, limit));
 }
 
@@ -564,7 +573,7 @@ Tensor CudaBuffer::send_with_copy_engines(const DispatchKernelArgs& k, const Cud
   int64_t packed = 0;
   for (int d = 0; d < R; ++d) {
     send.v[d] = meta[m.send_count(d)];
-    if (d != me && !whole_copy(send.v[d], T, whole_copies_)) {
+    if (d != me && !whole_copy(send.v[d], T, config_.whole_copies)) {
       pack_mask |= 1u << d;
       offset.v[d] = packed;
       packed += send.v[d];
@@ -577,7 +586,7 @@ Tensor CudaBuffer::send_with_copy_engines(const DispatchKernelArgs& k, const Cud
     stage_x = static_cast<char*>(stage.data());
     stage_scales = stage_x + packed * xb;
   }
-  const int num_chunks = copy_chunks(meta[m.max_pair_rows()]);
+  const int num_chunks = copy_chunks(meta[m.max_pair_rows()], config_.max_copy_chunks);
   auto slot_at = [&](int d) { return comm_.peers[d] + comm_.off_ring + stage_slot(me, d, R) * slot_bytes; };
 
   ++ce_seq_;
@@ -627,7 +636,7 @@ void CudaBuffer::send_combine_with_copy_engines(const CombineKernelArgs& k, cons
     base.v[d] = h.meta_host[m.rank_prefix(d)];
     max_rows = std::max(max_rows, rows.v[d]);
   }
-  const int num_chunks = copy_chunks(max_rows);
+  const int num_chunks = copy_chunks(max_rows, config_.max_copy_chunks);
   ++ce_seq_;
   timeline_.mark("send", stream);
   start_side_streams(stream);
@@ -751,7 +760,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
     handle->rank_prefix = empty(DType::kInt32, {R, R}, stream);
     launch_advance_epoch(comm_, stream);
     launch_notify(comm_, handle->chan_start.data_as<int32_t>(), per_expert, handle->num_local_experts,
-                  args.expert_alignment, T, whole_copies_ && copy_engines_, handle->recv_meta.data_as<int32_t>(),
+                  args.expert_alignment, T, config_.whole_copies && config_.copy_engines, handle->recv_meta.data_as<int32_t>(),
                   handle->recv_expert_counts.data_as<int32_t>(), handle->rank_prefix.data_as<int32_t>(), stream);
     check_cuda(cudaGetLastError(), "notify launch");
     if (args.num_worst_tokens == 0) {

@@ -2,11 +2,19 @@
 #include <fmt/format.h>
 #include <nccl.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <new>
+#include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "core/check.h"
 #include "core/timeout.h"
@@ -42,6 +50,23 @@ class ThreadCudaGroup final : public CudaGroup {
 void check_nccl(ncclResult_t result, const char* what) {
   if (result != ncclSuccess) {
     detail::raise(ErrorCode::kNcclError, "{} failed: {}", what, nccl().GetErrorString(result));
+  }
+}
+
+// The state of a communicator's pending work: ncclSuccess, ncclInProgress, or the error it ended with.
+ncclResult_t comm_state(ncclComm_t comm) {
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t r = nccl().CommGetAsyncError(comm, &state);
+  return r == ncclSuccess ? state : r;
+}
+
+// Polls a non-blocking communicator until its pending call (creation, a collective) finished or failed, or
+// `deadline` passed: returns ncclSuccess, the error, or ncclInProgress at the deadline.
+ncclResult_t wait_comm(ncclComm_t comm, std::chrono::steady_clock::time_point deadline) {
+  while (true) {
+    const ncclResult_t state = comm_state(comm);
+    if (state != ncclInProgress || std::chrono::steady_clock::now() > deadline) return state;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
 
@@ -120,25 +145,16 @@ class NcclCudaGroup final : public CudaGroup {
   // Waits until a non-blocking communicator finished its pending call (creation, a collective),
   // polling ncclCommGetAsyncError against `deadline`; fails the group on an error or the deadline.
   void wait_comm_ready(std::chrono::steady_clock::time_point deadline, const char* what) {
-    while (true) {
-      const ncclResult_t state = comm_state();
-      if (state == ncclSuccess) return;
-      if (state != ncclInProgress) {
-        fail(ErrorCode::kNcclError, fmt::format("{}: NCCL reports {}", what, nccl().GetErrorString(state)));
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        fail(ErrorCode::kTimeout, fmt::format("{} did not complete within {} ms: a peer rank is absent or stuck",
-                                              what, timeout_ms_));
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    const ncclResult_t state = wait_comm(comm_, deadline);
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) {
+      fail(ErrorCode::kNcclError, fmt::format("{}: NCCL reports {}", what, nccl().GetErrorString(state)));
     }
+    fail(ErrorCode::kTimeout,
+         fmt::format("{} did not complete within {} ms: a peer rank is absent or stuck", what, timeout_ms_));
   }
 
-  ncclResult_t comm_state() const {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = nccl().CommGetAsyncError(comm_, &state);
-    return r == ncclSuccess ? state : r;
-  }
+  ncclResult_t comm_state() const { return cuda::comm_state(comm_); }
 
   void reserve_staging(size_t bytes) {
     if (bytes <= scratch_bytes_) return;
@@ -190,14 +206,8 @@ class NcclCudaGroup final : public CudaGroup {
   // pending work in time (an absent peer) is aborted instead.
   void finalize_owned_comm() noexcept {
     const ncclResult_t r = nccl().CommFinalize(comm_);
-    bool clean = r == ncclSuccess || r == ncclInProgress;
     const auto deadline = detail::deadline_after_ms(std::min<int64_t>(timeout_ms_, 10'000));
-    while (clean) {
-      const ncclResult_t state = comm_state();
-      if (state == ncclSuccess) break;
-      if (state != ncclInProgress || std::chrono::steady_clock::now() > deadline) clean = false;
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    const bool clean = (r == ncclSuccess || r == ncclInProgress) && wait_comm(comm_, deadline) == ncclSuccess;
     if (clean) {
       nccl().CommDestroy(comm_);
     } else {
@@ -220,6 +230,55 @@ class NcclCudaGroup final : public CudaGroup {
 };
 
 }  // namespace
+
+std::shared_ptr<CudaWorld> map_shared_world(Group& group) {
+  constexpr size_t kNameBytes = 64;
+  // Rank 0 creates the object under a fresh name; the others learn the name and map it.
+  char name[kNameBytes] = {};
+  int fd = -1;
+  if (group.rank() == 0) {
+    std::random_device entropy;
+    const uint64_t salt = (uint64_t{entropy()} << 32) ^ entropy();
+    std::snprintf(name, sizeof(name), "/epx-world-%d-%016llx", static_cast<int>(getpid()),
+                  static_cast<unsigned long long>(salt));
+    fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd >= 0 && ftruncate(fd, sizeof(CudaWorld)) != 0) {
+      close(fd);
+      shm_unlink(name);
+      fd = -1;
+    }
+    if (fd < 0) name[0] = '\0';
+  }
+  // The name goes once every rank mapped the object, or the call failed (an all-gather timed out).
+  struct Unlink {
+    const char* name;
+    ~Unlink() {
+      if (name != nullptr && name[0] != '\0') shm_unlink(name);
+    }
+  } unlink_guard{group.rank() == 0 ? name : nullptr};
+  std::vector<char> names(kNameBytes * static_cast<size_t>(group.num_ranks()));
+  group.all_gather_bytes(name, names.data(), kNameBytes);
+  std::memcpy(name, names.data(), kNameBytes);  // rank 0's
+  name[kNameBytes - 1] = '\0';
+  if (group.rank() != 0 && name[0] != '\0') fd = shm_open(name, O_RDWR, 0600);
+  void* p = MAP_FAILED;
+  if (fd >= 0) {
+    p = mmap(nullptr, sizeof(CudaWorld), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+  }
+  std::shared_ptr<CudaWorld> world;
+  if (p != MAP_FAILED) {
+    // Rank 0 constructs the object before the second all-gather; nobody reads it before that.
+    if (group.rank() == 0) new (p) CudaWorld();
+    world.reset(static_cast<CudaWorld*>(p), [](CudaWorld* w) { munmap(w, sizeof(CudaWorld)); });
+  }
+  const char mapped = world != nullptr;
+  std::vector<char> all(static_cast<size_t>(group.num_ranks()));
+  group.all_gather_bytes(&mapped, all.data(), 1);
+  const bool everyone = std::all_of(all.begin(), all.end(), [](char c) { return c != 0; });
+  return everyone ? world : nullptr;
+}
+
 }  // namespace epx::cuda
 
 namespace epx {
@@ -281,21 +340,15 @@ std::shared_ptr<Group> create_cuda_group(const std::vector<uint8_t>& unique_id, 
     if (comm != nullptr) cuda::nccl().CommAbort(comm);
     cuda::check_nccl(created, "ncclCommInitRankConfig");
   }
-  const auto deadline = detail::deadline_after_ms(detail::clamp_timeout_ms(options.timeout_ms));
-  while (true) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t queried = cuda::nccl().CommGetAsyncError(comm, &state);
-    if (queried != ncclSuccess) state = queried;
-    if (state == ncclSuccess) break;
-    if (state != ncclInProgress || std::chrono::steady_clock::now() > deadline) {
-      cuda::nccl().CommAbort(comm);
-      if (state != ncclInProgress) cuda::check_nccl(state, "ncclCommInitRankConfig");
-      detail::raise(ErrorCode::kTimeout,
-                    "cuda rank {}: creating the NCCL communicator of {} ranks did not complete within {} ms: a "
-                    "rank did not join (each of the {} processes must call create_cuda_group with the same id)",
-                    rank, num_ranks, detail::clamp_timeout_ms(options.timeout_ms), num_ranks);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  const ncclResult_t state =
+      cuda::wait_comm(comm, detail::deadline_after_ms(detail::clamp_timeout_ms(options.timeout_ms)));
+  if (state != ncclSuccess) {
+    cuda::nccl().CommAbort(comm);
+    if (state != ncclInProgress) cuda::check_nccl(state, "ncclCommInitRankConfig");
+    detail::raise(ErrorCode::kTimeout,
+                  "cuda rank {}: creating the NCCL communicator of {} ranks did not complete within {} ms: a "
+                  "rank did not join (each of the {} processes must call create_cuda_group with the same id)",
+                  rank, num_ranks, detail::clamp_timeout_ms(options.timeout_ms), num_ranks);
   }
   try {
     return std::make_shared<cuda::NcclCudaGroup>(comm, options, /*owns_comm=*/true);

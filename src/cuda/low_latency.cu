@@ -460,7 +460,7 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    // NOTE: monotonic (no reset); parts is a power of two, fixed per process, so the wrap at 2^32 keeps the phase.
+    // NOTE: monotonic (no reset); parts is a power of two, fixed per buffer, so the wrap at 2^32 keeps the phase.
     const unsigned int done = atomicAdd(&ctrl->combine_parts_done[e_local], 1u) + 1;
     last_part = done % static_cast<unsigned>(parts) == 0;
     if (last_part) __threadfence();  // acquire: the other parts' stores, fenced before their increments
@@ -552,17 +552,6 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
 void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) detail::raise(ErrorCode::kCudaError, "{} launch failed: {}", what, cudaGetErrorString(err));
-}
-
-// Blocks per local expert in the combine send: 2, or EPX_LL_COMBINE_PARTS (1, 2, 4 or 8; a tuning knob, fixed
-// for the process: the per-expert counters assume it).
-int combine_send_parts() {
-  static const int parts = [] {
-    const char* v = std::getenv("EPX_LL_COMBINE_PARTS");
-    const int n = v != nullptr ? std::atoi(v) : 2;
-    return n == 1 || n == 2 || n == 4 || n == 8 ? n : 2;
-  }();
-  return parts;
 }
 
 // At least one block, so the set's sequence number advances on an idle rank too.
@@ -658,7 +647,7 @@ void launch_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layou
 // Launch shape per phase (see ll::combine).
 void launch_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                     const LowLatencyCombineLaunch& args, ll::Phase phase, cudaStream_t stream, const char* what) {
-  const int parts = combine_send_parts();
+  const int parts = args.send_parts;
   const unsigned num_send = phase == ll::Phase::kRecv ? 0 : static_cast<unsigned>(layout.num_local_experts * parts);
   const unsigned num_recv = phase == ll::Phase::kSend ? 0 : combine_recv_blocks_for(args.num_tokens);
   const dim3 grid(num_send + num_recv);

@@ -69,6 +69,7 @@ struct LowLatencyCombineLaunch {
   int num_topk;
   void* out;         // [T, H] bf16
   int dispatch_set;  // the set of the dispatch whose slots x follows
+  int send_parts;    // blocks per local expert in the send half: 1, 2, 4 or 8 (LowLatencyConfig; every rank alike)
 };
 
 // Loads the low-latency kernels into the current device's context; see preload_normal_kernels.

@@ -15,7 +15,9 @@ namespace epx::cuda {
 class LowLatencyEngine {
  public:
   // Collective over `group`: allocates `bytes` on `device`, zeroes it and maps every rank's region.
-  LowLatencyEngine(Group& group, bool single_process, int device, int64_t bytes, std::shared_ptr<Allocator> allocator);
+  // config: the same on every rank (Buffer::create checked it).
+  LowLatencyEngine(Group& group, bool single_process, int device, int64_t bytes, std::shared_ptr<Allocator> allocator,
+                   const LowLatencyConfig& config);
   ~LowLatencyEngine();
   LowLatencyEngine(const LowLatencyEngine&) = delete;
   LowLatencyEngine& operator=(const LowLatencyEngine&) = delete;
@@ -50,6 +52,7 @@ class LowLatencyEngine {
   uint64_t num_dispatches_ = 0;
   uint64_t num_combines_ = 0;
   std::shared_ptr<Allocator> allocator_;
+  LowLatencyConfig config_;
 };
 
 }  // namespace epx::cuda

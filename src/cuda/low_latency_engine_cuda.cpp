@@ -42,13 +42,14 @@ long long cycles_for(int64_t timeout_ms, int device) {
 }  // namespace
 
 LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device, int64_t bytes,
-                                   std::shared_ptr<Allocator> allocator)
+                                   std::shared_ptr<Allocator> allocator, const LowLatencyConfig& config)
     : group_(group),
       device_(device),
       rank_(group.rank()),
       num_ranks_(group.num_ranks()),
       region_bytes_(bytes),
-      allocator_(std::move(allocator)) {
+      allocator_(std::move(allocator)),
+      config_(config) {
   EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kLowLatencyMaxRanks,
             "the low-latency path supports up to {} ranks, got {}", kLowLatencyMaxRanks, num_ranks_);
   DeviceGuard guard(device_);
@@ -208,7 +209,8 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
                                        num_tokens,
                                        static_cast<int>(handle->shape.num_topk),
                                        result.x.data(),
-                                       handle->set};
+                                       handle->set,
+                                       config_.combine_send_parts};
   if (!args.return_recv_hook) {
     launch_low_latency_combine(peers_, layout_, set, launch, stream);
     return result;

@@ -1,16 +1,16 @@
 #include "core/check.h"
 #include "core/limits.h"
 #include "ep/backends.h"
+#include "ep/validate.h"
 
 namespace epx {
 
 std::unique_ptr<Buffer> Buffer::create(std::shared_ptr<Group> group, const BufferOptions& options) {
   EPX_CHECK_ARG(group != nullptr, "group must not be null");
-  EPX_CHECK_ARG(options.num_normal_bytes >= 0, "num_normal_bytes must be >= 0, got {}", options.num_normal_bytes);
-  EPX_CHECK_ARG(options.num_low_latency_bytes >= 0, "num_low_latency_bytes must be >= 0, got {}",
-                options.num_low_latency_bytes);
-  EPX_CHECK_ARG(options.num_sms >= 1 && options.num_sms <= kMaxNumSms, "num_sms must be in [1, {}], got {}", kMaxNumSms,
-                options.num_sms);
+  // NOTE: only the cuda buffer's creation is collective (the host backend's buffers may be made one after
+  // the other by one thread); its options size and lay out memory the peers index, so its constructor
+  // starts with ep::agree_on_options.
+  if (group->backend() != Backend::kCuda) ep::validate_options(options);
   switch (group->backend()) {
     case Backend::kHost:
       return host::create_host_buffer(std::move(group), options);

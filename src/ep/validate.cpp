@@ -1,5 +1,9 @@
 #include "ep/validate.h"
 
+#include <exception>
+#include <iterator>
+#include <vector>
+
 #include "core/check.h"
 #include "epx/routing.h"
 
@@ -181,6 +185,70 @@ void validate_low_latency_combine(const LowLatencyCombineArgs& args, const LowLa
                {dispatch_shape.num_tokens, dispatch_shape.num_topk});
   check_device(args.topk_weights, "topk_weights", device);
   check_optional(args.out, "out", DType::kBFloat16, {dispatch_shape.num_tokens, dispatch_shape.hidden}, device);
+}
+
+void validate_options(const BufferOptions& options) {
+  EPX_CHECK_ARG(options.num_normal_bytes >= 0, "num_normal_bytes must be >= 0, got {}", options.num_normal_bytes);
+  EPX_CHECK_ARG(options.num_low_latency_bytes >= 0, "num_low_latency_bytes must be >= 0, got {}",
+                options.num_low_latency_bytes);
+  EPX_CHECK_ARG(options.num_sms >= 1 && options.num_sms <= kMaxNumSms, "num_sms must be in [1, {}], got {}", kMaxNumSms,
+                options.num_sms);
+  EPX_CHECK_ARG(options.normal.max_copy_chunks >= 1 && options.normal.max_copy_chunks <= kNormalMaxCopyChunks,
+                "normal.max_copy_chunks must be in [1, {}], got {}", kNormalMaxCopyChunks,
+                options.normal.max_copy_chunks);
+  const int parts = options.low_latency.combine_send_parts;
+  EPX_CHECK_ARG(parts == 1 || parts == 2 || parts == 4 || parts == 8,
+                "low_latency.combine_send_parts must be 1, 2, 4 or 8, got {}", parts);
+}
+
+namespace {
+
+// The options every rank must pass alike (they size and lay out memory the peers index, or pick the protocol),
+// as words, so no padding byte goes over the wire.
+struct AgreedOption {
+  const char* name;
+  int64_t (*get)(const BufferOptions&);
+};
+constexpr AgreedOption kAgreed[] = {
+    {"num_normal_bytes", [](const BufferOptions& o) { return o.num_normal_bytes; }},
+    {"num_low_latency_bytes", [](const BufferOptions& o) { return o.num_low_latency_bytes; }},
+    {"num_sms", [](const BufferOptions& o) { return int64_t{o.num_sms}; }},
+    {"normal.copy_engines", [](const BufferOptions& o) { return int64_t{o.normal.copy_engines}; }},
+    {"normal.whole_copies", [](const BufferOptions& o) { return int64_t{o.normal.whole_copies}; }},
+    {"normal.stream_signals", [](const BufferOptions& o) { return int64_t{o.normal.stream_signals}; }},
+    {"normal.max_copy_chunks", [](const BufferOptions& o) { return int64_t{o.normal.max_copy_chunks}; }},
+    {"low_latency.combine_send_parts", [](const BufferOptions& o) { return int64_t{o.low_latency.combine_send_parts}; }},
+};
+constexpr size_t kWords = 1 + std::size(kAgreed);  // word 0: this rank's options are valid
+
+}  // namespace
+
+void agree_on_options(Group& group, const BufferOptions& options) {
+  std::exception_ptr invalid;
+  try {
+    validate_options(options);
+  } catch (const Error&) {
+    invalid = std::current_exception();
+  }
+  std::vector<int64_t> mine(kWords);
+  mine[0] = invalid == nullptr;
+  for (size_t i = 0; i < std::size(kAgreed); ++i) mine[1 + i] = kAgreed[i].get(options);
+  const int R = group.num_ranks();
+  std::vector<int64_t> all(kWords * static_cast<size_t>(R));
+  group.all_gather_bytes(mine.data(), all.data(), kWords * sizeof(int64_t));
+  if (invalid != nullptr) std::rethrow_exception(invalid);
+  for (int r = 0; r < R; ++r) {
+    EPX_CHECK(ErrorCode::kPeerFailure, all[r * kWords] != 0,
+              "rank {} passed invalid BufferOptions (its error names them); no rank made the buffer", r);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (size_t i = 0; i < std::size(kAgreed); ++i) {
+      const int64_t theirs = all[r * kWords + 1 + i];
+      EPX_CHECK_ARG(theirs == mine[1 + i],
+                    "BufferOptions.{} must be the same on every rank: rank {} passed {}, rank {} passed {}",
+                    kAgreed[i].name, r, theirs, group.rank(), mine[1 + i]);
+    }
+  }
 }
 
 }  // namespace epx::ep

@@ -55,4 +55,15 @@ LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args
 void validate_low_latency_combine(const LowLatencyCombineArgs& args, const LowLatencyShape& dispatch_shape,
                                   int64_t max_tokens_per_rank, int num_ranks, Device device);
 
+// BufferOptions ranges: num_sms in [1, kMaxNumSms], byte counts >= 0, normal.max_copy_chunks in
+// [1, kNormalMaxCopyChunks], low_latency.combine_send_parts in {1, 2, 4, 8}.
+void validate_options(const BufferOptions& options);
+
+// Collective over `group` (one all_gather): validates this rank's options and checks that every rank passed
+// the same ones where they size or lay out memory that peers index or pick the protocol (the byte counts,
+// num_sms, NormalConfig except stage_timeline, LowLatencyConfig). Fails alike on every rank: the rank with
+// invalid options raises its own kInvalidArgument, its peers kPeerFailure; options that differ raise
+// kInvalidArgument naming the field and both ranks' values.
+void agree_on_options(Group& group, const BufferOptions& options);
+
 }  // namespace epx::ep

@@ -340,7 +340,8 @@ class Rig {
   }
   LowLatencyCombineLaunch combine_args(int r, int dispatch_set) const {
     return {ranks_[r].y,    ranks_[r].topk, true,          static_cast<const float*>(ranks_[r].weights),
-            num_tokens_[r], c_.num_topk,    ranks_[r].out, dispatch_set};
+            num_tokens_[r], c_.num_topk,    ranks_[r].out, dispatch_set,
+            LowLatencyConfig{}.combine_send_parts};
   }
 
   // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive

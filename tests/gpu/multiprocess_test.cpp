@@ -330,4 +330,77 @@ TEST(MultiProcess, PeerThatLeavesMakesBarrierAndBufferFailInBoundedTime) {
 }
 
 }  // namespace
+TEST(MultiProcess, NormalTimeoutThenTheBufferResetsAndWorks) {
+  // Rank 1 comes to a dispatch later than the timeout: rank 0 times out (kTimeout), rank 1's late call fails or
+  // completes; then both retry until a dispatch + combine round succeeds, which must match (the buffer reset
+  // its signals through the memory the processes share, as ranks-as-threads groups do).
+  const auto codes = fork_ranks(
+      [](int rank, int* pipe_fds) {
+        const auto id = share_id_bytes(rank, pipe_fds);
+        auto group = create_cuda_group(id, rank, kRanks, rank, {.timeout_ms = kFaultTimeoutMs});
+        const int64_t T = 256, H = 1024, E = 16;
+        BufferOptions options;
+        options.num_sms = 8;
+        options.num_normal_bytes = normal_buffer_size_hint(H, kRanks, options.num_sms, T);
+        auto buffer = Buffer::create(group, options);
+        cudaStream_t stream;
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        // Every token to expert 0 (rank 0) and expert E - 1 (rank 1): identity experts give 2 * x.
+        std::vector<int64_t> topk(T * 2);
+        for (int64_t t = 0; t < T; ++t) topk[t * 2] = 0, topk[t * 2 + 1] = E - 1;
+        std::vector<uint16_t> x(T * H);
+        for (int64_t i = 0; i < T * H; ++i) x[i] = float_to_bf16(static_cast<float>((i * 7 + rank) % 9) - 4.f);
+        Tensor xd = upload(x, DType::kBFloat16, {T, H}, group->device(), stream);
+        Tensor topk_d = upload(topk, DType::kInt64, {T, 2}, group->device(), stream);
+        auto round = [&] {
+          DispatchArgs da;
+          da.x = xd;
+          da.topk_idx = topk_d;
+          da.num_experts = E;
+          da.stream = stream;
+          DispatchResult dr = buffer->dispatch(da);
+          CombineArgs ca;
+          ca.x = dr.recv_x;
+          ca.handle = dr.handle;
+          ca.stream = stream;
+          Tensor out = buffer->combine(ca).x;
+          // A timeout the data kernels record is raised by the next call (wrong data here, then a retry).
+          const auto got = download<uint16_t>(out, stream);
+          int64_t bad = 0;
+          for (int64_t i = 0; i < T * H; ++i) bad += bf16_to_float(got[i]) != 2.f * bf16_to_float(x[i]);
+          return bad;
+        };
+        int fails = round() == 0 ? 0 : 1;  // a good round first
+        if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(kFaultTimeoutMs + 1'500));
+        int64_t ms = 0;
+        const int code = error_code_of([&] { (void)round(); }, &ms);
+        if (rank == 0 && code != static_cast<int>(ErrorCode::kTimeout)) {
+          std::fprintf(stderr, "rank 0: the late peer gave error code %d, not kTimeout\n", code);
+          ++fails;
+        }
+        // Retries: each failed attempt is a timeout of this rank or its peer, which the next call resets.
+        int64_t bad = -1;
+        for (int attempt = 0; attempt < 6 && bad != 0; ++attempt) {
+          try {
+            bad = round();
+          } catch (const Error& e) {
+            std::fprintf(stderr, "rank %d attempt %d: %s\n", rank, attempt, e.what());
+          }
+        }
+        if (bad != 0) {
+          std::fprintf(stderr, "rank %d: no correct round after the timeout (last: %lld wrong)\n", rank,
+                       static_cast<long long>(bad));
+          ++fails;
+        }
+        group->barrier();
+        buffer.reset();
+        cudaStreamDestroy(stream);
+        return fails == 0 ? 0 : 1;
+      },
+      std::chrono::seconds(120));
+  if (codes[0] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
+  EXPECT_EQ(codes[0], 0) << "rank 0 (1 wrong result or error, 2 error, -1 hung and killed)";
+  EXPECT_EQ(codes[1], 0) << "rank 1";
+}
+
 }  // namespace epx

@@ -97,6 +97,7 @@ struct Case {
   int call_num_sms = 0;              // DispatchArgs/CombineArgs::num_sms
   bool packed_ue8m0 = false;         // with kUE8M0: int32 [T, ceil(H / 512)], four exponents per element
   bool column_major_scales = false;  // x_scales as a [T, S] view of [S, T] storage
+  NormalConfig normal;               // BufferOptions::normal of every rank
 };
 
 struct RankInput {
@@ -240,6 +241,7 @@ std::vector<RankOutput> run_case(const Case& c, const std::vector<RankInput>& in
     BufferOptions options;
     options.num_sms = c.num_sms;
     options.allocator = allocator;
+    options.normal = c.normal;
     auto buffer = Buffer::create(groups[r], options);
     const int64_t T = c.tokens[r], H = c.hidden, K = c.num_topk;
     const RankInput& ri = in[r];
@@ -443,11 +445,11 @@ TEST_F(NormalGpuTest, Ep2Bf16DeepSeekShape) {
   run_and_compare(c);
 }
 
-// A DeepSeek-shaped EP2 case (hidden 7168, top-8 of 256) run with the tuning knob `knob` = 0 (the buffers
-// read it when they are made), so that the path it turns off elsewhere stays tested.
-void run_with_knob_off(const char* knob, std::vector<int64_t> tokens, bool fp8) {
-  ::setenv(knob, "0", 1);
+// A DeepSeek-shaped EP2 case (hidden 7168, top-8 of 256) run with one NormalConfig switch off, so that the
+// path it turns off elsewhere stays tested.
+void run_with_switch_off(bool NormalConfig::*field, std::vector<int64_t> tokens, bool fp8) {
   Case c;
+  c.normal.*field = false;
   c.devices = two_ranks();
   c.tokens = std::move(tokens);
   c.hidden = 7168;
@@ -457,15 +459,27 @@ void run_with_knob_off(const char* knob, std::vector<int64_t> tokens, bool fp8) 
   c.fp8 = fp8;
   c.topk_int32 = fp8;
   run_and_compare(c);
-  ::unsetenv(knob);
 }
 
 // The SM-only path (the default buffer would take the copy-engine path for this shape), with biases.
-TEST_F(NormalGpuTest, Ep2SmPathForced) { run_with_knob_off("EPX_NORMAL_COPY_ENGINE", {2048, 1500}, false); }
+TEST_F(NormalGpuTest, Ep2SmPathForced) { run_with_switch_off(&NormalConfig::copy_engines, {2048, 1500}, false); }
 
 // The copy-engine path with every destination's rows packed by SMs first (EP2 at this shape would copy
 // whole x), fp8 with scales and int32 top-k ids.
-TEST_F(NormalGpuTest, Ep2PackedCopiesFp8) { run_with_knob_off("EPX_COPY_WHOLE", {3000, 4096}, true); }
+TEST_F(NormalGpuTest, Ep2PackedCopiesFp8) { run_with_switch_off(&NormalConfig::whole_copies, {3000, 4096}, true); }
+
+// The copy-engine path with a kernel signalling each chunk (no stream memory writes) and three chunks.
+TEST_F(NormalGpuTest, Ep2KernelSignalsThreeChunks) {
+  Case c;
+  c.devices = two_ranks();
+  c.tokens = {4096, 2500};
+  c.hidden = 7168;
+  c.num_topk = 8;
+  c.num_experts = 256;
+  c.normal.stream_signals = false;
+  c.normal.max_copy_chunks = 3;
+  run_and_compare(c);
+}
 
 TEST_F(NormalGpuTest, Ep2SmallShapesAndInt32Topk) {
   for (int64_t t : {0, 1, 127}) {
@@ -569,8 +583,8 @@ TEST_F(NormalGpuTest, Ep2StridedAndPackedScales) {
     for (const bool sm_path : {false, true}) {
       SCOPED_TRACE("packed " + std::to_string(v.packed) + " column-major " + std::to_string(v.column_major) +
                    " hidden " + std::to_string(v.hidden) + (sm_path ? " SM path" : ""));
-      if (sm_path) ::setenv("EPX_NORMAL_COPY_ENGINE", "0", 1);
       Case c;
+      c.normal.copy_engines = !sm_path;
       c.devices = two_ranks();
       c.tokens = {3000, 1200};
       c.hidden = v.hidden;
@@ -581,7 +595,6 @@ TEST_F(NormalGpuTest, Ep2StridedAndPackedScales) {
       c.packed_ue8m0 = v.packed;
       c.column_major_scales = v.column_major;
       run_and_compare(c);
-      ::unsetenv("EPX_NORMAL_COPY_ENGINE");
     }
   }
 }
@@ -592,8 +605,8 @@ TEST_F(NormalGpuTest, PerCallNumSms) {
   for (const int call_num_sms : {6, 5, 1}) {
     for (const bool sm_path : {false, true}) {
       SCOPED_TRACE("num_sms " + std::to_string(call_num_sms) + (sm_path ? " SM path" : ""));
-      if (sm_path) ::setenv("EPX_NORMAL_COPY_ENGINE", "0", 1);
       Case c;
+      c.normal.copy_engines = !sm_path;
       c.devices = two_ranks();
       c.tokens = {2048, 1500};
       c.hidden = 7168;
@@ -602,7 +615,6 @@ TEST_F(NormalGpuTest, PerCallNumSms) {
       c.biases = true;
       c.call_num_sms = call_num_sms;
       run_and_compare(c);
-      ::unsetenv("EPX_NORMAL_COPY_ENGINE");
     }
   }
   Case c;

@@ -23,6 +23,7 @@
 #include <string>
 #include <thread>
 
+#include "ep/validate.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "epx/group.h"
@@ -499,6 +500,54 @@ TEST(HostFailure, RunHostRanksJoinsWhenThreadCreationFails) {
   ASSERT_TRUE(WIFEXITED(status)) << "child died by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
   EXPECT_EQ(WEXITSTATUS(status), 0);
 #endif
+}
+
+// ---- buffer options: invalid on one rank, or different between ranks (the cuda buffer's creation) ---------
+
+TEST(HostFailure, InvalidBufferOptionsOnOneRankFailEveryRankAtOnce) {
+  auto groups = create_host_groups(kRanks, {.timeout_ms = kTimeoutMs});
+  std::vector<Outcome> out(kRanks);
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    BufferOptions options;
+    if (rank == 1) options.low_latency.combine_send_parts = 3;
+    out[rank] = attempt([&] { ep::agree_on_options(group, options); });
+  });
+  EXPECT_NE(out[1].message.find("low_latency.combine_send_parts must be 1, 2, 4 or 8, got 3"), std::string::npos)
+      << out[1].message;
+  for (int r = 0; r < kRanks; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + out[r].message);
+    EXPECT_EQ(out[r].code, code(r == 1 ? ErrorCode::kInvalidArgument : ErrorCode::kPeerFailure));
+    EXPECT_LT(out[r].ms, kTimeoutMs / 2.0);
+  }
+  // Alike and valid: every rank passes, on the same group.
+  run_host_ranks(groups, [&](int, Group& group) { EXPECT_NO_THROW(ep::agree_on_options(group, BufferOptions{})); });
+}
+
+TEST(HostFailure, BufferOptionsThatDifferBetweenRanksFailEveryRank) {
+  auto groups = create_host_groups(kRanks, {.timeout_ms = kTimeoutMs});
+  std::vector<Outcome> out(kRanks);
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    BufferOptions options;
+    options.normal.stage_timeline = rank == 0;  // a per-rank debug switch: may differ
+    if (rank == 2) options.normal.whole_copies = false;
+    out[rank] = attempt([&] { ep::agree_on_options(group, options); });
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + out[r].message);
+    EXPECT_EQ(out[r].code, code(ErrorCode::kInvalidArgument));
+    EXPECT_NE(out[r].message.find("BufferOptions.normal.whole_copies must be the same on every rank"),
+              std::string::npos);
+  }
+  // Ranges are checked by Buffer::create on the host backend too (its creation is not collective).
+  BufferOptions bad;
+  bad.normal.max_copy_chunks = 0;
+  try {
+    (void)Buffer::create(groups[0], bad);
+    ADD_FAILURE() << "max_copy_chunks 0 was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("normal.max_copy_chunks must be in [1, 8], got 0"), std::string::npos);
+  }
 }
 
 }  // namespace
