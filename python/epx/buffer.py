@@ -1,9 +1,13 @@
 """epx.Buffer: expert-parallel dispatch and combine for numpy and torch (the contract: include/epx/buffer.h).
 
 Every call is collective: each rank of the group makes the same sequence of calls (an idle rank passes
-zero tokens). Inputs are torch tensors, numpy arrays or anything with ``__dlpack__``; outputs are torch
-tensors when an input is a torch tensor, numpy arrays otherwise. ``stream`` defaults to torch's current
-stream for CUDA tensors. The GIL is released while a call waits, so rank threads run in parallel.
+zero tokens). A call that rejects one of its arguments (a wrong type: TypeError; a wrong dtype, shape or
+range: epx.InvalidArgumentError; both name it) still takes part in the collective, like any invalid input
+(docs/reliability.md), so the ranks stay in step: nothing here raises before the native call, which
+converts every argument itself. Inputs are torch tensors, numpy arrays or anything with ``__dlpack__``;
+outputs are torch tensors when an input is a torch tensor, numpy arrays otherwise. ``stream`` defaults to
+torch's current stream for CUDA tensors. The GIL is released while a call waits, so rank threads run in
+parallel.
 """
 
 from __future__ import annotations
@@ -115,8 +119,8 @@ class Buffer:
         the output rows (no host sync on the cuda backend). num_sms: SMs for this call (0: the buffer's;
         at most the buffer's). x_scales may have any strides; int32 [T, H / 512] is packed UE8M0.
         """
-        native_layout = None
-        if layout is not None:
+        native_layout = layout  # not a Layout: the native call rejects it, naming layout
+        if isinstance(layout, Layout):
             native_layout = tuple(to_arg(t) for t in (layout.num_tokens_per_rank, layout.num_tokens_per_expert,
                                                       layout.is_token_in_rank))
         out, conv = self._call(self._native.dispatch, (x, topk_idx), x=to_arg(x), x_scales=to_arg(x_scales),
@@ -143,11 +147,20 @@ class Buffer:
                              use_fp8: bool = False, use_ue8m0: bool = False, return_recv_hook: bool = False,
                              cumulative_recv_counts: Any = None, stream: Any = None) -> LowLatencyDispatchResult:
         """Low-latency dispatch: fixed shapes, no host sync on the cuda backend (CUDA-graph capturable)."""
-        fmt = _epx.ScaleFormat.ue8m0 if use_ue8m0 else _epx.ScaleFormat.float32
-        out = self._native.low_latency_dispatch(
-            x=to_arg(x), topk_idx=to_arg(topk_idx), max_tokens_per_rank=max_tokens_per_rank,
-            num_experts=num_experts, use_fp8=use_fp8, scale_format=fmt, return_recv_hook=return_recv_hook,
-            cumulative_recv_counts=to_arg(cumulative_recv_counts), stream=cuda_stream_of(stream, x))
+        try:
+            fmt = _epx.ScaleFormat.ue8m0 if use_ue8m0 else _epx.ScaleFormat.float32
+        except Exception:  # no truth value (e.g. an array): the native call rejects it below and still takes part
+            fmt = use_ue8m0
+        try:
+            out = self._native.low_latency_dispatch(
+                x=to_arg(x), topk_idx=to_arg(topk_idx), max_tokens_per_rank=max_tokens_per_rank,
+                num_experts=num_experts, use_fp8=use_fp8, scale_format=fmt, return_recv_hook=return_recv_hook,
+                cumulative_recv_counts=to_arg(cumulative_recv_counts), stream=cuda_stream_of(stream, x))
+        except TypeError as e:
+            if fmt is use_ue8m0 and str(e).startswith("scale_format:"):  # name the argument the caller passed
+                t = type(use_ue8m0)
+                raise TypeError(f"use_ue8m0: expected a bool, got {t.__module__}.{t.__qualname__}") from None
+            raise
         conv = Outputs(any_torch(x, topk_idx))  # buffer-owned memory: nothing is allocated
         return LowLatencyDispatchResult(
             recv_x=conv(out["recv_x"]), recv_x_scales=conv(out["recv_x_scales"]), recv_count=conv(out["recv_count"]),

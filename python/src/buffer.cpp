@@ -4,9 +4,12 @@
 
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "bind.h"
@@ -26,14 +29,79 @@ nb::object hook_of(std::function<void()> hook) {
 
 Tensor as_tensor(nb::handle obj, const char* name) { return Tensor::wrap(to_view(obj, name), nullptr); }
 
-// Fills a collective call's arguments with convert(args). If that throws (e.g. a float64 array), this rank
-// still makes the call, with empty arguments, which the backend rejects like any invalid input (the host
-// backend takes part in the rendezvous with an error flag, so the peers raise kPeerFailure at once); then
-// it raises the conversion error.
+// ---- arguments of collective calls ----------------------------------------------------------------
+// Collective bindings take every argument as nb::handle and convert it with these, inside `collective`
+// below, so that nanobind rejects nothing before the binding runs (see there). A value of the wrong Python
+// type is a TypeError, as nanobind's own rejection was; a value out of range is epx.InvalidArgumentError.
+// Both name the argument.
+
+// "str", "numpy.bool", "epx._epx.LowLatencyHandle".
+std::string type_name_of(nb::handle obj) {
+  nb::handle type = obj.type();
+  const std::string module = nb::cast<std::string>(nb::str(type.attr("__module__")));
+  const std::string name = nb::cast<std::string>(nb::str(type.attr("__qualname__")));
+  return module == "builtins" ? name : module + "." + name;
+}
+
+[[noreturn]] void wrong_type(const char* name, const char* expected, nb::handle obj) {
+  throw nb::type_error((std::string(name) + ": expected " + expected + ", got " + type_name_of(obj)).c_str());
+}
+
+// A Python int or anything with __index__ (numpy integers); not bool, float or str.
+template <typename Int>
+Int to_int(nb::handle obj, const char* name) {
+  if (PyBool_Check(obj.ptr()) || !PyIndex_Check(obj.ptr())) wrong_type(name, "an int", obj);
+  nb::object index = nb::steal(PyNumber_Index(obj.ptr()));
+  if (!index.is_valid()) {  // an __index__ that raises (numpy.bool_)
+    PyErr_Clear();
+    wrong_type(name, "an int", obj);
+  }
+  int overflow = 0;
+  const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (value == -1 && PyErr_Occurred()) throw nb::python_error();
+  if (overflow != 0 || value < std::numeric_limits<Int>::min() || value > std::numeric_limits<Int>::max()) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": " + nb::str(index).c_str() +
+                                                 " does not fit in int" + std::to_string(8 * sizeof(Int)));
+  }
+  return static_cast<Int>(value);
+}
+
+// True or False, or a numpy.bool_; not an int.
+bool to_bool(nb::handle obj, const char* name) {
+  if (!PyBool_Check(obj.ptr())) {
+    const std::string type = type_name_of(obj);
+    if (type != "numpy.bool" && type != "numpy.bool_") wrong_type(name, "a bool", obj);
+  }
+  const int value = PyObject_IsTrue(obj.ptr());
+  if (value < 0) throw nb::python_error();
+  return value != 0;
+}
+
+template <typename T>
+T to_enum(nb::handle obj, const char* name, const char* expected) {
+  T value{};
+  if (!nb::try_cast(obj, value)) wrong_type(name, expected, obj);
+  return value;
+}
+
+// None (no handle) or a handle of type `Handle`.
+template <typename Handle>
+std::shared_ptr<const Handle> to_handle(nb::handle obj, const char* name, const char* expected) {
+  std::shared_ptr<const Handle> handle;
+  if (!obj.is_none() && !nb::try_cast(obj, handle)) wrong_type(name, expected, obj);
+  return handle;
+}
+
+// Runs the collective `call` on the arguments that convert(args) fills in. If convert throws (a float64
+// array, a str for num_experts), this rank still makes the call, with empty arguments, which the backend
+// rejects like any invalid input (the host backend takes part in the rendezvous with an error flag, so the
+// peers raise kPeerFailure at once); then it raises the conversion error.
 // NOTE: without this the rank skipped the call, and its peers paired their call with its next one (the same
-// collective number): silently wrong data, or a timeout (docs/reliability.md, Soak).
+// collective number): silently wrong data, or a timeout (docs/reliability.md, Soak). The same holds for an
+// argument nanobind rejects before the binding runs, hence nb::handle for every argument.
 template <typename Args, typename Convert, typename Call>
-void convert_or_fail(Args& args, Convert&& convert, Call&& call) {
+auto collective(Convert&& convert, Call&& call) {
+  Args args;
   try {
     convert(args);
   } catch (...) {
@@ -46,22 +114,26 @@ void convert_or_fail(Args& args, Convert&& convert, Call&& call) {
     }
     throw;
   }
+  nb::gil_scoped_release release;
+  return call(args);
 }
 
 nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle topk_idx, nb::handle topk_weights,
-                  int64_t num_experts, nb::handle layout, std::shared_ptr<const DispatchHandle> handle,
-                  int expert_alignment, int64_t num_worst_tokens, int num_sms, nb::handle stream) {
-  DispatchArgs args;
+                  nb::handle num_experts, nb::handle layout, nb::handle handle, nb::handle expert_alignment,
+                  nb::handle num_worst_tokens, nb::handle num_sms, nb::handle stream) {
   Layout given;
-  convert_or_fail(
-      args,
+  DispatchResult r = collective<DispatchArgs>(
       [&](DispatchArgs& a) {
         a.x = to_view(x, "x");
         a.x_scales = to_view(x_scales, "x_scales");
         a.topk_idx = to_view(topk_idx, "topk_idx");
         a.topk_weights = to_view(topk_weights, "topk_weights");
+        a.num_experts = to_int<int64_t>(num_experts, "num_experts");
         if (!layout.is_none()) {
-          auto parts = nb::cast<nb::tuple>(layout);
+          if (!nb::isinstance<nb::tuple>(layout)) {
+            wrong_type("layout", "an epx.Layout (natively: the tuple of its 3 tensors) or None", layout);
+          }
+          auto parts = nb::borrow<nb::tuple>(layout);
           if (parts.size() != 3) {
             throw Error(ErrorCode::kInvalidArgument,
                         "layout: expected (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)");
@@ -71,19 +143,13 @@ nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle 
           given.is_token_in_rank = as_tensor(parts[2], "layout.is_token_in_rank");
           a.layout = &given;
         }
+        a.handle = to_handle<DispatchHandle>(handle, "handle", "an epx.DispatchHandle or None");
+        a.expert_alignment = to_int<int>(expert_alignment, "expert_alignment");
+        a.num_worst_tokens = to_int<int64_t>(num_worst_tokens, "num_worst_tokens");
+        a.num_sms = to_int<int>(num_sms, "num_sms");
         a.stream = to_stream(stream);
       },
-      [&](const DispatchArgs& a) { buffer.dispatch(a); });
-  args.num_experts = num_experts;
-  args.handle = std::move(handle);
-  args.expert_alignment = expert_alignment;
-  args.num_worst_tokens = num_worst_tokens;
-  args.num_sms = num_sms;
-  DispatchResult r;
-  {
-    nb::gil_scoped_release release;
-    r = buffer.dispatch(args);
-  }
+      [&](const DispatchArgs& a) { return buffer.dispatch(a); });
   nb::dict out;
   out["recv_x"] = from_tensor(r.recv_x);
   out["recv_x_scales"] = from_tensor(r.recv_x_scales);
@@ -98,54 +164,40 @@ nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle 
 }
 
 nb::dict combine(Buffer& buffer, nb::handle x, nb::handle topk_weights, nb::handle bias_0, nb::handle bias_1,
-                 std::shared_ptr<const DispatchHandle> handle, int num_sms, nb::handle stream) {
-  CombineArgs args;
-  convert_or_fail(
-      args,
+                 nb::handle handle, nb::handle num_sms, nb::handle stream) {
+  CombineResult r = collective<CombineArgs>(
       [&](CombineArgs& a) {
         a.x = to_view(x, "x");
         a.topk_weights = to_view(topk_weights, "topk_weights");
         a.bias_0 = to_view(bias_0, "bias_0");
         a.bias_1 = to_view(bias_1, "bias_1");
+        a.handle = to_handle<DispatchHandle>(handle, "handle", "an epx.DispatchHandle");
+        a.num_sms = to_int<int>(num_sms, "num_sms");
         a.stream = to_stream(stream);
       },
-      [&](const CombineArgs& a) { buffer.combine(a); });
-  args.handle = std::move(handle);
-  args.num_sms = num_sms;
-  CombineResult r;
-  {
-    nb::gil_scoped_release release;
-    r = buffer.combine(args);
-  }
+      [&](const CombineArgs& a) { return buffer.combine(a); });
   nb::dict out;
   out["x"] = from_tensor(r.x);
   out["topk_weights"] = from_tensor(r.topk_weights);
   return out;
 }
 
-nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx, int64_t max_tokens_per_rank,
-                              int64_t num_experts, bool use_fp8, ScaleFormat scale_format, bool return_recv_hook,
-                              nb::handle cumulative_recv_counts, nb::handle stream) {
-  LowLatencyDispatchArgs args;
-  convert_or_fail(
-      args,
+nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx, nb::handle max_tokens_per_rank,
+                              nb::handle num_experts, nb::handle use_fp8, nb::handle scale_format,
+                              nb::handle return_recv_hook, nb::handle cumulative_recv_counts, nb::handle stream) {
+  LowLatencyDispatchResult r = collective<LowLatencyDispatchArgs>(
       [&](LowLatencyDispatchArgs& a) {
         a.x = to_view(x, "x");
         a.topk_idx = to_view(topk_idx, "topk_idx");
+        a.max_tokens_per_rank = to_int<int64_t>(max_tokens_per_rank, "max_tokens_per_rank");
+        a.num_experts = to_int<int64_t>(num_experts, "num_experts");
+        a.use_fp8 = to_bool(use_fp8, "use_fp8");
+        a.scale_format = to_enum<ScaleFormat>(scale_format, "scale_format", "an epx.ScaleFormat");
+        a.return_recv_hook = to_bool(return_recv_hook, "return_recv_hook");
         a.cumulative_recv_counts = to_view(cumulative_recv_counts, "cumulative_recv_counts");
         a.stream = to_stream(stream);
       },
-      [&](const LowLatencyDispatchArgs& a) { buffer.low_latency_dispatch(a); });
-  args.max_tokens_per_rank = max_tokens_per_rank;
-  args.num_experts = num_experts;
-  args.use_fp8 = use_fp8;
-  args.scale_format = scale_format;
-  args.return_recv_hook = return_recv_hook;
-  LowLatencyDispatchResult r;
-  {
-    nb::gil_scoped_release release;
-    r = buffer.low_latency_dispatch(args);
-  }
+      [&](const LowLatencyDispatchArgs& a) { return buffer.low_latency_dispatch(a); });
   nb::dict out;
   out["recv_x"] = from_tensor(r.recv_x);
   out["recv_x_scales"] = from_tensor(r.recv_x_scales);
@@ -158,26 +210,18 @@ nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx,
 }
 
 nb::dict low_latency_combine(Buffer& buffer, nb::handle x, nb::handle topk_idx, nb::handle topk_weights,
-                             std::shared_ptr<const LowLatencyHandle> handle, bool return_recv_hook, nb::handle out_arg,
-                             nb::handle stream) {
-  LowLatencyCombineArgs args;
-  convert_or_fail(
-      args,
+                             nb::handle handle, nb::handle return_recv_hook, nb::handle out_arg, nb::handle stream) {
+  LowLatencyCombineResult r = collective<LowLatencyCombineArgs>(
       [&](LowLatencyCombineArgs& a) {
         a.x = to_view(x, "x");
         a.topk_idx = to_view(topk_idx, "topk_idx");
         a.topk_weights = to_view(topk_weights, "topk_weights");
+        a.handle = to_handle<LowLatencyHandle>(handle, "handle", "an epx.LowLatencyHandle");
+        a.return_recv_hook = to_bool(return_recv_hook, "return_recv_hook");
         a.out = to_view(out_arg, "out");
         a.stream = to_stream(stream);
       },
-      [&](const LowLatencyCombineArgs& a) { buffer.low_latency_combine(a); });
-  args.handle = std::move(handle);
-  args.return_recv_hook = return_recv_hook;
-  LowLatencyCombineResult r;
-  {
-    nb::gil_scoped_release release;
-    r = buffer.low_latency_combine(args);
-  }
+      [&](const LowLatencyCombineArgs& a) { return buffer.low_latency_combine(a); });
   nb::dict out;
   out["x"] = from_tensor(r.x);
   out["recv_hook"] = hook_of(std::move(r.recv_hook));
@@ -204,6 +248,10 @@ void register_buffer(nb::module_& m) {
         nb::arg("num_sms"), nb::arg("max_tokens_per_rank") = 0,
         "Bytes of peer memory the normal path needs (copy-engine path up to max_tokens_per_rank when > 0).");
 
+  // NOTE: the collective calls take every argument as nb::handle, and arg() lets None through too (see
+  // `collective`), so nanobind rejects nothing but a wrong number or name of arguments before the binding
+  // runs; nb::sig keeps the types a caller should pass in help() and the stubs.
+  const auto arg = [](const char* name) { return nb::arg(name).none(); };
   nb::class_<Buffer>(m, "Buffer", "One rank's expert-parallel communication buffer (see include/epx/buffer.h).")
       .def_static(
           "create",
@@ -235,20 +283,31 @@ void register_buffer(nb::module_& m) {
                                   from_tensor(layout.is_token_in_rank));
           },
           nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("stream") = nb::none())
-      .def("dispatch", &dispatch, nb::arg("x"), nb::arg("x_scales") = nb::none(), nb::arg("topk_idx") = nb::none(),
-           nb::arg("topk_weights") = nb::none(), nb::arg("num_experts") = 0, nb::arg("layout") = nb::none(),
-           nb::arg("handle") = nb::none(), nb::arg("expert_alignment") = 1, nb::arg("num_worst_tokens") = 0,
-           nb::arg("num_sms") = 0, nb::arg("stream") = nb::none())
-      .def("combine", &combine, nb::arg("x"), nb::arg("topk_weights") = nb::none(), nb::arg("bias_0") = nb::none(),
-           nb::arg("bias_1") = nb::none(), nb::arg("handle") = nb::none(), nb::arg("num_sms") = 0,
-           nb::arg("stream") = nb::none())
-      .def("low_latency_dispatch", &low_latency_dispatch, nb::arg("x"), nb::arg("topk_idx"),
-           nb::arg("max_tokens_per_rank"), nb::arg("num_experts"), nb::arg("use_fp8") = false,
-           nb::arg("scale_format") = ScaleFormat::kFloat32, nb::arg("return_recv_hook") = false,
-           nb::arg("cumulative_recv_counts") = nb::none(), nb::arg("stream") = nb::none())
-      .def("low_latency_combine", &low_latency_combine, nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),
-           nb::arg("handle"), nb::arg("return_recv_hook") = false, nb::arg("out") = nb::none(),
-           nb::arg("stream") = nb::none())
+      .def("dispatch", &dispatch, arg("x"), arg("x_scales") = nb::none(), arg("topk_idx") = nb::none(),
+           arg("topk_weights") = nb::none(), arg("num_experts") = 0, arg("layout") = nb::none(),
+           arg("handle") = nb::none(), arg("expert_alignment") = 1, arg("num_worst_tokens") = 0, arg("num_sms") = 0,
+           arg("stream") = nb::none(),
+           nb::sig("def dispatch(self, x: object, x_scales: object | None = None, topk_idx: object | None = None, "
+                   "topk_weights: object | None = None, num_experts: int = 0, layout: object | None = None, "
+                   "handle: epx._epx.DispatchHandle | None = None, expert_alignment: int = 1, "
+                   "num_worst_tokens: int = 0, num_sms: int = 0, stream: object | None = None) -> dict"))
+      .def("combine", &combine, arg("x"), arg("topk_weights") = nb::none(), arg("bias_0") = nb::none(),
+           arg("bias_1") = nb::none(), arg("handle") = nb::none(), arg("num_sms") = 0, arg("stream") = nb::none(),
+           nb::sig("def combine(self, x: object, topk_weights: object | None = None, bias_0: object | None = None, "
+                   "bias_1: object | None = None, handle: epx._epx.DispatchHandle | None = None, num_sms: int = 0, "
+                   "stream: object | None = None) -> dict"))
+      .def("low_latency_dispatch", &low_latency_dispatch, arg("x"), arg("topk_idx"), arg("max_tokens_per_rank"),
+           arg("num_experts"), arg("use_fp8") = false, arg("scale_format") = ScaleFormat::kFloat32,
+           arg("return_recv_hook") = false, arg("cumulative_recv_counts") = nb::none(), arg("stream") = nb::none(),
+           nb::sig("def low_latency_dispatch(self, x: object, topk_idx: object, max_tokens_per_rank: int, "
+                   "num_experts: int, use_fp8: bool = False, "
+                   "scale_format: epx._epx.ScaleFormat = epx._epx.ScaleFormat.float32, return_recv_hook: bool = False, "
+                   "cumulative_recv_counts: object | None = None, stream: object | None = None) -> dict"))
+      .def("low_latency_combine", &low_latency_combine, arg("x"), arg("topk_idx"), arg("topk_weights"), arg("handle"),
+           arg("return_recv_hook") = false, arg("out") = nb::none(), arg("stream") = nb::none(),
+           nb::sig("def low_latency_combine(self, x: object, topk_idx: object, topk_weights: object, "
+                   "handle: epx._epx.LowLatencyHandle, return_recv_hook: bool = False, out: object | None = None, "
+                   "stream: object | None = None) -> dict"))
       .def("mask_rank", &Buffer::mask_rank, nb::arg("rank"))
       .def("unmask_rank", &Buffer::unmask_rank, nb::arg("rank"))
       .def("clear_rank_mask", &Buffer::clear_rank_mask)

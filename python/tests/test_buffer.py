@@ -4,6 +4,8 @@ Routing: every rank draws its own tokens; token t of rank r picks K distinct exp
 random, and about one token in five gets one -1 ("no expert") entry. Experts are split evenly over ranks.
 """
 
+import time
+
 import numpy as np
 import pytest
 
@@ -239,6 +241,86 @@ def test_input_the_binding_rejects_still_takes_part():
         return True
 
     assert all(run(2, body, timeout_ms=10_000))
+
+
+# Wrong-typed or out-of-range scalar and handle arguments, one per case: (call, keyword, value, error, message).
+# "dispatch handle" / "low-latency handle" stand for a handle of the other kind, made in the test.
+SCALAR_FAULTS = [
+    ("dispatch", "num_experts", "4", TypeError, "num_experts: expected an int, got str"),
+    ("dispatch", "num_sms", 1.5, TypeError, "num_sms: expected an int, got float"),
+    ("dispatch", "expert_alignment", None, TypeError, "expert_alignment: expected an int, got NoneType"),
+    ("dispatch", "expert_alignment", True, TypeError, "expert_alignment: expected an int, got bool"),
+    ("dispatch", "num_worst_tokens", 2 ** 64, epx.InvalidArgumentError,
+     "num_worst_tokens: 18446744073709551616 does not fit in int64"),
+    ("dispatch", "handle", 123, TypeError, "handle: expected an epx.DispatchHandle or None, got int"),
+    ("dispatch", "layout", "layout", TypeError, "layout: expected an epx.Layout .* got str"),
+    ("combine", "handle", "low-latency handle", TypeError,
+     "handle: expected an epx.DispatchHandle, got epx._epx.LowLatencyHandle"),
+    ("combine", "num_sms", 2 ** 31, epx.InvalidArgumentError, "num_sms: 2147483648 does not fit in int32"),
+    ("low_latency_dispatch", "max_tokens_per_rank", 8.0, TypeError, "max_tokens_per_rank: expected an int, got float"),
+    ("low_latency_dispatch", "num_experts", "4", TypeError, "num_experts: expected an int, got str"),
+    ("low_latency_dispatch", "use_fp8", "no", TypeError, "use_fp8: expected a bool, got str"),
+    ("low_latency_dispatch", "use_ue8m0", np.ones(2, bool), TypeError, "use_ue8m0: expected a bool, got numpy.ndarray"),
+    ("low_latency_combine", "handle", "dispatch handle", TypeError,
+     "handle: expected an epx.LowLatencyHandle, got epx._epx.DispatchHandle"),
+    ("low_latency_combine", "return_recv_hook", None, TypeError, "return_recv_hook: expected a bool, got NoneType"),
+]
+
+
+@pytest.mark.parametrize("call,keyword,value,error,message", SCALAR_FAULTS,
+                         ids=[f"{c}-{k}={v!r}" for c, k, v, *_ in SCALAR_FAULTS])
+def test_scalar_the_binding_rejects_still_takes_part(call, keyword, value, error, message):
+    # Rank 1 passes one wrong scalar or handle to `call`, rank 0 valid input. nanobind used to reject such a
+    # typed argument before the binding ran, so rank 1 skipped the call and rank 0's call paired with rank 1's
+    # next one. Now rank 1 raises an error naming the argument and still takes part: rank 0 raises
+    # PeerFailureError naming it well before the group timeout, and then a full valid round (dispatch, combine,
+    # low-latency dispatch and combine) matches the reference on both ranks.
+    T, H, K, E, M = 6, 128, 2, 4, 8
+    timeout_ms = 10_000
+    inputs = [make_inputs(r, T, H, K, E, seed=9) for r in range(2)]
+    nbytes = epx.low_latency_buffer_size_hint(M, H, 2, E)
+
+    def body(rank, group):
+        buffer = epx.Buffer(group, num_low_latency_bytes=nbytes)
+        x, idx, w = inputs[rank]
+        recv = buffer.dispatch(x, idx, w, num_experts=E) if call in ("combine", "low_latency_combine") else None
+        ll = buffer.low_latency_dispatch(x, idx, M, E) if call in ("combine", "low_latency_combine") else None
+        valid = {
+            "dispatch": lambda **kw: buffer.dispatch(x, idx, w, **{"num_experts": E, **kw}),
+            "combine": lambda **kw: buffer.combine(recv.recv_x, **{"handle": recv.handle, **kw}),
+            "low_latency_dispatch": lambda **kw: buffer.low_latency_dispatch(
+                x, idx, **{"max_tokens_per_rank": M, "num_experts": E, **kw}),
+            "low_latency_combine": lambda **kw: buffer.low_latency_combine(
+                ll.recv_x, idx, w, **{"handle": ll.handle, **kw}),
+        }[call]
+        if rank == 1:
+            handles = {"dispatch handle": lambda: recv.handle, "low-latency handle": lambda: ll.handle}
+            bad = handles[value]() if isinstance(value, str) and value in handles else value
+            with pytest.raises(error, match=message):
+                valid(**{keyword: bad})
+        else:
+            start = time.monotonic()
+            with pytest.raises(epx.PeerFailureError, match=r"failed on ranks \[1\]"):
+                valid()
+            assert time.monotonic() - start < timeout_ms / 1000 / 4
+
+        d = buffer.dispatch(x, idx, w, num_experts=E)
+        rows, src, _, _ = reference.normal_dispatch(inputs, rank, E, 2)
+        np.testing.assert_array_equal(d.recv_x.view(np.uint16), np.array(rows).view(np.uint16))
+        np.testing.assert_array_equal(d.recv_src_idx, src)
+        c = buffer.combine(d.recv_x, d.handle)
+        want = reference.normal_combine(x.astype(np.float32), reference.destinations(idx, E, 2)).astype(BF16)
+        np.testing.assert_array_equal(c.x.astype(np.float32), want.astype(np.float32))
+        ld = buffer.low_latency_dispatch(x, idx, M, E)
+        expect = reference.low_latency_rows(inputs, rank, E, 2)
+        np.testing.assert_array_equal(ld.recv_count, [len(r) for r in expect])
+        lc = buffer.low_latency_combine(ld.recv_x, idx, w, ld.handle)
+        np.testing.assert_array_equal(lc.x.astype(np.float32), reference.low_latency_combine(
+            x.astype(np.float32), idx, w).astype(BF16).astype(np.float32))
+        assert buffer.rank_mask() == [False, False]
+        return True
+
+    assert all(run(2, body, timeout_ms=timeout_ms))
 
 
 def test_timeout_is_a_timeout_error():
