@@ -74,14 +74,21 @@ class Buffer:
     group: an epx.Group (epx.host_groups, epx.cuda_groups, epx.Group.from_process_group ...).
     num_normal_bytes / num_low_latency_bytes: peer memory for the two paths (0 normal: a default size;
     0 low-latency: none, and low_latency_* raise). num_sms: SMs the normal kernels may use (cuda).
+    normal / low_latency: epx.NormalConfig / epx.LowLatencyConfig, the kernels' tuning (cuda; None: the
+    defaults). On the cuda backend the byte counts, num_sms and these must be the same on every rank: creation
+    checks that collectively and raises on every rank, naming the field, when they differ.
     """
 
     def __init__(self, group: _epx.Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0,
-                 num_sms: int = 24):
+                 num_sms: int = 24, normal: Optional[_epx.NormalConfig] = None,
+                 low_latency: Optional[_epx.LowLatencyConfig] = None):
         self._allocations = Allocations()
         self._native = _epx.Buffer.create(group, num_normal_bytes=num_normal_bytes,
                                           num_low_latency_bytes=num_low_latency_bytes, num_sms=num_sms,
-                                          allocator=self._allocations)
+                                          allocator=self._allocations,
+                                          normal=normal if normal is not None else _epx.NormalConfig(),
+                                          low_latency=low_latency if low_latency is not None
+                                          else _epx.LowLatencyConfig())
         self.group = group
 
     @property

@@ -252,21 +252,38 @@ void register_buffer(nb::module_& m) {
   // `collective`), so nanobind rejects nothing but a wrong number or name of arguments before the binding
   // runs; nb::sig keeps the types a caller should pass in help() and the stubs.
   const auto arg = [](const char* name) { return nb::arg(name).none(); };
+  nb::class_<NormalConfig>(m, "NormalConfig",
+                           "Tuning of the cuda backend's normal kernels (BufferOptions::normal in include/epx/buffer.h); "
+                           "the same on every rank except stage_timeline.")
+      .def(nb::init<>())
+      .def_rw("copy_engines", &NormalConfig::copy_engines)
+      .def_rw("whole_copies", &NormalConfig::whole_copies)
+      .def_rw("stream_signals", &NormalConfig::stream_signals)
+      .def_rw("max_copy_chunks", &NormalConfig::max_copy_chunks)
+      .def_rw("stage_timeline", &NormalConfig::stage_timeline);
+  nb::class_<LowLatencyConfig>(m, "LowLatencyConfig",
+                               "Tuning of the cuda backend's low-latency kernels (BufferOptions::low_latency); the "
+                               "same on every rank.")
+      .def(nb::init<>())
+      .def_rw("combine_send_parts", &LowLatencyConfig::combine_send_parts);
   nb::class_<Buffer>(m, "Buffer", "One rank's expert-parallel communication buffer (see include/epx/buffer.h).")
       .def_static(
           "create",
           [](std::shared_ptr<Group> group, int64_t num_normal_bytes, int64_t num_low_latency_bytes, int num_sms,
-             nb::object allocator) {
+             nb::object allocator, const NormalConfig& normal, const LowLatencyConfig& low_latency) {
             BufferOptions options;
             options.num_normal_bytes = num_normal_bytes;
             options.num_low_latency_bytes = num_low_latency_bytes;
             options.num_sms = num_sms;
+            options.normal = normal;
+            options.low_latency = low_latency;
             options.allocator = python_allocator(std::move(allocator));
             nb::gil_scoped_release release;
             return Buffer::create(std::move(group), options);
           },
           nb::arg("group"), nb::arg("num_normal_bytes") = 0, nb::arg("num_low_latency_bytes") = 0,
-          nb::arg("num_sms") = 24, nb::arg("allocator") = nb::none())
+          nb::arg("num_sms") = 24, nb::arg("allocator") = nb::none(), nb::arg("normal") = NormalConfig(),
+          nb::arg("low_latency") = LowLatencyConfig())
       .def_prop_ro("rank", &Buffer::rank)
       .def_prop_ro("num_ranks", &Buffer::num_ranks)
       .def(

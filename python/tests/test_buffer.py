@@ -40,6 +40,25 @@ def test_import_and_version():
     assert issubclass(epx.InvalidArgumentError, epx.Error)
 
 
+def test_kernel_tuning_is_buffer_configuration():
+    """NormalConfig / LowLatencyConfig carry the kernels' tuning into the buffer; ranges are checked on every
+    backend (the cuda backend also checks that every rank passed the same values)."""
+    normal, low_latency = epx.NormalConfig(), epx.LowLatencyConfig()
+    assert (normal.copy_engines, normal.whole_copies, normal.stream_signals, normal.max_copy_chunks,
+            normal.stage_timeline) == (True, True, True, 8, False)
+    assert low_latency.combine_send_parts == 2
+    normal.copy_engines, normal.max_copy_chunks, low_latency.combine_send_parts = False, 3, 4
+    group = epx.host_groups(1)[0]
+    buffer = epx.Buffer(group, normal=normal, low_latency=low_latency)
+    assert buffer.num_ranks == 1
+    normal.max_copy_chunks = 9
+    with pytest.raises(ValueError, match=r"normal.max_copy_chunks must be in \[1, 8\], got 9"):
+        epx.Buffer(group, normal=normal)
+    low_latency.combine_send_parts = 3
+    with pytest.raises(epx.InvalidArgumentError, match="combine_send_parts must be 1, 2, 4 or 8, got 3"):
+        epx.Buffer(group, low_latency=low_latency)
+
+
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_normal_dispatch_combine_matches_reference(num_ranks):
     T, H, K, E = 33, 256, 4, 8 * num_ranks

@@ -146,13 +146,63 @@ def normal_buffer_size_hint(hidden: int, num_ranks: int, num_sms: int, max_token
     Bytes of peer memory the normal path needs (copy-engine path up to max_tokens_per_rank when > 0).
     """
 
+class NormalConfig:
+    """
+    Tuning of the cuda backend's normal kernels (BufferOptions::normal in include/epx/buffer.h); the same on every rank except stage_timeline.
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def copy_engines(self) -> bool: ...
+
+    @copy_engines.setter
+    def copy_engines(self, arg: bool, /) -> None: ...
+
+    @property
+    def whole_copies(self) -> bool: ...
+
+    @whole_copies.setter
+    def whole_copies(self, arg: bool, /) -> None: ...
+
+    @property
+    def stream_signals(self) -> bool: ...
+
+    @stream_signals.setter
+    def stream_signals(self, arg: bool, /) -> None: ...
+
+    @property
+    def max_copy_chunks(self) -> int: ...
+
+    @max_copy_chunks.setter
+    def max_copy_chunks(self, arg: int, /) -> None: ...
+
+    @property
+    def stage_timeline(self) -> bool: ...
+
+    @stage_timeline.setter
+    def stage_timeline(self, arg: bool, /) -> None: ...
+
+class LowLatencyConfig:
+    """
+    Tuning of the cuda backend's low-latency kernels (BufferOptions::low_latency); the same on every rank.
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def combine_send_parts(self) -> int: ...
+
+    @combine_send_parts.setter
+    def combine_send_parts(self, arg: int, /) -> None: ...
+
 class Buffer:
     """
     One rank's expert-parallel communication buffer (see include/epx/buffer.h).
     """
 
     @staticmethod
-    def create(group: Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0, num_sms: int = 24, allocator: object | None = None) -> Buffer: ...
+    def create(group: Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0, num_sms: int = 24, allocator: object | None = None, normal: NormalConfig = ..., low_latency: LowLatencyConfig = ...) -> Buffer: ...
 
     @property
     def rank(self) -> int: ...
