@@ -170,8 +170,13 @@ struct BatchMetadata {
   bool is_health_check = false;
   int64_t attention_pairs = 0;
 
-  // The record of a rank with no batch: IDLE, 0 tokens, every graph/TBO vote 1.
-  static BatchMetadata idle() { return {}; }
+  // The record of a rank with no batch (SGLang's fallback record): IDLE, 0 tokens, decode-graph, draft-graph
+  // and TBO votes 1, prefill-graph vote 0, so one idle DP rank turns the prefill graph off for the step.
+  static BatchMetadata idle() {
+    BatchMetadata m;
+    m.can_run_prefill_graph = false;
+    return m;
+  }
 };
 inline constexpr int kBatchMetadataFields = 11;
 

@@ -43,8 +43,9 @@ TboSplit compute_tbo_split_extend(std::span<const int64_t> extend_lens, double t
 // Throws kInvalidArgument for num_tokens < 0, tokens_per_seq < 1, or num_tokens not a multiple of it.
 TboSplit compute_tbo_split_decode(int64_t num_tokens, int64_t tokens_per_seq);
 
-// By forward mode: EXTEND -> the extend rule; DECODE / TARGET_VERIFY -> the decode rule (tokens_per_seq);
-// IDLE -> {0, 0} (num_tokens must be 0). MIXED and DRAFT_EXTEND cannot be split: nullopt (TBO off).
+// By forward mode: EXTEND and MIXED (chunked prefill + decode, as SGLang) -> the extend rule (num_tokens must
+// equal the sum of extend_lens); DECODE / TARGET_VERIFY -> the decode rule (tokens_per_seq); IDLE -> {0, 0}
+// (num_tokens must be 0). DRAFT_EXTEND cannot be split: nullopt (TBO off).
 std::optional<TboSplit> compute_tbo_split(ForwardMode mode, int64_t num_tokens, std::span<const int64_t> extend_lens,
                                           int64_t tokens_per_seq, double threshold = kDefaultTboThreshold);
 

@@ -80,7 +80,8 @@ TboSplit compute_tbo_split_decode(int64_t num_tokens, int64_t tokens_per_seq) {
 std::optional<TboSplit> compute_tbo_split(ForwardMode mode, int64_t num_tokens, std::span<const int64_t> extend_lens,
                                           int64_t tokens_per_seq, double threshold) {
   switch (mode) {
-    case ForwardMode::kExtend: {
+    case ForwardMode::kExtend:
+    case ForwardMode::kMixed: {
       const TboSplit split = compute_tbo_split_extend(extend_lens, threshold);
       const int64_t total = std::accumulate(extend_lens.begin(), extend_lens.end(), int64_t{0});
       EPX_CHECK_ARG(num_tokens == total, "num_tokens {} must equal the sum of extend_lens {}", num_tokens, total);
@@ -92,7 +93,6 @@ std::optional<TboSplit> compute_tbo_split(ForwardMode mode, int64_t num_tokens, 
     case ForwardMode::kIdle:
       EPX_CHECK_ARG(num_tokens == 0, "an IDLE batch must have num_tokens 0, got {}", num_tokens);
       return TboSplit{};
-    case ForwardMode::kMixed:
     case ForwardMode::kDraftExtend:
       return std::nullopt;
   }

@@ -402,7 +402,7 @@ TEST(BatchMetadata, HandWorkedReduction) {
   EXPECT_EQ(g.num_tokens_for_logprob, (std::vector<int64_t>{4, 0, 4}));
   EXPECT_EQ(g.attention_pairs, (std::vector<int64_t>{640, 0, 640}));
   EXPECT_FALSE(g.can_run_decode_graph);
-  EXPECT_TRUE(g.can_run_prefill_graph);
+  EXPECT_FALSE(g.can_run_prefill_graph);  // the idle rank's fallback record vetoes the prefill graph
   EXPECT_EQ(g.prefill_graph_max_prefix_len, 300);
   EXPECT_EQ(g.forward_mode, ForwardMode::kDecode);  // the idle rank does not count
   EXPECT_TRUE(g.can_run_tbo);
@@ -420,7 +420,52 @@ TEST(BatchMetadata, HandWorkedReduction) {
   EXPECT_EQ(idle.forward_mode, ForwardMode::kIdle);
   EXPECT_FALSE(idle.can_run_tbo);
   EXPECT_FALSE(idle.any_tokens);
-  EXPECT_TRUE(idle.can_run_decode_graph);  // the fallback record votes 1
+  EXPECT_TRUE(idle.can_run_decode_graph);  // the fallback record votes 1 for the decode graph
+  EXPECT_FALSE(idle.can_run_prefill_graph);
+}
+
+// SGLang's fallback record (scheduler_dp_attn_mixin.py, MLPSyncBatchInfo._get_fallback_tensor): 0 tokens,
+// decode-graph vote 1, is_extend 0, TBO vote 1, IDLE, prefill-graph vote 0. One idle DP rank therefore
+// turns the prefill graph off for the step; the decode and draft graphs stay on.
+TEST(BatchMetadata, IdleFallbackRecordVetoesOnlyThePrefillGraph) {
+  const BatchMetadata idle = BatchMetadata::idle();
+  EXPECT_EQ(idle.num_tokens, 0);
+  EXPECT_EQ(idle.num_tokens_for_logprob, 0);
+  EXPECT_TRUE(idle.can_run_decode_graph);
+  EXPECT_FALSE(idle.is_extend_in_batch);
+  EXPECT_TRUE(idle.can_run_tbo);
+  EXPECT_EQ(idle.forward_mode, ForwardMode::kIdle);
+  EXPECT_FALSE(idle.can_run_prefill_graph);
+  EXPECT_EQ(idle.prefill_graph_max_prefix_len, 0);
+  EXPECT_TRUE(idle.can_run_draft_graph);
+  EXPECT_FALSE(idle.is_health_check);
+  EXPECT_EQ(idle.attention_pairs, 0);
+
+  BatchMetadata extend;
+  extend.forward_mode = ForwardMode::kExtend;
+  extend.num_tokens = 64;
+  extend.is_extend_in_batch = true;
+  extend.can_run_prefill_graph = true;
+  const GlobalBatchInfo both = reduce_batch_metadata(std::vector<BatchMetadata>{extend, extend});
+  EXPECT_TRUE(both.can_run_prefill_graph);
+  const GlobalBatchInfo with_idle = reduce_batch_metadata(std::vector<BatchMetadata>{extend, idle});
+  EXPECT_FALSE(with_idle.can_run_prefill_graph);
+  EXPECT_TRUE(with_idle.can_run_decode_graph);
+  EXPECT_TRUE(with_idle.can_run_draft_graph);
+
+  // The same through the sync: rank 1 passes nullopt, so the fallback record is sent.
+  const auto layout = ParallelLayout::pure_dp(2);
+  auto groups = create_host_groups(2, {.timeout_ms = 20'000});
+  std::vector<GlobalBatchInfo> seen(2);
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    BatchMetadataSync sync(group, layout);
+    seen[rank] = sync.sync(rank == 0 ? std::optional<BatchMetadata>(extend) : std::nullopt).global;
+  });
+  for (const auto& g : seen) {
+    EXPECT_FALSE(g.can_run_prefill_graph);
+    EXPECT_TRUE(g.can_run_decode_graph);
+    EXPECT_EQ(g.forward_mode, ForwardMode::kExtend);
+  }
 }
 
 TEST(BatchMetadata, RandomReductions) {

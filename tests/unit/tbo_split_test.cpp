@@ -172,10 +172,37 @@ TEST(TboSplit, ByForwardMode) {
   s = compute_tbo_split(ForwardMode::kIdle, 0, {}, 0);
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->split_token_index, 0);
-  EXPECT_FALSE(compute_tbo_split(ForwardMode::kMixed, 5, Lens{5}, 1).has_value());
   EXPECT_FALSE(compute_tbo_split(ForwardMode::kDraftExtend, 5, Lens{5}, 1).has_value());
   EXPECT_THROW(compute_tbo_split(ForwardMode::kIdle, 3, {}, 1), Error);
   EXPECT_THROW(compute_tbo_split(ForwardMode::kExtend, 601, lens, 0), Error);
+}
+
+// SGLang splits a MIXED batch (chunked prefill + decode, the decode sequences with extend length 1) by the
+// extend rule (two_batch_overlap.py: compute_split_seq_index branches on forward_mode.is_extend(), which
+// holds for MIXED), two-chunk included.
+TEST(TboSplit, MixedUsesTheExtendRule) {
+  std::mt19937 rng(16);
+  for (int iter = 0; iter < 300; ++iter) {
+    Lens lens(1 + rng() % 12);
+    for (auto& l : lens) l = rng() % 3 == 0 ? 1 : static_cast<int64_t>(rng() % 900);  // decode seqs: 1
+    const int64_t total = std::accumulate(lens.begin(), lens.end(), int64_t{0});
+    for (double threshold : {0.0, 0.3, kDefaultTboThreshold}) {
+      const auto mixed = compute_tbo_split(ForwardMode::kMixed, total, lens, 1, threshold);
+      ASSERT_TRUE(mixed.has_value());
+      const TboSplit extend = compute_tbo_split_extend(lens, threshold);
+      EXPECT_EQ(mixed->split_seq_index, extend.split_seq_index);
+      EXPECT_EQ(mixed->split_token_index, extend.split_token_index);
+      EXPECT_EQ(mixed->two_chunk, extend.two_chunk);
+    }
+  }
+  // A 2000-token prefill chunk followed by three decode sequences: the balanced split leaves 2000 of 2003
+  // tokens on the left, so the chunk is cut at total / 2.
+  const auto s = compute_tbo_split(ForwardMode::kMixed, 2003, Lens{2000, 1, 1, 1}, 1);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->split_seq_index, 0);
+  EXPECT_EQ(s->split_token_index, 1001);
+  EXPECT_TRUE(s->two_chunk);
+  EXPECT_THROW(compute_tbo_split(ForwardMode::kMixed, 2004, Lens{2000, 1, 1, 1}, 1), Error);  // sum differs
 }
 
 TEST(TboSplit, RejectsBadInput) {
