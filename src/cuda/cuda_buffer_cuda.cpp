@@ -253,26 +253,19 @@ class CudaBuffer final : public Buffer {
     comm_.rank = rank_;
     comm_.num_ranks = num_ranks_;
     comm_.num_channels = num_channels_;
-    int64_t off = 0;
-    auto take = [&](int64_t n) {
-      const int64_t o = off;
-      off = align_up(off + n, 128);
-      return o;
-    };
-    const int64_t rc = int64_t{num_ranks_} * num_channels_;
-    comm_.off_epoch = take(8);
-    comm_.off_tail = take(8 * rc);
-    comm_.off_head = take(8 * rc);
-    comm_.off_done = take(8 * rc);
-    comm_.off_notify_flag = take(8 * 2 * num_ranks_);
-    comm_.off_notify = take(4 * 2 * int64_t{num_ranks_} * kNotifyInts);
-    comm_.off_copy_counter = take(8);
-    comm_.off_ce_tail = take(8 * num_ranks_);
-    if (off > kNormalSignalBytes) detail::raise(ErrorCode::kInternal, "signal area needs {} bytes", off);
+    const NormalRegionLayout region = NormalRegionLayout::make(num_ranks_, num_channels_, region_bytes_);
+    comm_.off_epoch = region.off_epoch;
+    comm_.off_tail = region.off_tail;
+    comm_.off_head = region.off_head;
+    comm_.off_done = region.off_done;
+    comm_.off_notify_flag = region.off_notify_flag;
+    comm_.off_notify = region.off_notify;
+    comm_.off_copy_counter = region.off_copy_counter;
+    comm_.off_ce_tail = region.off_ce_tail;
     comm_.signal_bytes = kNormalSignalBytes;
-    comm_.off_ring = kNormalSignalBytes;
-    comm_.ring_bytes = region_bytes_ - kNormalSignalBytes;
-    comm_.ring_slab_bytes = (comm_.ring_bytes / (int64_t{num_ranks_} * num_channels_)) / 16 * 16;
+    comm_.off_ring = region.off_ring;
+    comm_.ring_bytes = region.ring_bytes;
+    comm_.ring_slab_bytes = region.ring_slab_bytes;
     comm_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_->timeout_ms()));
     comm_.error = errors_device_;
   }

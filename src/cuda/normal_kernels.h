@@ -7,14 +7,10 @@
 #include <cstdint>
 
 #include "core/limits.h"
+#include "cuda/normal_region.h"
 
 namespace epx::cuda {
 
-// Notify slot: [0] the source's largest staging need (rows) to one remote destination, [1, C + 2)
-// channel prefixes, [C + 2, C + 2 + E_local) expert counts, then the source's ring area in KiB, its
-// token count if it sends whole x to this destination (0: packed rows), and [C + 4 + E_local, + R) the
-// tokens it sends to every rank (for the rank prefix matrix).
-inline constexpr int kNotifyInts = 4 + kNormalMaxChannels + kNormalMaxLocalExperts + kNormalMaxRanks;
 inline constexpr int kLayoutThreads = 256;
 inline constexpr int kLayoutClusterBlocks = 8;  // portable cluster size
 inline constexpr int kLayoutClusterThreads = 1024;
@@ -52,8 +48,9 @@ enum WaitSite : int32_t {
 };
 const char* wait_site_name(int32_t site);
 
-// Byte offsets inside every rank's peer-visible region (identical on all ranks), and what each rank
-// needs to reach its peers. Signals are uint64: (epoch << 32) | rows for ring counters, epoch for flags.
+// Byte offsets inside every rank's peer-visible region (NormalRegionLayout, identical on all ranks), and what
+// each rank needs to reach its peers. Signals are uint64: (epoch << 32) | rows for ring counters, epoch for
+// flags.
 struct CommArgs {
   char* peers[kNormalMaxRanks];  // each rank's region, this rank's included
   int rank;

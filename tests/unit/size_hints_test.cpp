@@ -1,6 +1,10 @@
 // Peer-memory size hints (include/epx/buffer.h): growth with the arguments and bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
+#include "core/limits.h"
+#include "cuda/normal_region.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
 
@@ -52,6 +56,30 @@ TEST(SizeHints, BadInputNamesTheArgument) {
   EXPECT_NE(message([] { low_latency_buffer_size_hint(0, 7168, 2, 256); }).find("max_tokens_per_rank"),
             std::string::npos);
   EXPECT_NE(message([] { low_latency_buffer_size_hint(128, 7168, 3, 256); }).find("num_experts"), std::string::npos);
+}
+
+// The cuda buffer lays its region out with NormalRegionLayout; the hint must give every (source, channel) ring
+// at least kNormalHintRingRows rows of the largest row (bf16 data, top-16 ids and weights, source index), and
+// the signals must fit their area at the largest rank and channel counts.
+TEST(SizeHints, NormalHintGivesEveryRingItsRows) {
+  EXPECT_NO_THROW(cuda::NormalRegionLayout::make(kNormalMaxRanks, kNormalMaxChannels, kNormalSignalBytes + 1));
+  const auto big = cuda::NormalRegionLayout::make(kNormalMaxRanks, kNormalMaxChannels, kNormalSignalBytes + 1);
+  EXPECT_LE(big.signals_used, kNormalSignalBytes);
+  EXPECT_EQ(big.off_ring, kNormalSignalBytes);
+  for (int ranks : {1, 2, 4, 8}) {
+    for (int sms : {2, 8, 24, 64, 128}) {
+      for (int64_t hidden : {16, 2048, 7168, 16384}) {
+        const int channels = std::min(std::max(sms / 2, 1), kNormalMaxChannels);
+        const int64_t bytes = (normal_buffer_size_hint(hidden, ranks, sms) + 4095) / 4096 * 4096;
+        const auto l = cuda::NormalRegionLayout::make(ranks, channels, bytes);
+        const int64_t row = (hidden * 2 + 8 * kNormalMaxTopk + 4 + 15) / 16 * 16;
+        EXPECT_GE(l.ring_slab_bytes / row, kNormalHintRingRows)
+            << ranks << " ranks, " << sms << " SMs, hidden " << hidden;
+        EXPECT_EQ(l.ring_slab_bytes % 16, 0);
+        EXPECT_LE(l.ring_slab_bytes * ranks * channels, l.ring_bytes);
+      }
+    }
+  }
 }
 
 }  // namespace
