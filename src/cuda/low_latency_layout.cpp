@@ -1,9 +1,10 @@
 #include "cuda/low_latency_layout.h"
 
+#include "cuda/normal_region.h"
+
 namespace epx::cuda {
 namespace {
 
-int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 constexpr int64_t kBlock = 128;  // fp8 channels per scale
 
 }  // namespace

@@ -14,7 +14,7 @@ NormalRegionLayout NormalRegionLayout::make(int num_ranks, int num_channels, int
   int64_t off = 0;
   auto take = [&](int64_t n) {
     const int64_t o = off;
-    off = (off + n + 127) / 128 * 128;
+    off = align_up(off + n, 128);
     return o;
   };
   const int64_t rc = int64_t{num_ranks} * num_channels;

@@ -10,6 +10,9 @@
 
 namespace epx::cuda {
 
+// v rounded up to a multiple of a (a > 0; v + a - 1 must not overflow: the layouts' inputs are checked first).
+inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
 // Notify slot: [0] the source's largest staging need (rows) to one remote destination, [1, C + 2)
 // channel prefixes, [C + 2, C + 2 + E_local) expert counts, then the source's ring area in KiB, its
 // token count if it sends whole x to this destination (0: packed rows), and [C + 4 + E_local, + R) the
