@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/forward_mode.h"
 #include "epx/group.h"
 #include "epx/tensor.h"
 
@@ -153,8 +154,7 @@ void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& 
 
 // ---- batch-metadata sync ---------------------------------------------------------------------------
 
-enum class ForwardMode : uint8_t { kIdle, kExtend, kDecode, kMixed, kTargetVerify, kDraftExtend };
-const char* to_string(ForwardMode mode) noexcept;  // "IDLE", "EXTEND", ...
+// ForwardMode (IDLE, EXTEND, DECODE, MIXED, TARGET_VERIFY, DRAFT_EXTEND, PREBUILT): epx/forward_mode.h.
 
 // One DP rank's record for a step: 11 fields, exchanged as 11 int64 (88 bytes) per rank.
 struct BatchMetadata {
@@ -177,6 +177,14 @@ struct BatchMetadata {
     m.can_run_prefill_graph = false;
     return m;
   }
+  // The record of a rank whose batch is PREBUILT (disaggregated decode: the KV cache came from the prefill
+  // side and no forward pass runs for it this step): the fallback record's fields with forward_mode
+  // PREBUILT. As SGLang: 0 tokens, decode-graph vote 1, not extend, TBO vote 1 (its TBO split is {0, 0}).
+  static BatchMetadata prebuilt() {
+    BatchMetadata m = idle();
+    m.forward_mode = ForwardMode::kPrebuilt;
+    return m;
+  }
 };
 inline constexpr int kBatchMetadataFields = 11;
 
@@ -192,7 +200,8 @@ struct GlobalBatchInfo {
   bool is_health_check = false;                 // max
   int64_t prefill_graph_max_prefix_len = 0;     // max
   // The common forward mode of the non-idle DP ranks; kIdle when every rank is idle; nullopt when the
-  // non-idle ranks disagree.
+  // non-idle ranks disagree. PREBUILT counts as a mode of its own (not idle): PREBUILT beside DECODE
+  // disagrees, as in SGLang, so TBO is off for that step.
   std::optional<ForwardMode> forward_mode;
   // min of the votes, and the non-idle ranks agree on a mode, and some rank is not idle.
   bool can_run_tbo = false;
@@ -203,9 +212,12 @@ struct GlobalBatchInfo {
 // The local result of one sync.
 struct BatchSyncResult {
   GlobalBatchInfo global;
-  bool run_idle_batch = false;  // this rank has no batch but must run an idle one (global.any_tokens)
-  bool runs_batch = false;      // this rank runs a batch (its own or an idle one)
-  double step_wait_s = 0.0;     // seconds this sync waited for the slowest rank
+  // This rank runs no forward pass of its own (no batch, an IDLE record, or a PREBUILT batch) but must run an
+  // idle one because some DP rank has tokens (global.any_tokens). A PREBUILT rank runs it beside its batch
+  // (SGLang's inner_idle_batch).
+  bool run_idle_batch = false;
+  bool runs_batch = false;   // this rank runs a batch (its own or an idle one)
+  double step_wait_s = 0.0;  // seconds this sync waited for the slowest rank
   // Waiting time attributed to this step: this sync's wait plus the waits of earlier syncs in which this
   // rank ran no batch (carried forward). 0 when this rank runs no batch (the wait is carried instead).
   double wait_s = 0.0;
@@ -220,7 +232,7 @@ class BatchMetadataSync {
   BatchMetadataSync(Group& group, const ParallelLayout& layout);
 
   // local: this rank's record, or nullopt for a rank with no batch (the fallback record is sent).
-  // Throws kInvalidArgument for a bad record (negative counts, an IDLE record with tokens) on this rank
+  // Throws kInvalidArgument for a bad record (negative counts, an IDLE or PREBUILT record with tokens) on this rank
   // before communicating; kTimeout from the group.
   BatchSyncResult sync(const std::optional<BatchMetadata>& local);
 

@@ -197,7 +197,8 @@ void bind_metadata(nb::module_& m) {
       .value("DECODE", ForwardMode::kDecode)
       .value("MIXED", ForwardMode::kMixed)
       .value("TARGET_VERIFY", ForwardMode::kTargetVerify)
-      .value("DRAFT_EXTEND", ForwardMode::kDraftExtend);
+      .value("DRAFT_EXTEND", ForwardMode::kDraftExtend)
+      .value("PREBUILT", ForwardMode::kPrebuilt);
   m.attr("BATCH_METADATA_FIELDS") = kBatchMetadataFields;
 
   nb::class_<BatchMetadata>(m, "BatchMetadata",

@@ -10,29 +10,11 @@
 
 namespace epx {
 
-const char* to_string(ForwardMode mode) noexcept {
-  switch (mode) {
-    case ForwardMode::kIdle:
-      return "IDLE";
-    case ForwardMode::kExtend:
-      return "EXTEND";
-    case ForwardMode::kDecode:
-      return "DECODE";
-    case ForwardMode::kMixed:
-      return "MIXED";
-    case ForwardMode::kTargetVerify:
-      return "TARGET_VERIFY";
-    case ForwardMode::kDraftExtend:
-      return "DRAFT_EXTEND";
-  }
-  return "unknown";
-}
-
 namespace {
 
 using Packed = std::array<int64_t, kBatchMetadataFields>;
 
-constexpr int64_t kMaxForwardMode = static_cast<int64_t>(ForwardMode::kDraftExtend);
+constexpr int64_t kMaxForwardMode = static_cast<int64_t>(ForwardMode::kPrebuilt);
 
 void check_record(const BatchMetadata& m, const char* where) {
   EPX_CHECK_ARG(m.num_tokens >= 0, "{}: num_tokens must be >= 0, got {}", where, m.num_tokens);
@@ -42,6 +24,10 @@ void check_record(const BatchMetadata& m, const char* where) {
                 where, static_cast<int>(m.forward_mode));
   EPX_CHECK_ARG(m.forward_mode != ForwardMode::kIdle || m.num_tokens == 0,
                 "{}: an IDLE record must have num_tokens 0, got {}", where, m.num_tokens);
+  // NOTE: SGLang sends 0 tokens for a PREBUILT batch: it runs no forward pass this step.
+  EPX_CHECK_ARG(m.forward_mode != ForwardMode::kPrebuilt || (m.num_tokens == 0 && m.num_tokens_for_logprob == 0),
+                "{}: a PREBUILT record must have num_tokens and num_tokens_for_logprob 0, got {} and {}", where,
+                m.num_tokens, m.num_tokens_for_logprob);
   EPX_CHECK_ARG(m.prefill_graph_max_prefix_len >= 0, "{}: prefill_graph_max_prefix_len must be >= 0, got {}", where,
                 m.prefill_graph_max_prefix_len);
   EPX_CHECK_ARG(m.attention_pairs >= 0, "{}: attention_pairs must be >= 0, got {}", where, m.attention_pairs);
@@ -152,7 +138,9 @@ BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& loca
     for (int d = 0; d < num_dp; ++d) records.push_back(unpack(gathered[layout_.dp_leader(d)], d));
     result.global = reduce_batch_metadata(records);
   }
-  const bool has_batch = local.has_value() && mine.forward_mode != ForwardMode::kIdle;
+  // A PREBUILT batch runs no forward pass: like an idle rank, it joins the step with an idle batch.
+  const bool has_batch =
+      local.has_value() && mine.forward_mode != ForwardMode::kIdle && mine.forward_mode != ForwardMode::kPrebuilt;
   result.run_idle_batch = !has_batch && result.global.any_tokens;
   result.runs_batch = has_batch || result.run_idle_batch;
   if (result.runs_batch) {

@@ -91,7 +91,10 @@ std::optional<TboSplit> compute_tbo_split(ForwardMode mode, int64_t num_tokens, 
     case ForwardMode::kTargetVerify:
       return compute_tbo_split_decode(num_tokens, tokens_per_seq);
     case ForwardMode::kIdle:
-      EPX_CHECK_ARG(num_tokens == 0, "an IDLE batch must have num_tokens 0, got {}", num_tokens);
+    case ForwardMode::kPrebuilt:
+      // NOTE: SGLang (compute_split_seq_index) returns 0 for IDLE and PREBUILT and asserts num_tokens == 0; for
+      // PREBUILT that is also the decode rule at 0 tokens.
+      EPX_CHECK_ARG(num_tokens == 0, "an {} batch must have num_tokens 0, got {}", to_string(mode), num_tokens);
       return TboSplit{};
     case ForwardMode::kDraftExtend:
       return std::nullopt;

@@ -333,11 +333,12 @@ TEST(DpStep, SyncPlanGatherMoeReduceScatter) {
 // ---- batch-metadata sync -----------------------------------------------------------------------------
 
 BatchMetadata random_record(std::mt19937& rng) {
-  static const ForwardMode kModes[] = {ForwardMode::kExtend, ForwardMode::kDecode, ForwardMode::kMixed,
-                                       ForwardMode::kTargetVerify, ForwardMode::kDraftExtend};
+  static const ForwardMode kModes[] = {ForwardMode::kExtend,       ForwardMode::kDecode,      ForwardMode::kMixed,
+                                       ForwardMode::kTargetVerify, ForwardMode::kDraftExtend, ForwardMode::kPrebuilt};
   BatchMetadata m;
-  m.forward_mode = rng() % 4 == 0 ? kModes[rng() % 5] : (rng() % 2 ? ForwardMode::kDecode : ForwardMode::kIdle);
-  m.num_tokens = m.forward_mode == ForwardMode::kIdle ? 0 : static_cast<int64_t>(rng() % 500);
+  m.forward_mode = rng() % 4 == 0 ? kModes[rng() % 6] : (rng() % 2 ? ForwardMode::kDecode : ForwardMode::kIdle);
+  const bool no_tokens = m.forward_mode == ForwardMode::kIdle || m.forward_mode == ForwardMode::kPrebuilt;
+  m.num_tokens = no_tokens ? 0 : static_cast<int64_t>(rng() % 500);
   m.num_tokens_for_logprob = static_cast<int64_t>(rng() % (m.num_tokens + 1));
   m.can_run_decode_graph = rng() % 5 != 0;
   m.is_extend_in_batch = m.forward_mode == ForwardMode::kExtend;
@@ -468,6 +469,57 @@ TEST(BatchMetadata, IdleFallbackRecordVetoesOnlyThePrefillGraph) {
   }
 }
 
+// PREBUILT (disaggregated decode, KV cache from the prefill side), as SGLang's prepare_mlp_sync_batch_raw
+// treats it: 0 tokens, decode-graph vote 1, not extend; its own mode in the agreement (only IDLE is left
+// out), so PREBUILT beside DECODE disagrees and TBO is off; and the rank runs an inner idle batch when some
+// rank has tokens.
+TEST(BatchMetadata, PrebuiltRecordAgreementAndIdleBatch) {
+  const BatchMetadata p = BatchMetadata::prebuilt();
+  EXPECT_EQ(p.forward_mode, ForwardMode::kPrebuilt);
+  EXPECT_EQ(p.num_tokens, 0);
+  EXPECT_EQ(p.num_tokens_for_logprob, 0);
+  EXPECT_TRUE(p.can_run_decode_graph);
+  EXPECT_FALSE(p.is_extend_in_batch);
+  EXPECT_TRUE(p.can_run_tbo);
+
+  BatchMetadata decode;
+  decode.forward_mode = ForwardMode::kDecode;
+  decode.num_tokens = 32;
+  const GlobalBatchInfo mixed = reduce_batch_metadata(std::vector<BatchMetadata>{decode, p});
+  EXPECT_FALSE(mixed.forward_mode.has_value());
+  EXPECT_FALSE(mixed.can_run_tbo);
+  EXPECT_TRUE(mixed.any_tokens);
+  EXPECT_FALSE(mixed.is_extend_in_batch);
+  const GlobalBatchInfo all = reduce_batch_metadata(std::vector<BatchMetadata>{p, BatchMetadata::idle(), p});
+  EXPECT_EQ(all.forward_mode, ForwardMode::kPrebuilt);
+  EXPECT_TRUE(all.can_run_tbo);
+  EXPECT_FALSE(all.any_tokens);
+
+  BatchMetadata bad = p;
+  bad.num_tokens = 5;
+  EXPECT_THROW(reduce_batch_metadata(std::vector<BatchMetadata>{bad}), Error);
+  bad = p;
+  bad.num_tokens_for_logprob = 1;
+  EXPECT_THROW(reduce_batch_metadata(std::vector<BatchMetadata>{bad}), Error);
+
+  // Over the wire (value 6): rank 0 decodes, rank 1 is PREBUILT and runs an idle batch.
+  const auto layout = ParallelLayout::pure_dp(2);
+  auto groups = create_host_groups(2, {.timeout_ms = 20'000});
+  std::vector<BatchSyncResult> res(2);
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    BatchMetadataSync sync(group, layout);
+    res[rank] = sync.sync(rank == 0 ? decode : p);
+  });
+  for (const auto& r : res) {
+    EXPECT_FALSE(r.global.forward_mode.has_value());
+    EXPECT_FALSE(r.global.can_run_tbo);
+    EXPECT_EQ(r.global.num_tokens, (std::vector<int64_t>{32, 0}));
+  }
+  EXPECT_FALSE(res[0].run_idle_batch);
+  EXPECT_TRUE(res[1].run_idle_batch);
+  EXPECT_TRUE(res[1].runs_batch);
+}
+
 TEST(BatchMetadata, RandomReductions) {
   std::mt19937 rng(3);
   for (int iter = 0; iter < 500; ++iter) {
@@ -504,7 +556,8 @@ TEST(BatchMetadata, SyncAgreesOnEveryRankAndRunsIdleBatches) {
         std::vector<BatchMetadata> recs;
         for (const auto& r : plan[s]) recs.push_back(r.value_or(BatchMetadata::idle()));
         expect_reduced(recs, res.global);
-        const bool has_batch = mine && mine->forward_mode != ForwardMode::kIdle;
+        const bool has_batch =
+            mine && mine->forward_mode != ForwardMode::kIdle && mine->forward_mode != ForwardMode::kPrebuilt;
         EXPECT_EQ(res.run_idle_batch, !has_batch && res.global.any_tokens) << "rank " << rank << " step " << s;
         EXPECT_EQ(res.runs_batch, has_batch || res.global.any_tokens);
         EXPECT_GE(res.step_wait_s, 0.0);

@@ -173,6 +173,13 @@ TEST(TboSplit, ByForwardMode) {
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->split_token_index, 0);
   EXPECT_FALSE(compute_tbo_split(ForwardMode::kDraftExtend, 5, Lens{5}, 1).has_value());
+  // PREBUILT: SGLang's split index 0 with num_tokens 0 (the batch runs no forward pass).
+  s = compute_tbo_split(ForwardMode::kPrebuilt, 0, {}, 1);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->split_seq_index, 0);
+  EXPECT_EQ(s->split_token_index, 0);
+  EXPECT_FALSE(s->two_chunk);
+  EXPECT_THROW(compute_tbo_split(ForwardMode::kPrebuilt, 4, {}, 1), Error);
   EXPECT_THROW(compute_tbo_split(ForwardMode::kIdle, 3, {}, 1), Error);
   EXPECT_THROW(compute_tbo_split(ForwardMode::kExtend, 601, lens, 0), Error);
 }
