@@ -5,7 +5,8 @@
 //   1. where to split (compute_tbo_split): a sequence index and a token index;
 //   2. the children's per-sequence fields (split_tbo_children);
 //   3. the stage executor (execute_two_batch_overlap): two operation lists cut at yield points into
-//      stages, run A-ahead-by-delta, then alternately, then B's tail.
+//      stages, run A-ahead-by-delta, then alternately, then B's tail;
+//   4. strategy presets (make_tbo_strategy): SGLang's DeepSeek prefill and decode operation lists.
 #pragma once
 
 #include <cstdint>
@@ -44,8 +45,8 @@ TboSplit compute_tbo_split_extend(std::span<const int64_t> extend_lens, double t
 TboSplit compute_tbo_split_decode(int64_t num_tokens, int64_t tokens_per_seq);
 
 // By forward mode: EXTEND and MIXED (chunked prefill + decode, as SGLang) -> the extend rule (num_tokens must
-// equal the sum of extend_lens); DECODE / TARGET_VERIFY -> the decode rule (tokens_per_seq); IDLE -> {0, 0}
-// (num_tokens must be 0). DRAFT_EXTEND cannot be split: nullopt (TBO off).
+// equal the sum of extend_lens); DECODE / TARGET_VERIFY -> the decode rule (tokens_per_seq); IDLE and PREBUILT
+// -> {0, 0} (num_tokens must be 0). DRAFT_EXTEND cannot be split: nullopt (TBO off).
 std::optional<TboSplit> compute_tbo_split(ForwardMode mode, int64_t num_tokens, std::span<const int64_t> extend_lens,
                                           int64_t tokens_per_seq, double threshold = kDefaultTboThreshold);
 
@@ -98,5 +99,70 @@ std::vector<std::vector<TboOperation>> split_tbo_stages(const std::vector<TboOpe
 // An exception from an operation propagates at once; later operations do not run.
 void execute_two_batch_overlap(const std::vector<TboOperation>& ops_a, const std::vector<TboOperation>& ops_b,
                                int delta_stages);
+
+// ---- strategy presets -------------------------------------------------------------------------------
+// SGLang's operation lists for a DeepSeek MoE layer (operations_strategy.py, "deepseek blog" strategies),
+// runnable by the executor above. Both children run the same list; child B trails by delta_stages.
+
+// The operations of one MoE decoder layer, in SGLang's names. The "_a" / "_b" halves of dispatch and
+// combine are the send (launch) and receive (wait) of the all-to-all; a yield between them lets the other
+// child compute while the data is in flight.
+enum class TboLayerOp : uint8_t {
+  kCommPrepareAttn,       // layer communicator before attention (norm, DP gather/scatter as the layer needs)
+  kAttnPrepare,           // attention before the kernel: projections, rotary, KV-cache write
+  kAttnCore,              // the attention kernel and output projection
+  kCommPrepareMlp,        // layer communicator before the MoE (residual, norm)
+  kGate,                  // router logits
+  kSelectExperts,         // top-k expert choice
+  kDispatchA,             // dispatch: launch
+  kDispatchB,             // dispatch: wait for the received tokens
+  kExperts,               // routed experts' GEMMs
+  kCombineA,              // combine: launch
+  kCombineB,              // combine: wait
+  kSharedExperts,         // the shared expert
+  kOutput,                // routed + shared output
+  kCommPostprocessLayer,  // layer communicator after the MoE
+};
+const char* to_string(TboLayerOp op) noexcept;  // "comm_prepare_attn", "attn_prepare", ..., "comm_postprocess_layer"
+
+enum class TboPreset : uint8_t {
+  // delta 0, 3 stages per layer:
+  //   comm_prepare_attn attn_prepare attn_core comm_prepare_mlp gate select_experts dispatch_a | dispatch_b
+  //   experts combine_a | shared_experts combine_b output comm_postprocess_layer
+  kDeepSeekPrefill,
+  // delta 2, 6 stages per layer:
+  //   comm_prepare_attn attn_prepare | attn_core comm_prepare_mlp gate select_experts | dispatch_a
+  //   shared_experts | dispatch_b experts combine_a | combine_b | output comm_postprocess_layer
+  kDeepSeekDecode,
+};
+const char* to_string(TboPreset preset) noexcept;  // "deepseek-prefill", "deepseek-decode"
+
+// One layer's list as written above; nullopt marks a yield point. Throws kInvalidArgument for a bad preset.
+std::vector<std::optional<TboLayerOp>> tbo_preset_layer_ops(TboPreset preset);
+// 0 for kDeepSeekPrefill, 2 for kDeepSeekDecode. Throws kInvalidArgument for a bad preset.
+int tbo_preset_delta_stages(TboPreset preset);
+
+// The preset for the step's agreed forward mode (GlobalBatchInfo::forward_mode): EXTEND, MIXED -> prefill;
+// DECODE, TARGET_VERIFY, PREBUILT -> decode; IDLE, DRAFT_EXTEND -> nullopt (no TBO).
+std::optional<TboPreset> tbo_preset_for(ForwardMode global_mode) noexcept;
+
+inline constexpr int kMaxTboLayers = 4096;
+
+struct TboStrategy {
+  std::vector<TboOperation> operations;  // run by both children: execute_two_batch_overlap(ops, ops, delta)
+  int delta_stages = 0;
+  // True for the prefill preset: SGLang runs its GEMMs on the SMs the communication kernels leave
+  // (deep_gemm_num_sms = SMs - the EP buffer's num_sms); the decode preset leaves the GEMMs unrestricted.
+  bool reserve_comm_sms = false;
+};
+
+using TboLayerOpFn = std::function<void(TboLayerOp op, int layer_idx, int batch_idx)>;
+
+// The preset's layer list repeated for layers 0 .. num_layers - 1 and concatenated without a yield between
+// layers (SGLang's OperationsStrategy.concat), so a layer's last stage and the next layer's first stage run
+// as one stage: kDeepSeekPrefill has 2 * num_layers + 1 stages, kDeepSeekDecode 5 * num_layers + 1.
+// Operation names are "L<layer>.<op>", e.g. "L0.dispatch_a"; each calls fn(op, layer, batch_idx).
+// Throws kInvalidArgument for a bad preset, num_layers outside [1, kMaxTboLayers] or an empty fn.
+TboStrategy make_tbo_strategy(TboPreset preset, int num_layers, const TboLayerOpFn& fn);
 
 }  // namespace epx
