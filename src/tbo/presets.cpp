@@ -1,4 +1,6 @@
 // TBO strategy presets: SGLang's DeepSeek prefill and decode operation lists (operations_strategy.py).
+#include <fmt/format.h>
+
 #include <string>
 
 #include "core/check.h"
@@ -128,7 +130,8 @@ TboStrategy make_tbo_strategy(TboPreset preset, int num_layers, const TboLayerOp
         continue;
       }
       const TboLayerOp o = *op;
-      s.operations.push_back({"L" + std::to_string(layer) + "." + to_string(o),
+      // NOTE: fmt, not "L" + std::to_string(...): GCC 12 at -O3 flags that chain with a false -Wrestrict.
+      s.operations.push_back({fmt::format("L{}.{}", layer, to_string(o)),
                               [fn, o, layer](int batch_idx) { fn(o, layer, batch_idx); }});
     }
   }
