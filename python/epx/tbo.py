@@ -92,8 +92,8 @@ def compute_tbo_split_decode(num_tokens: int, tokens_per_seq: int = 1) -> TboSpl
 
 def compute_tbo_split(mode: Union[ForwardMode, str], num_tokens: int, extend_lens: Sequence[int] = (),
                       tokens_per_seq: int = 1, threshold: float = DEFAULT_THRESHOLD) -> Optional[TboSplit]:
-    """By forward mode: EXTEND -> the extend rule; DECODE / TARGET_VERIFY -> the decode rule; IDLE -> (0, 0)
-    (num_tokens must be 0); MIXED and DRAFT_EXTEND -> None (TBO off)."""
+    """By forward mode: EXTEND and MIXED -> the extend rule; DECODE / TARGET_VERIFY -> the decode rule; IDLE and
+    PREBUILT -> (0, 0) (num_tokens must be 0); DRAFT_EXTEND -> None (TBO off)."""
     return _native.compute_tbo_split(enum_arg(ForwardMode, mode, "mode"), num_tokens, int_list(extend_lens, "extend_lens"), tokens_per_seq, threshold)
 
 

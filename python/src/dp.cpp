@@ -203,7 +203,8 @@ void bind_metadata(nb::module_& m) {
 
   nb::class_<BatchMetadata>(m, "BatchMetadata",
                             "One DP rank's record for a step (11 fields, exchanged as 11 int64 per rank). The "
-                            "defaults are the record of a rank with no batch (idle()).")
+                            "constructor's defaults are an IDLE record with every vote 1; idle() is the record of a "
+                            "rank with no batch, which votes can_run_prefill_graph = 0 as SGLang's does.")
       .def(
           "__init__",
           [](BatchMetadata* self, int64_t num_tokens, int64_t num_tokens_for_logprob, bool can_run_decode_graph,
@@ -220,7 +221,11 @@ void bind_metadata(nb::module_& m) {
           nb::arg("forward_mode") = ForwardMode::kIdle, nb::arg("can_run_prefill_graph") = true,
           nb::arg("prefill_graph_max_prefix_len") = 0, nb::arg("can_run_draft_graph") = true,
           nb::arg("is_health_check") = false, nb::arg("attention_pairs") = 0)
-      .def_static("idle", &BatchMetadata::idle, "IDLE, 0 tokens, every graph/TBO vote 1.")
+      .def_static("idle", &BatchMetadata::idle,
+                  "IDLE, 0 tokens; decode-graph, draft-graph and TBO votes 1, prefill-graph vote 0 (one idle DP "
+                  "rank turns the prefill graph off for the step, as in SGLang).")
+      .def_static("prebuilt", &BatchMetadata::prebuilt,
+                  "PREBUILT (disaggregated decode), 0 tokens: see include/epx/dp.h.")
       .def_rw("num_tokens", &BatchMetadata::num_tokens)
       .def_rw("num_tokens_for_logprob", &BatchMetadata::num_tokens_for_logprob)
       .def_rw("can_run_decode_graph", &BatchMetadata::can_run_decode_graph)

@@ -111,8 +111,8 @@ void bind_split(nb::module_& m) {
          double threshold) { return compute_tbo_split(mode, num_tokens, extend_lens, tokens_per_seq, threshold); },
       nb::arg("mode"), nb::arg("num_tokens"), nb::arg("extend_lens") = std::vector<int64_t>{},
       nb::arg("tokens_per_seq") = 1, nb::arg("threshold") = kDefaultTboThreshold,
-      "By forward mode: EXTEND -> the extend rule; DECODE / TARGET_VERIFY -> the decode rule; IDLE -> (0, 0); "
-      "MIXED and DRAFT_EXTEND -> None (TBO off).");
+      "By forward mode: EXTEND and MIXED -> the extend rule; DECODE / TARGET_VERIFY -> the decode rule; IDLE and "
+      "PREBUILT -> (0, 0); DRAFT_EXTEND -> None (TBO off).");
 
   nb::class_<TboSeqFields>(m, "TboSeqFields", "Per-sequence fields of a batch: seq_lens = prefix_lens + extend_lens.")
       .def(

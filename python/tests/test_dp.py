@@ -136,7 +136,11 @@ def test_reduce_batch_metadata():
     g = dp.reduce_batch_metadata(records)
     assert g.num_tokens == [5, 0, 3] and g.num_tokens_for_logprob == [2, 0, 0] and g.attention_pairs == [7, 0, 0]
     assert g.forward_mode == F.DECODE and g.can_run_tbo and g.any_tokens
-    assert not g.can_run_decode_graph and g.can_run_prefill_graph and g.prefill_graph_max_prefix_len == 9
+    # The idle rank's fallback record vetoes the prefill graph (SGLang), not the decode graph.
+    assert not g.can_run_decode_graph and not g.can_run_prefill_graph and g.prefill_graph_max_prefix_len == 9
+    assert not dp.BatchMetadata.idle().can_run_prefill_graph and dp.BatchMetadata.idle().can_run_decode_graph
+    pre = dp.BatchMetadata.prebuilt()
+    assert pre.forward_mode == F.PREBUILT and pre.num_tokens == 0
     records[2].forward_mode = F.EXTEND
     g = dp.reduce_batch_metadata(records)
     assert g.forward_mode is None and not g.can_run_tbo  # non-idle ranks disagree

@@ -38,7 +38,9 @@ def test_decode_and_by_mode():
     assert (s.split_token_index, s.two_chunk) == (300, True)
     assert tbo.compute_tbo_split(tbo.ForwardMode.TARGET_VERIFY, 12, tokens_per_seq=4) == tbo.TboSplit(1, 4, False)
     assert tbo.compute_tbo_split("IDLE", 0) == tbo.TboSplit(0, 0, False)
-    assert tbo.compute_tbo_split("MIXED", 5, [5]) is None
+    # MIXED (chunked prefill + decode) splits by the extend rule, as SGLang's is_extend() check does.
+    assert tbo.compute_tbo_split("MIXED", 600, [10, 20, 30, 500, 40]) == s
+    assert tbo.compute_tbo_split("PREBUILT", 0) == tbo.TboSplit(0, 0, False)
     assert tbo.compute_tbo_split("DRAFT_EXTEND", 5, [5]) is None
     assert tbo.DEFAULT_THRESHOLD == 0.48
 

@@ -234,18 +234,26 @@ class ForwardMode(enum.Enum):
 
     DRAFT_EXTEND = 5
 
+    PREBUILT = 6
+
 BATCH_METADATA_FIELDS: int = 11
 
 class BatchMetadata:
     """
-    One DP rank's record for a step (11 fields, exchanged as 11 int64 per rank). The defaults are the record of a rank with no batch (idle()).
+    One DP rank's record for a step (11 fields, exchanged as 11 int64 per rank). The constructor's defaults are an IDLE record with every vote 1; idle() is the record of a rank with no batch, which votes can_run_prefill_graph = 0 as SGLang's does.
     """
 
     def __init__(self, *, num_tokens: int = 0, num_tokens_for_logprob: int = 0, can_run_decode_graph: bool = True, is_extend_in_batch: bool = False, can_run_tbo: bool = True, forward_mode: ForwardMode = ForwardMode.IDLE, can_run_prefill_graph: bool = True, prefill_graph_max_prefix_len: int = 0, can_run_draft_graph: bool = True, is_health_check: bool = False, attention_pairs: int = 0) -> None: ...
 
     @staticmethod
     def idle() -> BatchMetadata:
-        """IDLE, 0 tokens, every graph/TBO vote 1."""
+        """
+        IDLE, 0 tokens; decode-graph, draft-graph and TBO votes 1, prefill-graph vote 0 (one idle DP rank turns the prefill graph off for the step, as in SGLang).
+        """
+
+    @staticmethod
+    def prebuilt() -> BatchMetadata:
+        """PREBUILT (disaggregated decode), 0 tokens: see include/epx/dp.h."""
 
     @property
     def num_tokens(self) -> int: ...

@@ -49,7 +49,7 @@ def compute_tbo_split_decode(num_tokens: int, tokens_per_seq: int = 1) -> TboSpl
 
 def compute_tbo_split(mode: epx._epx.dp.ForwardMode, num_tokens: int, extend_lens: Sequence[int] = [], tokens_per_seq: int = 1, threshold: float = 0.48) -> TboSplit | None:
     """
-    By forward mode: EXTEND -> the extend rule; DECODE / TARGET_VERIFY -> the decode rule; IDLE -> (0, 0); MIXED and DRAFT_EXTEND -> None (TBO off).
+    By forward mode: EXTEND and MIXED -> the extend rule; DECODE / TARGET_VERIFY -> the decode rule; IDLE and PREBUILT -> (0, 0); DRAFT_EXTEND -> None (TBO off).
     """
 
 class TboSeqFields:
