@@ -119,7 +119,10 @@ struct DpGatherPlan {
 DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpPaddingMode mode, int attn_tp_size = 1);
 
 // ---- gather / scatter (collective over the whole group) ----------------------------------------------
-// Tensors: bf16 or fp32, contiguous, on group.device(); the same dtype and hidden size on every rank.
+// Tensors: bf16, fp32, int32 or int64 (input ids, positions), contiguous, on group.device(); either
+// [rows, hidden] or 1-D [rows] (one element per row, as [rows, 1]); local and global of the same dtype and
+// rank; the same dtype and hidden size on every rank. Both backends take the four dtypes (cuda: ncclBfloat16,
+// ncclFloat32, ncclInt32, ncclInt64); any other dtype is kInvalidArgument naming it and the four.
 // `local` may have more rows than the rank's count (CUDA-graph padding); only the first count rows are
 // read, and scatter zeroes the rest. An idle DP rank (count 0) still calls, with local [>= 0, hidden].
 // Streams: the cuda backend enqueues NCCL collectives on `stream` (no host sync; the first call on a
@@ -130,10 +133,11 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 // cuda backend does not check: a mismatch gives NCCL calls of different sizes, which is undefined).
 // attn_cp_size > 1 is not supported yet (kUnsupported).
 
-// global [plan.buffer_len, hidden] on every rank receives every DP rank's first num_tokens[d] rows of its
-// leader's `local` at offsets[d]; all other rows are zero. SUM_LEN rows are 0 + x in the dtype (an
+// global [plan.buffer_len, hidden] (or [plan.buffer_len]) on every rank receives every DP rank's first num_tokens[d]
+// rows of its leader's `local` at offsets[d]; all other rows are zero. SUM_LEN rows are 0 + x in the dtype (an
 // all-reduce in which only the leader contributes non-zero rows): bit-exact except that -0 reads back as
-// +0 and a signaling NaN is quieted (cuda: a NaN stays NaN, its payload may change). MAX_LEN rows are
+// +0 and a signaling NaN is quieted (cuda: a NaN stays NaN, its payload may change); integers are exact.
+// MAX_LEN rows are
 // copied bit-exactly; with attn_tp_size > 1 the cuda backend takes slot row i from attention-TP rank
 // i / (slot_len / attn_tp_size), the same row as the leader's since those ranks hold the same batch.
 // `local` and `global` must not overlap.
@@ -147,8 +151,10 @@ enum class DpScatterKind : uint8_t {
 
 // local [>= num_tokens[my DP rank], hidden] receives the rows [offsets[d], offsets[d] + num_tokens[d]) of
 // `global` [plan.buffer_len, hidden] (kSlice) or of the sum of every rank's `global` (kReduceScatter,
-// summed in fp32 in rank order, then rounded once to the dtype; the cuda backend sums in NCCL's order
-// and may round bf16 partial sums with more than 2 ranks). Rows past the count are zeroed.
+// floats summed in fp32 in rank order, then rounded once to the dtype; the cuda backend sums in NCCL's order
+// and may round bf16 partial sums with more than 2 ranks; int32/int64 summed exactly in their own width,
+// wrapping modulo 2^32 / 2^64 on overflow, which is order-independent, so both backends agree bit-exactly).
+// 1-D tensors as for dp_gather. Rows past the count are zeroed.
 void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                 const TensorView& local, DpScatterKind kind = DpScatterKind::kSlice, Stream stream = nullptr);
 
@@ -235,6 +241,17 @@ class BatchMetadataSync {
   // Throws kInvalidArgument for a bad record (negative counts, an IDLE or PREBUILT record with tokens) on this rank
   // before communicating; kTimeout from the group.
   BatchSyncResult sync(const std::optional<BatchMetadata>& local);
+  // The same with the ranks in `inactive_ranks` (group ranks, dead or absent this step, e.g. after a
+  // failure was detected) left out, as SGLang's MLPSyncBatchInfo.all_gather does with its active-ranks mask:
+  // each DP rank whose leader is listed counts as the fallback record BatchMetadata::idle(), instead of the
+  // step failing. Listed ranks do not call this sync and are not waited for (host backend: the group's
+  // collective skips them, with the usual bounded wait on the others; no new wait). Every calling rank passes
+  // the same list (host: a mismatch raises kInvalidArgument on the ranks that see it; a rank waiting for a
+  // rank others left out raises kTimeout). A listed rank misses this collective, so it stays out of the
+  // group's later collectives too (host: its collective numbering is behind), as a dead rank does.
+  // Throws kInvalidArgument for a rank outside [0, num_ranks) or this rank itself in the list; kUnsupported
+  // for a non-empty list on the cuda backend (an NCCL all-gather needs every rank). An empty list is sync(local).
+  BatchSyncResult sync(const std::optional<BatchMetadata>& local, std::span<const int> inactive_ranks);
 
   double carried_wait_s() const { return carried_wait_s_; }
 
@@ -242,6 +259,8 @@ class BatchMetadataSync {
   Group& group_;
   ParallelLayout layout_;
   double carried_wait_s_ = 0.0;
+  std::vector<int64_t> host_staging_;  // the host exchange's published copies (src/dp/metadata.cpp)
+  size_t host_staging_next_ = 0;
 };
 
 // Reductions alone (used by sync; exposed for tests and callers with their own transport).

@@ -183,7 +183,7 @@ def test_gather_rejects_bad_tensors():
     layout = dp.ParallelLayout.pure_dp(1)
     plan = dp.plan_dp_gather([2], "SUM_LEN")
     with pytest.raises(epx.InvalidArgumentError):
-        dp.dp_gather(group, layout, plan, np.zeros((2, HIDDEN), np.int32))  # int32 is not bf16/fp32
+        dp.dp_gather(group, layout, plan, np.zeros((2, HIDDEN), np.uint8))  # not bf16/fp32/int32/int64
     with pytest.raises(epx.InvalidArgumentError):
         dp.dp_gather(group, layout, plan, np.zeros((2, HIDDEN), np.float32), out=np.zeros((1, HIDDEN), np.float32))
     with pytest.raises(epx.InvalidArgumentError):

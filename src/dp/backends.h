@@ -6,8 +6,14 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "epx/dp.h"
+
+namespace epx::detail {
+// Elements per row of a validated gather/scatter tensor: hidden for [rows, hidden], 1 for [rows].
+inline int64_t dp_row_elems(const TensorView& t) { return t.ndim == 2 ? t.shape[1] : 1; }
+}  // namespace epx::detail
 
 namespace epx::host {
 // Defined in src/dp/gather_host.cpp. Arguments already validated on this rank.

@@ -104,8 +104,17 @@ void check_common(Group& group, const ParallelLayout& layout, const DpGatherPlan
                   layout.attn_cp_size());
   }
   check_plan(plan, layout, what);
-  check_tensor(global, "global", {DType::kBFloat16, DType::kFloat32}, {plan.buffer_len, -1});
-  check_tensor(local, "local", {DType::kBFloat16, DType::kFloat32}, {-1, global.shape[1]});
+  // NOTE: a 1-D tensor [rows] is a 2-D one [rows, 1] (input ids, positions); local and global have the same rank.
+  EPX_CHECK_ARG(global.defined() && (global.ndim == 1 || global.ndim == 2),
+                "{}: global must be [buffer_len] or [buffer_len, hidden], got {}", what, global.describe());
+  const std::initializer_list<DType> dtypes = {DType::kBFloat16, DType::kFloat32, DType::kInt32, DType::kInt64};
+  if (global.ndim == 2) {
+    check_tensor(global, "global", dtypes, {plan.buffer_len, -1});
+    check_tensor(local, "local", dtypes, {-1, global.shape[1]});
+  } else {
+    check_tensor(global, "global", dtypes, {plan.buffer_len});
+    check_tensor(local, "local", dtypes, {-1});
+  }
   EPX_CHECK_ARG(local.dtype == global.dtype, "{}: local and global must have the same dtype, got {} and {}", what,
                 local.describe(), global.describe());
   check_device(local, "local", group.device());

@@ -4,8 +4,10 @@
 //   gather MAX_LEN: each rank writes its share of its DP rank's padded slot straight into `global` (the
 //     slot is split over the attention-TP ranks, which hold the same batch), zeroes the padding, and an
 //     in-place ncclAllGather fills in the rest.
-//   gather SUM_LEN: `global` is zeroed, the DP leader writes 0 + x at its prefix offset, and an in-place
-//     ncclAllReduce (sum) completes it.
+//   gather SUM_LEN: `global` is zeroed, the DP leader writes 0 + x at its prefix offset (a plain copy for
+//     int32/int64), and an in-place ncclAllReduce (sum) completes it.
+//   Tensors: bf16, fp32, int32 or int64, [rows, hidden] or [rows] (one element per row); integers travel as
+//   ncclInt32/ncclInt64 and are summed exactly by NCCL.
 //   scatter kSlice: a device copy of this DP rank's rows; no communication.
 //   scatter kReduceScatter: one ncclReduce per rank, rooted at that rank, over its DP rank's rows (any
 //     counts, any attn_tp), fused in one NCCL group, straight into `local`.
@@ -29,17 +31,34 @@ namespace epx::cuda {
 
 namespace {
 
-ncclDataType_t nccl_type(DType dtype) { return dtype == DType::kFloat32 ? ncclFloat32 : ncclBfloat16; }
+// The dtypes dp_gather validated: bf16, fp32, int32, int64.
+ncclDataType_t nccl_type(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return ncclFloat32;
+    case DType::kBFloat16:
+      return ncclBfloat16;
+    case DType::kInt32:
+      return ncclInt32;
+    case DType::kInt64:
+      return ncclInt64;
+    default:
+      detail::raise(ErrorCode::kInvalidArgument,
+                    "dp_gather/dp_scatter (cuda): dtype {} is not supported; use bf16, fp32, int32 or int64",
+                    to_string(dtype));
+  }
+}
 
 char* row_ptr(const TensorView& t, int64_t row) {
-  return static_cast<char*>(t.data) + row * t.shape[1] * static_cast<int64_t>(dtype_size(t.dtype));
+  return static_cast<char*>(t.data) + row * detail::dp_row_elems(t) * static_cast<int64_t>(dtype_size(t.dtype));
 }
 
 // Zeroes local rows [count, rows): the CUDA-graph padding past this rank's tokens.
 void zero_tail(const TensorView& local, int64_t count, cudaStream_t stream) {
   const int64_t rows = local.shape[0];
-  if (rows <= count || local.shape[1] == 0) return;
-  const size_t bytes = static_cast<size_t>((rows - count) * local.shape[1]) * dtype_size(local.dtype);
+  const int64_t row_elems = detail::dp_row_elems(local);
+  if (rows <= count || row_elems == 0) return;
+  const size_t bytes = static_cast<size_t>((rows - count) * row_elems) * dtype_size(local.dtype);
   check_cuda(cudaMemsetAsync(row_ptr(local, count), 0, bytes, stream), "cudaMemsetAsync (dp_scatter padding)");
 }
 
@@ -47,7 +66,7 @@ void zero_tail(const TensorView& local, int64_t count, cudaStream_t stream) {
 
 void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
                     const TensorView& global, Stream stream) {
-  const int64_t hidden = global.shape[1];
+  const int64_t hidden = detail::dp_row_elems(global);
   if (plan.buffer_len == 0 || hidden == 0) return;  // the same plan everywhere: every rank skips
   DpComm& dp = dp_comm(group);
   DeviceGuard guard(dp.device);
@@ -82,9 +101,16 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
   check_cuda(cudaMemsetAsync(global.data, 0, static_cast<size_t>(plan.buffer_len) * row_bytes, stream),
              "cudaMemsetAsync (dp_gather)");
   if (layout.is_dp_leader(group.rank()) && count > 0) {
-    check_cuda(launch_add_zero_copy(local.data, row_ptr(global, plan.offsets[me.attn_dp_rank]), count * hidden,
-                                    global.dtype == DType::kBFloat16, stream),
-               "add_zero_copy (dp_gather)");
+    char* dst = row_ptr(global, plan.offsets[me.attn_dp_rank]);
+    if (global.dtype == DType::kInt32 || global.dtype == DType::kInt64) {
+      // 0 + x == x for integers: a plain copy.
+      check_cuda(
+          cudaMemcpyAsync(dst, local.data, static_cast<size_t>(count) * row_bytes, cudaMemcpyDeviceToDevice, stream),
+          "cudaMemcpyAsync (dp_gather)");
+    } else {
+      check_cuda(launch_add_zero_copy(local.data, dst, count * hidden, global.dtype == DType::kBFloat16, stream),
+                 "add_zero_copy (dp_gather)");
+    }
   }
   nccl_wait(dp,
             nccl().AllReduce(global.data, global.data, static_cast<size_t>(plan.buffer_len * hidden),
@@ -94,7 +120,7 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
 
 void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                      const TensorView& local, DpScatterKind kind, Stream stream) {
-  const int64_t hidden = global.shape[1];
+  const int64_t hidden = detail::dp_row_elems(global);
   const RankCoords me = layout.coords(group.rank());
   const int64_t count = plan.num_tokens[me.attn_dp_rank];
   const size_t row_bytes = static_cast<size_t>(hidden) * dtype_size(global.dtype);

@@ -1,6 +1,8 @@
 // dp_gather / dp_scatter on the host backend: ranks are threads, so every rank reads the published
 // buffers of its peers directly between HostGroup::exchange and release.
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/bf16.h"
@@ -50,6 +52,8 @@ std::string find_mismatch(const std::vector<const void*>& ptrs) {
 // others zeros (for bf16 on the bits, core/bf16.h).
 inline float add_to_zero(float x) { return 0.f + x; }
 inline uint16_t add_to_zero(uint16_t x) { return detail::bf16_add_zero(x); }
+inline int32_t add_to_zero(int32_t x) { return x; }
+inline int64_t add_to_zero(int64_t x) { return x; }
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) { return detail::bf16_to_float(x); }
@@ -76,12 +80,41 @@ void gather_rows(const ParallelLayout& layout, const DpGatherPlan& plan, const s
 
 template <typename T>
 void reduce_rows(const std::vector<const void*>& ptrs, int64_t first_row, int64_t num_rows, T* local, int64_t hidden) {
-  std::vector<float> acc(static_cast<size_t>(num_rows * hidden), 0.f);
-  for (const void* p : ptrs) {  // rank order: the documented summation order
-    const T* src = static_cast<const T*>(static_cast<const Contribution*>(p)->data) + first_row * hidden;
-    for (size_t i = 0; i < acc.size(); ++i) acc[i] += to_float(src[i]);
+  if constexpr (std::is_same_v<T, int32_t> || std::is_same_v<T, int64_t>) {  // not uint16_t: bf16 bits
+    // NOTE: integers sum exactly in two's complement, wrapping modulo 2^bits on overflow (NCCL's integer
+    // sum does the same); modular addition does not depend on the order, so every backend agrees bit-exactly.
+    using U = std::make_unsigned_t<T>;
+    std::vector<U> acc(static_cast<size_t>(num_rows * hidden), 0);
+    for (const void* p : ptrs) {
+      const T* src = static_cast<const T*>(static_cast<const Contribution*>(p)->data) + first_row * hidden;
+      for (size_t i = 0; i < acc.size(); ++i) acc[i] = static_cast<U>(acc[i] + static_cast<U>(src[i]));
+    }
+    for (size_t i = 0; i < acc.size(); ++i) local[i] = static_cast<T>(acc[i]);
+  } else {
+    std::vector<float> acc(static_cast<size_t>(num_rows * hidden), 0.f);
+    for (const void* p : ptrs) {  // rank order: the documented summation order
+      const T* src = static_cast<const T*>(static_cast<const Contribution*>(p)->data) + first_row * hidden;
+      for (size_t i = 0; i < acc.size(); ++i) acc[i] += to_float(src[i]);
+    }
+    for (size_t i = 0; i < acc.size(); ++i) from_float(acc[i], local[i]);
   }
-  for (size_t i = 0; i < acc.size(); ++i) from_float(acc[i], local[i]);
+}
+
+// Calls fn(T{}) with T the element type of `dtype` (validated: bf16, fp32, int32 or int64).
+template <typename Fn>
+void visit_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return fn(float{});
+    case DType::kBFloat16:
+      return fn(uint16_t{});
+    case DType::kInt32:
+      return fn(int32_t{});
+    case DType::kInt64:
+      return fn(int64_t{});
+    default:
+      detail::raise(ErrorCode::kInternal, "dp gather/scatter: unexpected dtype {}", to_string(dtype));
+  }
 }
 
 }  // namespace
@@ -89,16 +122,13 @@ void reduce_rows(const std::vector<const void*>& ptrs, int64_t first_row, int64_
 void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
                     const TensorView& global) {
   HostGroup& host_group = as_host(group);
-  const int64_t hidden = global.shape[1];
+  const int64_t hidden = detail::dp_row_elems(global);
   const Contribution mine{&plan, local.data, local.dtype, hidden};
   const auto ptrs = host_group.exchange(&mine);
   const std::string mismatch = find_mismatch(ptrs);
   if (mismatch.empty()) {
-    if (global.dtype == DType::kFloat32) {
-      gather_rows(layout, plan, ptrs, global.data_as<float>(), hidden);
-    } else {
-      gather_rows(layout, plan, ptrs, global.data_as<uint16_t>(), hidden);
-    }
+    visit_dtype(global.dtype,
+                [&](auto zero) { gather_rows(layout, plan, ptrs, static_cast<decltype(zero)*>(global.data), hidden); });
   }
   // NOTE: release before raising, so no peer waits on a rank that left; every rank sees the same
   // mismatch and raises the same error.
@@ -108,7 +138,7 @@ void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPl
 
 void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                      const TensorView& local, DpScatterKind kind) {
-  const int64_t hidden = global.shape[1];
+  const int64_t hidden = detail::dp_row_elems(global);
   const int dp_rank = layout.coords(group.rank()).attn_dp_rank;
   const int64_t count = plan.num_tokens[dp_rank];
   const size_t elem = dtype_size(local.dtype);
@@ -128,11 +158,9 @@ void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherP
   const auto ptrs = host_group.exchange(&mine);
   const std::string mismatch = find_mismatch(ptrs);
   if (mismatch.empty()) {
-    if (local.dtype == DType::kFloat32) {
-      reduce_rows(ptrs, plan.offsets[dp_rank], count, local.data_as<float>(), hidden);
-    } else {
-      reduce_rows(ptrs, plan.offsets[dp_rank], count, local.data_as<uint16_t>(), hidden);
-    }
+    visit_dtype(local.dtype, [&](auto zero) {
+      reduce_rows(ptrs, plan.offsets[dp_rank], count, static_cast<decltype(zero)*>(local.data), hidden);
+    });
   }
   host_group.release();
   EPX_CHECK_ARG(mismatch.empty(), "dp_scatter: {}", mismatch);

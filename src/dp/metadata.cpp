@@ -2,11 +2,13 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <string>
 #include <vector>
 
 #include "core/check.h"
 #include "dp/backends.h"
 #include "epx/dp.h"
+#include "host/host_group.h"
 
 namespace epx {
 
@@ -66,6 +68,44 @@ BatchMetadata unpack(const Packed& p, int dp_rank) {
   return m;
 }
 
+// Words of one published slot of the host exchange that leaves inactive ranks out: the record, then the
+// inactive-rank mask, one bit per rank.
+size_t host_slot_words(int num_ranks) { return kBatchMetadataFields + (static_cast<size_t>(num_ranks) + 63) / 64; }
+
+// The all-gather of the host backend without the inactive ranks: they are skipped (not waited for), so a
+// dead rank costs nothing; the live ones wait for each other with the group's usual bounded wait.
+// Their slots of `gathered` are left as they are. Every participant must name the same inactive ranks:
+// a mismatch raises kInvalidArgument on every rank that sees it (a rank that waits for a rank another
+// left out times out as any collective does).
+// NOTE: `slot` (host_slot_words) is owned by the sync object and rotates over 4 slots, as all_gather_bytes'
+// staging: with mismatched lists a peer this rank skips may still read it after this rank's release()
+// returned (release only waits for the ranks it does not skip).
+void host_gather_records(Group& group, const Packed& mine, const std::vector<bool>& inactive, int64_t* slot,
+                         std::vector<Packed>& gathered) {
+  auto* host_group = dynamic_cast<host::HostGroup*>(&group);
+  EPX_CHECK(ErrorCode::kInternal, host_group != nullptr, "a group with the host backend is not a HostGroup");
+  const int num_ranks = group.num_ranks();
+  const size_t words = host_slot_words(num_ranks);
+  std::copy(mine.begin(), mine.end(), slot);
+  std::fill(slot + kBatchMetadataFields, slot + words, 0);
+  for (int r = 0; r < num_ranks; ++r) {
+    if (inactive[r]) slot[kBatchMetadataFields + r / 64] |= int64_t{1} << (r % 64);
+  }
+  const auto ptrs = host_group->exchange(slot, &inactive);
+  std::string mismatch;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (inactive[r]) continue;
+    const auto* theirs = static_cast<const int64_t*>(ptrs[r]);
+    if (mismatch.empty() && !std::equal(slot + kBatchMetadataFields, slot + words, theirs + kBatchMetadataFields)) {
+      mismatch = fmt::format("rank {} named other inactive ranks than rank {}", r, group.rank());
+    }
+    std::copy(theirs, theirs + kBatchMetadataFields, gathered[r].begin());
+  }
+  // NOTE: release before raising, so no peer waits on a rank that left.
+  host_group->release(&inactive);
+  EPX_CHECK_ARG(mismatch.empty(), "BatchMetadataSync::sync: {}", mismatch);
+}
+
 }  // namespace
 
 GlobalBatchInfo reduce_batch_metadata(std::span<const BatchMetadata> records) {
@@ -111,9 +151,28 @@ BatchMetadataSync::BatchMetadataSync(Group& group, const ParallelLayout& layout)
                 group.num_ranks());
 }
 
-BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& local) {
+BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& local) { return sync(local, {}); }
+
+BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& local,
+                                        std::span<const int> inactive_ranks) {
   const BatchMetadata mine = local.value_or(BatchMetadata::idle());
   check_record(mine, "BatchMetadataSync::sync");
+  const int num_ranks = group_.num_ranks();
+  std::vector<bool> inactive(static_cast<size_t>(num_ranks), false);
+  for (const int r : inactive_ranks) {
+    EPX_CHECK_ARG(r >= 0 && r < num_ranks, "BatchMetadataSync::sync: inactive rank {} is not in [0, {})", r, num_ranks);
+    EPX_CHECK_ARG(r != group_.rank(),
+                  "BatchMetadataSync::sync: rank {} names itself inactive; an inactive rank does "
+                  "not call",
+                  r);
+    inactive[r] = true;
+  }
+  if (!inactive_ranks.empty() && group_.backend() != Backend::kHost) {
+    detail::raise(ErrorCode::kUnsupported,
+                  "BatchMetadataSync::sync: inactive ranks need a transport that can leave ranks out; the {} "
+                  "backend's all-gather (NCCL) needs every rank",
+                  to_string(group_.backend()));
+  }
   BatchSyncResult result;
   const int num_dp = layout_.attn_dp_size();
   if (num_dp == 1) {
@@ -121,21 +180,32 @@ BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& loca
     result.global = reduce_batch_metadata(std::span<const BatchMetadata>(&mine, 1));
   } else {
     const Packed packed = pack(mine);
-    std::vector<Packed> gathered(static_cast<size_t>(group_.num_ranks()));
+    std::vector<Packed> gathered(static_cast<size_t>(num_ranks));
     const auto start = std::chrono::steady_clock::now();
-#ifdef EPX_WITH_CUDA
-    if (group_.backend() == Backend::kCuda) {
-      cuda::dp_all_gather_records_cuda(group_, packed.data(), gathered.data(), sizeof(Packed));
+    if (!inactive_ranks.empty()) {
+      const size_t words = host_slot_words(num_ranks);
+      host_staging_.resize(4 * words);
+      int64_t* slot = host_staging_.data() + (host_staging_next_++ % 4) * words;
+      host_gather_records(group_, packed, inactive, slot, gathered);
     } else {
-      group_.all_gather_bytes(packed.data(), gathered.data(), sizeof(Packed));
-    }
+#ifdef EPX_WITH_CUDA
+      if (group_.backend() == Backend::kCuda) {
+        cuda::dp_all_gather_records_cuda(group_, packed.data(), gathered.data(), sizeof(Packed));
+      } else {
+        group_.all_gather_bytes(packed.data(), gathered.data(), sizeof(Packed));
+      }
 #else
-    group_.all_gather_bytes(packed.data(), gathered.data(), sizeof(Packed));
+      group_.all_gather_bytes(packed.data(), gathered.data(), sizeof(Packed));
 #endif
+    }
     result.step_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::vector<BatchMetadata> records;
     records.reserve(num_dp);
-    for (int d = 0; d < num_dp; ++d) records.push_back(unpack(gathered[layout_.dp_leader(d)], d));
+    for (int d = 0; d < num_dp; ++d) {
+      // NOTE: as SGLang, a DP rank whose leader is inactive counts as the fallback (idle) record.
+      const int leader = layout_.dp_leader(d);
+      records.push_back(inactive[leader] ? BatchMetadata::idle() : unpack(gathered[leader], d));
+    }
     result.global = reduce_batch_metadata(records);
   }
   // A PREBUILT batch runs no forward pass: like an idle rank, it joins the step with an idle batch.

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -237,9 +238,16 @@ TEST(DpGather, RejectsBadArgumentsOnEveryRank) {
       ErrorCode::kInvalidArgument, "same dtype");
   expect_code(
       [&] {
-        dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kInt32, {3, kHidden}), gv);
+        dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kUInt8, {3, kHidden}), gv);
       },
-      ErrorCode::kInvalidArgument, "local must be bf16 or fp32");
+      ErrorCode::kInvalidArgument, "local must be bf16 or fp32 or int32 or int64, got");
+  expect_code([&] { dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kFloat32, {3}), gv); },
+              ErrorCode::kInvalidArgument, "local must have 2 dims");
+  expect_code(
+      [&] {
+        dp_gather(g0, layout, plan, lv, TensorView::of(global.data(), DType::kFloat32, {5, 2, 3}));
+      },
+      ErrorCode::kInvalidArgument, "global must be [buffer_len] or [buffer_len, hidden]");
   expect_code([&] { dp_gather(g0, ParallelLayout::pure_dp(4), plan, lv, gv); }, ErrorCode::kInvalidArgument,
               "layout.world_size() 4 must equal group.num_ranks() 2");
   DpGatherPlan edited = plan;
@@ -278,6 +286,110 @@ TEST(DpGather, RejectsBadArgumentsOnEveryRank) {
     }
   });
   EXPECT_EQ(num_failed.load(), 2);
+}
+
+// Integer tensors (input ids, positions), [rows, hidden] and 1-D [rows]: values past 2^24 (int32) and 2^53
+// (int64) that a float path would round, and negatives; every element of gather and slice scatter checked.
+template <typename T>
+void check_integer_gather(int world, int attn_dp, bool one_dim, std::mt19937& rng) {
+  const auto layout = ParallelLayout::create({.world_size = world, .attn_dp_size = attn_dp});
+  auto groups = create_host_groups(world, {.timeout_ms = 20'000});
+  const DType dtype = sizeof(T) == 4 ? DType::kInt32 : DType::kInt64;
+  const int64_t hidden = one_dim ? 1 : 5;
+  T big;
+  if constexpr (sizeof(T) == 4) {
+    big = (1 << 24) + 1;
+  } else {
+    big = (int64_t{1} << 53) + 1;
+  }
+  auto value = [&](int d, int64_t i) { return static_cast<T>((i % 2 == 0 ? 1 : -1) * (big + 1000 * d + i)); };
+  for (DpPaddingMode mode : {DpPaddingMode::kMaxLen, DpPaddingMode::kSumLen}) {
+    std::vector<int64_t> counts(attn_dp);
+    for (auto& n : counts) n = rng() % 3 == 0 ? 0 : static_cast<int64_t>(1 + rng() % 20);
+    const auto plan = plan_dp_gather(counts, mode, layout.attn_tp_size());
+    auto shape = [&](int64_t rows) {
+      return one_dim ? std::vector<int64_t>{rows} : std::vector<int64_t>{rows, hidden};
+    };
+    std::atomic<int> checked{0};
+    run_host_ranks(groups, [&](int rank, Group& group) {
+      const int d = layout.coords(rank).attn_dp_rank;
+      std::vector<T> local(static_cast<size_t>((counts[d] + 2) * hidden), T{77});  // 2 padding rows
+      if (layout.is_dp_leader(rank)) {
+        for (int64_t i = 0; i < counts[d] * hidden; ++i) local[i] = value(d, i);
+      }
+      std::vector<T> global(static_cast<size_t>(std::max<int64_t>(plan.buffer_len * hidden, 1)), T{-9});
+      dp_gather(group, layout, plan, TensorView::of(local.data(), dtype, shape(counts[d] + 2)),
+                TensorView::of(global.data(), dtype, shape(plan.buffer_len)));
+      std::vector<T> want(static_cast<size_t>(plan.buffer_len * hidden), T{0});
+      for (int e = 0; e < attn_dp; ++e) {
+        for (int64_t i = 0; i < counts[e] * hidden; ++i) want[plan.offsets[e] * hidden + i] = value(e, i);
+      }
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(global[i], want[i]) << "rank " << rank << " " << to_string(mode) << " element " << i;
+      }
+      std::vector<T> back(static_cast<size_t>((counts[d] + 2) * hidden), T{55});
+      dp_scatter(group, layout, plan, TensorView::of(global.data(), dtype, shape(plan.buffer_len)),
+                 TensorView::of(back.data(), dtype, shape(counts[d] + 2)), DpScatterKind::kSlice);
+      for (int64_t i = 0; i < (counts[d] + 2) * hidden; ++i) {
+        ASSERT_EQ(back[i], i < counts[d] * hidden ? value(d, i) : T{0}) << "rank " << rank << " element " << i;
+      }
+      ++checked;
+    });
+    ASSERT_EQ(checked.load(), world);
+  }
+}
+
+TEST(DpGather, IntegerTensorsTwoAndOneDimensionalAreExact) {
+  std::mt19937 rng(13);
+  for (const Case c : {Case{4, 4}, Case{4, 2}, Case{3, 3}}) {
+    for (bool one_dim : {false, true}) {
+      check_integer_gather<int32_t>(c.world, c.attn_dp, one_dim, rng);
+      check_integer_gather<int64_t>(c.world, c.attn_dp, one_dim, rng);
+    }
+  }
+}
+
+TEST(DpScatter, ReduceScatterSumsIntegersExactly) {
+  // 4 ranks, attention TP 2 (DP rank 0 = ranks {0, 1}, DP rank 1 = {2, 3}); every rank's partial buffer
+  // holds big + rank at every element, so a row's sum is 4 * big + 6: exact in the integer's own width
+  // (fp32 would round 4 * (2^24 + 1) + 6; fp64 would round 4 * (2^53 + 1) + 6), and int32 wraps modulo 2^32
+  // as NCCL's integer sum does.
+  const auto layout = ParallelLayout::create({.world_size = 4, .attn_dp_size = 2});
+  auto groups = create_host_groups(4, {.timeout_ms = 20'000});
+  const std::vector<int64_t> counts{3, 2};
+  for (DpPaddingMode mode : {DpPaddingMode::kMaxLen, DpPaddingMode::kSumLen}) {
+    const auto plan = plan_dp_gather(counts, mode, layout.attn_tp_size());
+    run_host_ranks(groups, [&](int rank, Group& group) {
+      const int d = layout.coords(rank).attn_dp_rank;
+      const int64_t n = counts[d];
+      {
+        const int64_t big = (int64_t{1} << 53) + 1;
+        std::vector<int64_t> partial(static_cast<size_t>(plan.buffer_len), big + rank);
+        std::vector<int64_t> local(static_cast<size_t>(n + 1), -1);
+        dp_scatter(group, layout, plan, TensorView::of(partial.data(), DType::kInt64, {plan.buffer_len}),
+                   TensorView::of(local.data(), DType::kInt64, {n + 1}), DpScatterKind::kReduceScatter);
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(local[i], 4 * big + 6) << "rank " << rank << " row " << i;
+        EXPECT_EQ(local[n], 0);
+      }
+      {
+        const int32_t big = (1 << 24) + 1;
+        std::vector<int32_t> partial(static_cast<size_t>(plan.buffer_len * 2), big + rank);
+        std::vector<int32_t> local(static_cast<size_t>(n * 2), -1);
+        dp_scatter(group, layout, plan, TensorView::of(partial.data(), DType::kInt32, {plan.buffer_len, 2}),
+                   TensorView::of(local.data(), DType::kInt32, {n, 2}), DpScatterKind::kReduceScatter);
+        for (int64_t i = 0; i < n * 2; ++i) ASSERT_EQ(local[i], 4 * big + 6) << "rank " << rank << " element " << i;
+      }
+      {
+        // INT32_MAX on rank 0, 1 on every other rank: wraps to INT32_MIN + 2.
+        const int32_t v = rank == 0 ? INT32_MAX : 1;
+        std::vector<int32_t> partial(static_cast<size_t>(plan.buffer_len), v);
+        std::vector<int32_t> local(static_cast<size_t>(n), 0);
+        dp_scatter(group, layout, plan, TensorView::of(partial.data(), DType::kInt32, {plan.buffer_len}),
+                   TensorView::of(local.data(), DType::kInt32, {n}), DpScatterKind::kReduceScatter);
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(local[i], INT32_MIN + 2) << "rank " << rank << " row " << i;
+      }
+    });
+  }
 }
 
 TEST(DpStep, SyncPlanGatherMoeReduceScatter) {
@@ -627,6 +739,96 @@ TEST(BatchMetadata, WaitingTimeIsCarriedUntilABatchRuns) {
   EXPECT_GE(r0[1].step_wait_s, 0.040);
   EXPECT_DOUBLE_EQ(r0[1].wait_s, r0[0].step_wait_s + r0[1].step_wait_s);  // >= 110 ms
   EXPECT_LT(r0[2].wait_s, 0.040);
+}
+
+// Inactive (dead or absent) ranks, as SGLang's MLPSyncBatchInfo.all_gather with its active-ranks mask: the
+// DP ranks whose leader is inactive count as the fallback record, nobody waits for them, the step does not
+// fail. 6 ranks = 3 DP ranks x attention TP 2 (DP rank d = ranks {2d, 2d + 1}, leader 2d). Rank 2 (leader of
+// DP rank 1) and rank 5 (a non-leader of DP rank 2) never call; the group's timeout is 60 s, so a wait for
+// them would show as a slow test, and the test asserts each step takes under 5 s.
+TEST(BatchMetadata, InactiveRanksCountAsTheFallbackRecord) {
+  const auto layout = ParallelLayout::create({.world_size = 6, .attn_dp_size = 3});
+  auto groups = create_host_groups(6, {.timeout_ms = 60'000});
+  const std::vector<int> inactive{2, 5};
+  BatchMetadata extend;
+  extend.forward_mode = ForwardMode::kExtend;
+  extend.num_tokens = 40;
+  extend.num_tokens_for_logprob = 3;
+  extend.is_extend_in_batch = true;
+  extend.can_run_decode_graph = false;
+  extend.attention_pairs = 9;
+  BatchMetadata dp2 = extend;
+  dp2.num_tokens = 7;
+  std::atomic<int> num_checked{0};
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    if (rank == 2 || rank == 5) return;  // dead
+    BatchMetadataSync sync(group, layout);
+    const int d = layout.coords(rank).attn_dp_rank;
+    for (int step = 0; step < 3; ++step) {
+      const auto start = std::chrono::steady_clock::now();
+      std::optional<BatchMetadata> mine;
+      if (d == 0) mine = extend;
+      if (d == 1) mine = extend;  // rank 3, not the leader: ignored as ever
+      if (d == 2) mine = dp2;
+      const BatchSyncResult res = sync.sync(mine, inactive);
+      EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+      // DP rank 1 is the fallback record: 0 tokens, IDLE (left out of the mode agreement), prefill-graph veto.
+      EXPECT_EQ(res.global.num_tokens, (std::vector<int64_t>{40, 0, 7})) << "rank " << rank;
+      EXPECT_EQ(res.global.num_tokens_for_logprob, (std::vector<int64_t>{3, 0, 3}));
+      EXPECT_EQ(res.global.attention_pairs, (std::vector<int64_t>{9, 0, 9}));
+      EXPECT_EQ(res.global.forward_mode, ForwardMode::kExtend);
+      EXPECT_FALSE(res.global.can_run_prefill_graph);
+      EXPECT_FALSE(res.global.can_run_decode_graph);
+      EXPECT_TRUE(res.global.is_extend_in_batch);
+      EXPECT_TRUE(res.global.can_run_tbo);
+      EXPECT_TRUE(res.global.any_tokens);
+      EXPECT_EQ(res.run_idle_batch, !mine.has_value());
+      EXPECT_TRUE(res.runs_batch);
+      // The same step without the list would wait for ranks 2 and 5; reduce_batch_metadata over the records
+      // with DP rank 1 as idle() is the reference.
+      expect_reduced({extend, BatchMetadata::idle(), dp2}, res.global);
+    }
+    ++num_checked;
+  });
+  EXPECT_EQ(num_checked.load(), 4);
+}
+
+TEST(BatchMetadata, InactiveRanksAreCheckedAndMustAgree) {
+  const auto layout = ParallelLayout::pure_dp(4);
+  auto groups = create_host_groups(4, {.timeout_ms = 60'000});
+  BatchMetadataSync sync0(*groups[0], layout);
+  auto expect_arg = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error, expected " << needle;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  // Checked on the calling rank before any communication.
+  expect_arg([&] { sync0.sync(std::nullopt, std::vector<int>{4}); }, "inactive rank 4 is not in [0, 4)");
+  expect_arg([&] { sync0.sync(std::nullopt, std::vector<int>{-1}); }, "inactive rank -1 is not in [0, 4)");
+  expect_arg([&] { sync0.sync(std::nullopt, std::vector<int>{1, 0}); }, "rank 0 names itself inactive");
+  // Rank 3 is dead; rank 2 also leaves out rank 1 (which is alive and calls): every rank that compares the
+  // lists raises kInvalidArgument, none waits for the timeout.
+  std::atomic<int> num_failed{0};
+  const auto start = std::chrono::steady_clock::now();
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    if (rank == 3) return;
+    BatchMetadataSync sync(group, layout);
+    const std::vector<int> list = rank == 2 ? std::vector<int>{1, 3} : std::vector<int>{3};
+    try {
+      sync.sync(std::nullopt, list);
+      ADD_FAILURE() << "rank " << rank << " did not see the mismatch";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("named other inactive ranks"), std::string::npos) << e.what();
+      ++num_failed;
+    }
+  });
+  EXPECT_EQ(num_failed.load(), 3);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
 }
 
 TEST(BatchMetadata, RejectsBadRecords) {
