@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/check.h"
+#include "eplb/placement_detail.h"
 
 namespace epx::eplb {
 
@@ -43,11 +44,13 @@ StepReport RebalanceManager::step(std::span<const int64_t> physical_counts) {
       }
       const PlacementShape shape{location_.num_physical(), options_.num_groups, location_.num_nodes(),
                                  location_.num_gpus()};
+      // NOTE: only phy2log is needed: the *_unmapped forms skip log2phy, which a hot expert can make huge.
       if (options_.migration_aware && options_.policy == Policy::kDefault) {
         target_phy2log_ =
-            rebalance_migration_aware(weight, shape, *location_.phy2log_table(), options_.migration).placement.phy2log;
+            detail::rebalance_migration_aware_unmapped(weight, shape, *location_.phy2log_table(), options_.migration)
+                .placement.phy2log;
       } else {
-        target_phy2log_ = rebalance(weight, shape, options_.policy).phy2log;
+        target_phy2log_ = detail::rebalance_unmapped(weight, shape, options_.policy).placement.phy2log;
       }
       report.rebalance_computed = true;
       ++num_rebalances_;

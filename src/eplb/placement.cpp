@@ -673,56 +673,47 @@ void place_layer_default(const double* w, const Layout& lay, LayerPlacement& out
 
 }  // namespace detail
 
-Placement rebalance(const std::vector<std::vector<double>>& weight, const PlacementShape& shape, Policy policy) {
-  detail::check_weight(weight);
+namespace detail {
+
+UnmappedPlacement rebalance_unmapped(const std::vector<std::vector<double>>& weight, const PlacementShape& shape,
+                                     Policy policy) {
+  check_weight(weight);
   const int num_logical = static_cast<int>(weight[0].size());
-  const Layout lay = detail::make_layout(num_logical, shape);
+  const Layout lay = make_layout(num_logical, shape);
   const int num_layers = static_cast<int>(weight.size());
 
-  Placement out;
-  out.num_layers = num_layers;
-  out.num_logical = num_logical;
-  out.num_physical = lay.num_physical;
-  out.hierarchical = lay.hierarchical;
-  out.phy2log.assign(epx::detail::checked_mul(num_layers, lay.num_physical, "num_layers * num_physical (phy2log)"), -1);
-  out.logcnt.assign(epx::detail::checked_mul(num_layers, num_logical, "num_layers * num_logical (logcnt)"), 0);
-  std::vector<int32_t> phyrank(out.phy2log.size(), 0);
+  UnmappedPlacement out;
+  Placement& p = out.placement;
+  p.num_layers = num_layers;
+  p.num_logical = num_logical;
+  p.num_physical = lay.num_physical;
+  p.hierarchical = lay.hierarchical;
+  p.phy2log.assign(epx::detail::checked_mul(num_layers, lay.num_physical, "num_layers * num_physical (phy2log)"), -1);
+  p.logcnt.assign(epx::detail::checked_mul(num_layers, num_logical, "num_layers * num_logical (logcnt)"), 0);
+  // kDefault lists replicas in slot order (out.phyrank stays empty), kDeepSeek in creation order.
+  if (policy == Policy::kDeepSeek) out.phyrank.assign(p.phy2log.size(), 0);
 
   std::vector<int> group_node, group_rank;
   LayerPlacement layer;
   for (int l = 0; l < num_layers; ++l) {
     const double* w = weight[l].data();
     if (policy == Policy::kDefault) {
-      detail::RefineBudget budget{detail::refine_work_limit(lay)};
-      detail::place_layer_default(w, lay, layer, budget);
+      RefineBudget budget{refine_work_limit(lay)};
+      place_layer_default(w, lay, layer, budget);
     } else {
-      detail::deepseek_group_packing(w, lay, group_node, group_rank);
-      detail::place_layer(w, lay, group_node, group_rank, layer);
+      deepseek_group_packing(w, lay, group_node, group_rank);
+      place_layer(w, lay, group_node, group_rank, layer);
+      std::copy(layer.phyrank.begin(), layer.phyrank.end(),
+                out.phyrank.begin() + static_cast<int64_t>(l) * lay.num_physical);
     }
-    write_layer(layer, l, num_logical, lay.num_physical, out);
-    std::copy(layer.phyrank.begin(), layer.phyrank.end(), phyrank.begin() + static_cast<int64_t>(l) * lay.num_physical);
+    write_layer(layer, l, num_logical, lay.num_physical, p);
   }
-
-  if (policy == Policy::kDefault) {
-    Placement derived = placement_from_phy2log(out.phy2log, num_layers, num_logical, lay.num_physical);
-    derived.hierarchical = lay.hierarchical;
-    return derived;
-  }
-  out.max_replicas = *std::max_element(out.logcnt.begin(), out.logcnt.end());
-  out.log2phy.assign(epx::detail::checked_mul(static_cast<int64_t>(out.logcnt.size()), out.max_replicas,
-                                              "num_layers * num_logical * max_replicas (log2phy)"),
-                     -1);
-  for (int l = 0; l < num_layers; ++l) {
-    for (int s = 0; s < lay.num_physical; ++s) {
-      const int64_t i = static_cast<int64_t>(l) * lay.num_physical + s;
-      out.log2phy[(static_cast<int64_t>(l) * num_logical + out.phy2log[i]) * out.max_replicas + phyrank[i]] = s;
-    }
-  }
+  p.max_replicas = *std::max_element(p.logcnt.begin(), p.logcnt.end());
   return out;
 }
 
-Placement placement_from_phy2log(const std::vector<int32_t>& phy2log, int num_layers, int num_logical,
-                                 int num_physical) {
+Placement placement_from_phy2log_unmapped(const std::vector<int32_t>& phy2log, int num_layers, int num_logical,
+                                          int num_physical) {
   EPX_CHECK_ARG(num_layers >= 1 && num_logical >= 1 && num_physical >= 1,
                 "num_layers, num_logical and num_physical must be >= 1, got {}, {}, {}", num_layers, num_logical,
                 num_physical);
@@ -747,17 +738,38 @@ Placement placement_from_phy2log(const std::vector<int32_t>& phy2log, int num_la
     }
   }
   out.max_replicas = *std::max_element(out.logcnt.begin(), out.logcnt.end());
-  out.log2phy.assign(epx::detail::checked_mul(static_cast<int64_t>(out.logcnt.size()), out.max_replicas,
-                                              "num_layers * num_logical * max_replicas (log2phy)"),
-                     -1);
-  std::vector<int32_t> filled(num_logical);
-  for (int l = 0; l < num_layers; ++l) {
+  return out;
+}
+
+void build_log2phy(Placement& p, const std::vector<int32_t>& phyrank) {
+  const int num_logical = p.num_logical, num_physical = p.num_physical;
+  p.log2phy.assign(epx::detail::checked_mul(static_cast<int64_t>(p.logcnt.size()), p.max_replicas,
+                                            "num_layers * num_logical * max_replicas (log2phy)"),
+                   -1);
+  std::vector<int32_t> filled(phyrank.empty() ? num_logical : 0);
+  for (int l = 0; l < p.num_layers; ++l) {
     std::fill(filled.begin(), filled.end(), 0);
     for (int s = 0; s < num_physical; ++s) {
-      const int32_t e = phy2log[static_cast<int64_t>(l) * num_physical + s];
-      out.log2phy[(static_cast<int64_t>(l) * num_logical + e) * out.max_replicas + filled[e]++] = s;
+      const int64_t i = static_cast<int64_t>(l) * num_physical + s;
+      const int32_t e = p.phy2log[i];
+      const int32_t rank = phyrank.empty() ? filled[e]++ : phyrank[i];
+      p.log2phy[(static_cast<int64_t>(l) * num_logical + e) * p.max_replicas + rank] = s;
     }
   }
+}
+
+}  // namespace detail
+
+Placement rebalance(const std::vector<std::vector<double>>& weight, const PlacementShape& shape, Policy policy) {
+  detail::UnmappedPlacement out = detail::rebalance_unmapped(weight, shape, policy);
+  detail::build_log2phy(out.placement, out.phyrank);
+  return std::move(out.placement);
+}
+
+Placement placement_from_phy2log(const std::vector<int32_t>& phy2log, int num_layers, int num_logical,
+                                 int num_physical) {
+  Placement out = detail::placement_from_phy2log_unmapped(phy2log, num_layers, num_logical, num_physical);
+  detail::build_log2phy(out);
   return out;
 }
 
@@ -768,7 +780,7 @@ std::vector<double> balancedness_per_layer(const std::vector<std::vector<double>
   const int num_logical = static_cast<int>(weight[0].size());
   EPX_CHECK_ARG(num_gpus >= 1 && num_physical >= 1 && num_physical % num_gpus == 0,
                 "num_physical ({}) must be a positive multiple of num_gpus ({})", num_physical, num_gpus);
-  const Placement p = placement_from_phy2log(phy2log, num_layers, num_logical, num_physical);
+  const Placement p = detail::placement_from_phy2log_unmapped(phy2log, num_layers, num_logical, num_physical);
   std::vector<double> out(num_layers);
   for (int l = 0; l < num_layers; ++l) {
     out[l] =

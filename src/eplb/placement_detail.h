@@ -61,6 +61,54 @@ int64_t refine_work_limit(const Layout& lay);
 // `budget`; never less balanced than kDeepSeek's. budget.used says how much work it took.
 void place_layer_default(const double* w, const Layout& lay, LayerPlacement& out, RefineBudget& budget);
 
+// ---- log2phy, built last -----------------------------------------------------------------------------
+// log2phy is [num_layers * num_logical * max_replicas]: far more entries than slots when one expert holds many
+// of them (a hot expert on ~2^20 slots among 8192 experts: 2^33 entries, 32 GiB). rebalance(),
+// rebalance_migration_aware() and placement_from_phy2log() are the *_unmapped step plus build_log2phy; the
+// epx CLI calls the two apart to check that size first, and callers that need only phy2log (the rebalance
+// manager, the balancedness of a given phy2log) never build it.
+
+// The placement without log2phy (left empty; max_replicas set) and the order log2phy lists each expert's slots
+// in: phyrank[s] = slot s's rank among its expert's replicas, [num_layers * num_physical]; empty = slot order.
+struct UnmappedPlacement {
+  Placement placement;
+  std::vector<int32_t> phyrank;
+};
+UnmappedPlacement rebalance_unmapped(const std::vector<std::vector<double>>& weight, const PlacementShape& shape,
+                                     Policy policy);
+// rebalance_migration_aware without result.placement.log2phy (slot order).
+MigrationResult rebalance_migration_aware_unmapped(const std::vector<std::vector<double>>& weight,
+                                                   const PlacementShape& shape,
+                                                   const std::vector<int32_t>& current_phy2log,
+                                                   const MigrationOptions& options);
+// placement_from_phy2log's checks, logcnt and max_replicas; no log2phy (slot order).
+Placement placement_from_phy2log_unmapped(const std::vector<int32_t>& phy2log, int num_layers, int num_logical,
+                                          int num_physical);
+// Fills placement.log2phy in `phyrank` order (empty: slot order). Throws Error(kInvalidArgument) if its entry
+// count overflows int64.
+void build_log2phy(Placement& placement, const std::vector<int32_t>& phyrank = {});
+
+// ---- migration-aware search ---------------------------------------------------------------------------
+// Work bound of the migration-aware search of one layer, in units of about one slot visited or one pair of
+// slots compared: renaming the fresh layer's nodes and GPUs (overlap matrices and a greedy matching, skipped
+// where they do not fit: the renaming is free either way), adopting the fresh layer GPU by GPU (each trial
+// costs a layer's slots, experts and GPUs), and the local search (each step costs ~2 x (slots per GPU + 3) x
+// (slots + GPUs)). The search stops at the first step that does not fit; the layer is then the best found that
+// stays within max_balance_loss, else the renamed fresh layer, which always does.
+// kRefineUnitsPerItem * n * ceil(log2(n)) + kMigrationUnitsFloor with n = num_physical + num_logical. A unit takes
+// ~0.6-4 ns (more where the layer outgrows the caches): at most ~0.2-1.2 s per layer at any shape the CLI accepts,
+// on top of the fresh placement. The floor is 32x the default policy's because the local search is cubic: from a
+// shuffled or an older placement, DeepSeek-V3's shape (256 experts on 288 slots of 32 GPUs) takes up to ~7e6 units
+// and 256 experts on 512 or 576 slots of 4 or 8 GPUs up to ~2e8, so there the result is the unbounded search's;
+// 256 experts on 1024 slots of 8 GPUs took up to 1.1e9 and is bounded.
+inline constexpr int64_t kMigrationUnitsFloor = int64_t{1} << 28;
+int64_t migration_work_limit(const Layout& lay);
+// One layer of rebalance_migration_aware: from the current layer `cur` and the fresh layer `fresh` (both
+// [num_physical]), writes the result to `out` [num_physical] within `budget`. `num_nodes` is the shape's (the
+// local search keeps replicas inside them even when the layout is global).
+void migrate_layer(const double* w, const Layout& lay, int num_nodes, const int32_t* fresh, const int32_t* cur,
+                   double max_balance_loss, RefineBudget& budget, int32_t* out);
+
 void gpu_loads(const double* w, const int32_t* phy2log, const int32_t* logcnt, int num_physical, int slots_per_gpu,
                std::vector<double>& loads);
 double max_gpu_load(const double* w, const int32_t* phy2log, const int32_t* logcnt, int num_physical,

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -415,6 +416,120 @@ TEST(EplbPlacement, WorkBoundDoesNotBindOnRealisticShapes) {
       EXPECT_EQ(bounded.phy2log, unbounded.phy2log);
     }
   }
+}
+
+// ---- the migration-aware search's work bound (issue 13) ---------------------------------------------
+// Its GPU matching was cubic in GPUs per node, its slot matching quadratic in slots per GPU, its GPU-by-GPU
+// adoption ~GPUs^2 x slots and its local search ~slots^2 x slots per GPU: `epx eplb plan --current` on 4096
+// experts over 8192 slots of 8 GPUs did not finish in 100 s (docs/perf-notes.md, "EPLB placement time").
+
+// A current placement unlike any fresh one: the trivial placement shuffled, every layer.
+std::vector<int32_t> shuffled_placement(int num_layers, int num_logical, int num_physical, uint64_t seed) {
+  std::vector<int32_t> out = trivial_phy2log(num_layers, num_logical, num_physical);
+  std::mt19937_64 rng(seed);
+  for (int l = 0; l < num_layers; ++l) {
+    std::shuffle(out.begin() + static_cast<int64_t>(l) * num_physical,
+                 out.begin() + static_cast<int64_t>(l + 1) * num_physical, rng);
+  }
+  return out;
+}
+
+TEST(EplbPlacement, MigrationAwareOnLargeShapesIsBounded) {
+  struct Case {
+    int E;
+    PlacementShape s;
+  };
+  // Before: > 100 s, 45 s, > 100 s and > 100 s of `epx eplb plan --current` (CPU, RelWithDebInfo).
+  const Case cases[] = {
+      {4096, {8192, 1, 1, 8}}, {8192, {16384, 1, 1, 64}}, {8192, {16384, 1, 1, 8192}}, {16384, {32768, 64, 8, 64}}};
+  const auto start = std::chrono::steady_clock::now();
+  for (const auto& c : cases) {
+    const Weights w = zipf_loads(1, c.E, 0.6, 1e6, 29);
+    const auto current = shuffled_placement(1, c.E, c.s.num_physical, 31);
+    const double loss = 0.01;
+    const MigrationResult r = rebalance_migration_aware(w, c.s, current, {loss});
+    // Valid (every expert present, log2phy consistent) and within the loss bound of the fresh placement.
+    const Placement again = placement_from_phy2log(r.placement.phy2log, 1, c.E, c.s.num_physical);
+    EXPECT_EQ(r.placement.logcnt, again.logcnt) << "E=" << c.E;
+    EXPECT_EQ(r.placement.log2phy, again.log2phy) << "E=" << c.E;
+    EXPECT_GE(balancedness(w, r.placement.phy2log, c.s.num_physical, c.s.num_gpus), r.fresh_balancedness - loss - 1e-12)
+        << "E=" << c.E;
+    EXPECT_LE(r.moved_experts, r.fresh_moved_experts) << "E=" << c.E;
+  }
+  // Loose (~1 s in a release build, a few under ASan); before, each case took a minute or more.
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
+}
+
+TEST(EplbPlacement, MigrationSearchStaysWithinItsWorkBound) {
+  // With budgets from none to ample, the layer is valid and within the loss bound of the fresh layer (the
+  // renamed fresh layer is the fallback), and the search never spends more than it was given.
+  const int E = 2048;
+  const PlacementShape shape{4096, 16, 4, 32};
+  const detail::Layout lay = detail::make_layout(E, shape);
+  // The documented limit: n * ceil(log2 n) + 2^28 units, n = slots + experts (6144: 13 bits).
+  EXPECT_EQ(detail::migration_work_limit(lay), int64_t{6144} * 13 + (int64_t{1} << 28));
+  const Weights w = zipf_loads(1, E, 1.0, 1e6, 37);
+  const auto current = shuffled_placement(1, E, shape.num_physical, 41);
+  const auto fresh = rebalance(w, shape).phy2log;
+  const double fresh_bal = balancedness(w, fresh, shape.num_physical, shape.num_gpus);
+  for (const int64_t limit : {int64_t{0}, int64_t{1} << 12, int64_t{1} << 16, int64_t{1} << 20, int64_t{1} << 24}) {
+    detail::RefineBudget budget{limit};
+    std::vector<int32_t> out(shape.num_physical, -1);
+    detail::migrate_layer(w[0].data(), lay, shape.num_nodes, fresh.data(), current.data(), 0.01, budget, out.data());
+    EXPECT_LE(budget.used, budget.limit);
+    const Placement p = placement_from_phy2log(out, 1, E, shape.num_physical);  // throws if an expert is missing
+    EXPECT_GE(balancedness(w, p.phy2log, shape.num_physical, shape.num_gpus), fresh_bal - 0.01 - 1e-12)
+        << "limit " << limit;
+  }
+}
+
+TEST(EplbPlacement, MigrationWorkBoundDoesNotBindOnRealisticShapes) {
+  // The bound leaves these exactly as the unbounded search places them: the shapes of the default policy's
+  // test, each from the trivial placement, a shuffled one and a fresh placement of other loads.
+  const PlacementShape shapes[] = {{288, 8, 4, 32}, {320, 8, 8, 64}, {288, 8, 1, 8}, {512, 8, 1, 4}};
+  for (const auto& shape : shapes) {
+    const detail::Layout lay = detail::make_layout(256, shape);
+    const std::vector<int32_t> currents[] = {trivial_phy2log(1, 256, shape.num_physical),
+                                             shuffled_placement(1, 256, shape.num_physical, 43),
+                                             rebalance(zipf_loads(1, 256, 1.0, 32768, 47), shape).phy2log};
+    for (double exponent : {0.6, 1.0, 1.5}) {
+      const Weights w = zipf_loads(1, 256, exponent, 32768, 23);
+      const auto fresh = rebalance(w, shape).phy2log;
+      for (const auto& current : currents) {
+        std::vector<int32_t> bounded(shape.num_physical), unbounded(shape.num_physical);
+        detail::RefineBudget budget{detail::migration_work_limit(lay)}, unlimited{std::numeric_limits<int64_t>::max()};
+        detail::migrate_layer(w[0].data(), lay, shape.num_nodes, fresh.data(), current.data(), 0.01, budget,
+                              bounded.data());
+        detail::migrate_layer(w[0].data(), lay, shape.num_nodes, fresh.data(), current.data(), 0.01, unlimited,
+                              unbounded.data());
+        EXPECT_LT(unlimited.used, budget.limit) << shape.num_physical << " slots, exponent " << exponent;
+        EXPECT_EQ(bounded, unbounded);
+      }
+    }
+  }
+}
+
+// ---- log2phy is built only where it is returned (issue 13) --------------------------------------------
+TEST(EplbPlacement, BalancednessOfAHotPlacementBuildsNoLog2phy) {
+  // One expert on 2^20 - 2^17 + 1 of 2^20 slots: its log2phy would be 2^17 x 917505 int32 (448 GiB). Before, the
+  // balancedness and the migration-aware validation of such a placement built it (std::bad_alloc).
+  const int E = 1 << 17, P = 1 << 20;
+  std::vector<int32_t> hot(P, 0);
+  std::iota(hot.begin(), hot.begin() + E, 0);
+  const Weights w(1, std::vector<double>(E, 1.0));
+  EXPECT_DOUBLE_EQ(balancedness(w, hot, P, 1), 1.0);
+  // Two GPUs: the first holds experts 1..E-1 and P/2 - E + 1 replicas of expert 0, the second P/2 of them.
+  const double per_replica = 1.0 / (P - E + 1);
+  const double gpu0 = (E - 1) + (P / 2 - E + 1) * per_replica, gpu1 = (P / 2) * per_replica;
+  EXPECT_NEAR(balancedness(w, hot, P, 2), (gpu0 + gpu1) / 2 / gpu0, 1e-12);
+  const Placement p = detail::placement_from_phy2log_unmapped(hot, 1, E, P);
+  EXPECT_EQ(p.max_replicas, P - E + 1);
+  EXPECT_TRUE(p.log2phy.empty());
+  // On one GPU the hot placement is already balanced: the migration-aware result keeps it.
+  const MigrationResult r = detail::rebalance_migration_aware_unmapped(w, {P, 1, 1, 1}, hot, {0.01});
+  EXPECT_EQ(r.moved_experts, 0);
+  EXPECT_EQ(r.placement.max_replicas, P - E + 1);
+  EXPECT_TRUE(r.placement.log2phy.empty());
 }
 
 void expect_error(const std::function<void()>& fn, const std::string& needle) {
