@@ -1,17 +1,17 @@
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <new>
-#include <sstream>
 
 #include "command.h"
 #include "epx/error.h"
@@ -149,23 +149,77 @@ void check_fits_in_memory(double bytes, const std::string& what) {
   }
 }
 
+namespace {
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// Closes the descriptor on every path out of read_input_file.
+struct Fd {
+  int fd;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
 std::string read_input_file(const std::string& path, const std::string& option, double bytes_per_byte) {
+  const std::string bound = format_bytes(static_cast<double>(kMaxInputFileBytes));
+  auto cannot_read = [&] {
+    return BadInput(fmt::format("cannot read {} file '{}': {}", option, path, std::strerror(errno)));
+  };
+  auto not_regular = [&](mode_t mode) {
+    return BadInput(fmt::format("{} '{}' is {}, not a regular file (input files are regular files of at most {})",
+                                option, path, file_kind(mode), bound));
+  };
+  auto parsing = [&](const std::string& size) {
+    return fmt::format("parsing {} '{}' ({}, up to {:g} bytes in memory per byte of text)", option, path, size,
+                       bytes_per_byte);
+  };
+  // NOTE: stat before open, since opening a FIFO blocks until a writer appears; the open does not block either,
+  // and fstat checks the file actually opened, in case the path changed in between.
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    throw BadInput(fmt::format("cannot read {} file '{}': {}", option, path, std::strerror(errno)));
-  }
+  if (::stat(path.c_str(), &st) != 0) throw cannot_read();
   if (S_ISDIR(st.st_mode)) throw BadInput(fmt::format("{} '{}' is a directory, not a file", option, path));
-  if (S_ISREG(st.st_mode)) {
-    check_fits_in_memory(static_cast<double>(st.st_size) * bytes_per_byte,
-                         fmt::format("parsing {} '{}' ({}, up to {:g} bytes in memory per byte of text)", option, path,
-                                     format_bytes(static_cast<double>(st.st_size)), bytes_per_byte));
+  if (!S_ISREG(st.st_mode)) throw not_regular(st.st_mode);
+  const Fd file{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
+  if (file.fd < 0 || ::fstat(file.fd, &st) != 0) throw cannot_read();
+  if (!S_ISREG(st.st_mode)) throw not_regular(st.st_mode);
+  if (st.st_size > kMaxInputFileBytes) {
+    throw BadInput(fmt::format("{} '{}' holds {}, more than the {} an input file may hold", option, path,
+                               format_bytes(static_cast<double>(st.st_size)), bound));
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw BadInput(fmt::format("cannot read {} file '{}'", option, path));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  if (in.bad()) throw BadInput(fmt::format("cannot read {} file '{}': read error", option, path));
-  return buf.str();
+  check_fits_in_memory(static_cast<double>(st.st_size) * bytes_per_byte,
+                       parsing(format_bytes(static_cast<double>(st.st_size))));
+  // NOTE: st_size is only a hint (procfs files report 0 and some are endless; a file can grow while it is read),
+  // so the read itself stops past the bound, or past what memory allows where that is lower, by less than a
+  // chunk. Whole chunks: some procfs files reject reads of sizes they do not expect.
+  const double memory_limit = physical_memory_bytes() / std::max(bytes_per_byte, 1.0);
+  const int64_t limit = std::min(kMaxInputFileBytes, static_cast<int64_t>(std::min(memory_limit, 0x1p62)));
+  std::string text;
+  text.reserve(static_cast<size_t>(st.st_size));
+  char chunk[1 << 16];
+  while (static_cast<int64_t>(text.size()) <= limit) {
+    const ssize_t got = ::read(file.fd, chunk, sizeof(chunk));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) throw cannot_read();
+    if (got == 0) return text;
+    text.append(chunk, static_cast<size_t>(got));
+  }
+  if (limit == kMaxInputFileBytes) {
+    throw BadInput(fmt::format("{} '{}' holds more than the {} an input file may hold (the read stopped there)", option,
+                               path, bound));
+  }
+  const std::string read_bytes = "more than " + format_bytes(static_cast<double>(limit));
+  check_fits_in_memory(static_cast<double>(text.size()) * bytes_per_byte, parsing(read_bytes));
+  throw BadInput(parsing(read_bytes) + " does not fit in this machine's memory");  // rounding passed the check
 }
 
 namespace {

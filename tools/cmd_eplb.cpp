@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "command.h"
+#include "eplb/placement_detail.h"
 #include "eplb_input.h"
 #include "epx/eplb/expert_location.h"
 #include "epx/eplb/manager.h"
@@ -66,6 +67,19 @@ nlohmann::json rows_of(const std::vector<int32_t>& flat, int num_rows) {
   return out;
 }
 
+// log2phy is [layers, logical experts, max replicas]: one hot expert on most of 2^20 slots makes it hundreds of GB
+// while phy2log stays small. Its size is known only once the placement is, so it is checked then, before it is
+// built. NOTE: a lower bound per entry: the table (4 bytes) and its JSON node (16).
+void check_log2phy_fits(const Placement& p) {
+  const auto hottest = std::max_element(p.logcnt.begin(), p.logcnt.end()) - p.logcnt.begin();
+  check_fits_in_memory(
+      static_cast<double>(p.num_layers) * p.num_logical * p.max_replicas * 20,
+      fmt::format("plan: log2phy, {} layers (rows of --weights) x {} logical experts (columns) x {} replicas (the "
+                  "placement gives expert {} of layer {} that many of the --replicas {} slots) x 20 bytes",
+                  p.num_layers, p.num_logical, p.max_replicas, hottest % p.num_logical, hottest / p.num_logical,
+                  p.num_physical));
+}
+
 struct PlanArgs {
   std::string weights, current, policy = "default";
   int replicas = 0, groups = 1, nodes = 1, gpus = 1;
@@ -98,16 +112,21 @@ void run_plan(const PlanArgs& a) {
         parse_current(read_input_file(a.current, "--current", kParseBytesPerByte), num_layers, num_logical, a.replicas);
   }
   if (validate_only()) return;
+  std::vector<int32_t> phyrank;  // the order of each expert's replicas in log2phy (empty: slot order)
   if (!current.empty() && policy == Policy::kDefault && !a.fresh) {
-    MigrationResult r = rebalance_migration_aware(weight, shape, current, {a.max_balance_loss});
+    MigrationResult r = eplb::detail::rebalance_migration_aware_unmapped(weight, shape, current, {a.max_balance_loss});
     placement = std::move(r.placement);
     out["mode"] = "migration_aware";
     out["fresh_moved_experts"] = r.fresh_moved_experts;
     out["fresh_balancedness"] = r.fresh_balancedness;
   } else {
-    placement = rebalance(weight, shape, policy);
+    eplb::detail::UnmappedPlacement u = eplb::detail::rebalance_unmapped(weight, shape, policy);
+    placement = std::move(u.placement);
+    phyrank = std::move(u.phyrank);
     out["mode"] = "fresh";
   }
+  check_log2phy_fits(placement);
+  eplb::detail::build_log2phy(placement, phyrank);
   out["policy"] = to_string(policy);
   out["hierarchical"] = placement.hierarchical;
   out["phy2log"] = rows_of(placement.phy2log, num_layers);
@@ -176,8 +195,8 @@ void plot_with_python(const nlohmann::json& result, const std::string& png) {
   const std::string json_path = png + ".json";
   std::ofstream(json_path) << result.dump();
   const char* python = std::getenv("EPX_PYTHON");
-  const std::string command =
-      std::string(python != nullptr ? python : "python3") + " -m epx.plot " + shell_quote(json_path) + " " + shell_quote(png);
+  const std::string command = std::string(python != nullptr ? python : "python3") + " -m epx.plot " +
+                              shell_quote(json_path) + " " + shell_quote(png);
   const int rc = std::system(command.c_str());
   std::remove(json_path.c_str());
   if (rc != 0) {
@@ -292,7 +311,8 @@ void add_eplb(CLI::App& app) {
   auto* plan = eplb->add_subcommand("plan", "Compute an expert placement from a load file; prints JSON");
   plan->add_option("--weights", plan_args->weights,
                    "JSON {\"weights\": [[...], ...]} or CSV (plain decimal numbers), layers x logical; loads finite, "
-                   ">= 0, each row's sum finite")
+                   ">= 0, each row's sum finite; a regular file of at most " +
+                       format_bytes(kMaxInputFileBytes))
       ->required();
   plan->add_option("--replicas", plan_args->replicas,
                    "Physical experts per layer (>= the logical experts, a multiple of --gpus)")
@@ -305,8 +325,11 @@ void add_eplb(CLI::App& app) {
       ->capture_default_str()
       ->check(one_of({"deepseek", "default"}));
   plan->add_option("--current", plan_args->current,
-                   "Current placement JSON ({\"phy2log\": [[...]]}, every logical expert in each row); reports "
-                   "moved_experts, and with the default policy keeps experts in place unless moving buys balance");
+                   "Current placement JSON ({\"phy2log\": [[...]]}, every logical expert in each row; a regular file "
+                   "of at most " +
+                       format_bytes(kMaxInputFileBytes) +
+                       "); reports moved_experts, and with the default policy keeps experts in place unless moving "
+                       "buys balance");
   plan->add_option("--max-balance-loss", plan_args->max_balance_loss,
                    "Migration-aware: allowed balancedness loss vs a fresh placement")
       ->capture_default_str()

@@ -51,7 +51,8 @@ int run(int argc, const char* const* argv);
 // Validate-only mode, for tests/fuzz/cli_fuzz.cpp: a command makes every check it makes on a real run
 // (flags, input files, sizes against memory), then returns before its work (placement, simulation,
 // benchmark) and before writing any file or starting a process. Commands whose whole work is a cheap
-// computation printed on stdout (dp, tbo, doctor) run in full. Off unless set.
+// computation printed on stdout (dp, tbo, doctor) run in full. Checks of the work's own result come after it
+// and are skipped (`eplb plan`'s log2phy size, known once the placement is). Off unless set.
 void set_validate_only(bool on);
 bool validate_only();
 
@@ -80,8 +81,15 @@ std::string format_bytes(double bytes);
 // physical memory. `what` names the product, e.g. "--tokens 1048576 x --hidden 65536 x 5 bytes x 4 ranks".
 void check_fits_in_memory(double bytes, const std::string& what);
 
-// The contents of a regular file given to `option` (a directory, a missing file, a read error, or a
-// file too large to parse in memory (`bytes_per_byte` x its size) is BadInput naming option and path).
+// The most bytes read_input_file reads from one file: above any load or placement file the EPLB flags accept in
+// practice (2^20 experts x 61 layers as CSV of 8-character cells is 0.5 GiB). Parsing takes up to ~16 bytes per
+// byte, checked against memory separately.
+inline constexpr int64_t kMaxInputFileBytes = int64_t{1} << 30;
+
+// The contents of the regular file given to `option`. BadInput naming option, path and the bound for: a missing
+// or unreadable file, a directory, anything not a regular file (a FIFO, /dev/zero, a socket: rejected before it
+// is read, never waited on), more than kMaxInputFileBytes, or more than physical memory / `bytes_per_byte` (the
+// parsed form's size). The read stops within 64 KiB past the bound whatever st_size says (procfs files report 0).
 std::string read_input_file(const std::string& path, const std::string& option, double bytes_per_byte);
 
 }  // namespace epx::cli

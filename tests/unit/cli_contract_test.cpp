@@ -1,12 +1,19 @@
 // The epx CLI's contract (tools/command.h), through the built CLI (EPX_CLI_PATH): every bad invocation
 // exits 2 with exactly one stderr line `epx: ...` naming the flag and its bound, sizes whose product cannot
 // fit in memory are rejected at once, and --help tells the truth about the bounds.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "test_util.h"
 
@@ -30,10 +37,14 @@ void expect_rejected(const std::string& args, const std::string& needle) {
   }
 }
 
-std::string temp_file(const std::string& name, const std::string& text) {
+std::filesystem::path temp_dir() {
   const auto dir = std::filesystem::temp_directory_path() / ("epx_cli_contract_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
-  const auto p = dir / name;
+  return dir;
+}
+
+std::string temp_file(const std::string& name, const std::string& text) {
+  const auto p = temp_dir() / name;
   std::ofstream(p) << text;
   return p.string();
 }
@@ -116,6 +127,82 @@ TEST(CliContract, EplbSimulateFlagsCheckedBeforeTheRun) {
   expect_rejected("eplb simulate --gpus 6 --replicas 288", "--gpus 6 must be divisible by --nodes 4");
 }
 
+TEST(CliContract, EplbInputFilesAreRegularAndBounded) {
+  // Before: /dev/zero was read until memory ran out, a FIFO blocked the open until a writer came, and a procfs
+  // file (st_size 0, endless) was read whole. Now anything but a regular file is rejected before it is opened, a
+  // regular file above 1 GiB before it is read, and the read stops at the bound whatever st_size says.
+  const std::string shape = " --replicas 4 --groups 1 --nodes 1 --gpus 1";
+  const std::string ok = temp_file("ok.csv", "1,2,3,4\n");
+  expect_rejected("eplb plan --weights /dev/zero" + shape,
+                  "--weights '/dev/zero' is a character device, not a regular file (input files are regular files of "
+                  "at most 1 GiB)");
+  expect_rejected("eplb plan --weights " + ok + " --current /dev/zero" + shape,
+                  "--current '/dev/zero' is a character device, not a regular file");
+
+  // A FIFO: before the fix the CLI blocked in open() until a writer came; this writer lets such a CLI go on (to
+  // an empty file, a different message) instead of hanging the test.
+  const auto fifo = temp_dir() / "fifo";
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  std::atomic<bool> done{false};
+  std::thread writer([&] {
+    while (!done) {
+      const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // fails (ENXIO) while no reader waits
+      if (fd >= 0) ::close(fd);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  expect_rejected("eplb plan --weights " + fifo.string() + shape,
+                  "--weights '" + fifo.string() + "' is a FIFO (named pipe), not a regular file");
+  done = true;
+  writer.join();
+
+  // A sparse 2 GiB file: rejected by its size before a byte is read.
+  const std::string big = temp_file("big.csv", "");
+  std::filesystem::resize_file(big, int64_t{2} << 30);
+  expect_rejected("eplb plan --weights " + big + shape,
+                  "--weights '" + big + "' holds 2 GiB, more than the 1 GiB an input file may hold");
+  std::filesystem::remove(big);
+
+  // A regular file whose st_size (0) says nothing: /proc/self/pagemap yields 8 bytes per page of the address
+  // space, hundreds of GB. The read stops at the bound (or where memory / 16 is lower, on a small machine).
+  if (::access("/proc/self/pagemap", R_OK) != 0) GTEST_SKIP() << "/proc/self/pagemap is not readable here";
+  const auto r = run_cli("eplb plan --weights /proc/self/pagemap" + shape);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_TRUE(r.err.rfind("epx: --weights '/proc/self/pagemap' holds more than the 1 GiB an input file may hold", 0) ==
+                  0 ||
+              r.err.rfind("epx: parsing --weights '/proc/self/pagemap' (more than ", 0) == 0)
+      << r.err;
+}
+
+TEST(CliContract, EplbLog2phyCheckedBeforeItIsBuilt) {
+  // log2phy is [layers, experts, max replicas]: one hot expert among 2^19 takes 2^19 + 1 of 2^20 slots, and the
+  // table would need 2^38 entries (1 TiB as int32; before: std::bad_alloc, exit 1, or the OOM killer where the
+  // product fits in address space but not in memory). The check comes once the placement is known.
+  std::string hot = "1000000";
+  for (int e = 1; e < (1 << 19); ++e) hot += ",1";
+  const std::string file = temp_file("hot.csv", hot + "\n");
+  for (const char* policy : {"default", "deepseek"}) {
+    expect_rejected(
+        "eplb plan --weights " + file + " --replicas 1048576 --groups 1 --nodes 1 --gpus 1 --policy " + policy,
+        "plan: log2phy, 1 layers (rows of --weights) x 524288 logical experts (columns) x 524289 replicas "
+        "(the placement gives expert 0 of layer 0 that many of the --replicas 1048576 slots) x 20 bytes "
+        "needs at least 5 TiB");
+  }
+  // The same from --current: the placement validated and scored without building the current one's log2phy
+  // (before: std::bad_alloc there), kept on one GPU (already balanced), then rejected by its log2phy.
+  std::string uniform = "1", current = "[0";
+  for (int e = 1; e < (1 << 17); ++e) uniform += ",1", current += "," + std::to_string(e);
+  for (int s = 1 << 17; s < (1 << 20); ++s) current += ",0";
+  const std::string weights = temp_file("uniform.csv", uniform + "\n");
+  const std::string placement = temp_file("hot.json", "{\"phy2log\": [" + current + "]]}");
+  expect_rejected("eplb plan --weights " + weights + " --current " + placement +
+                      " --replicas 1048576 --groups 1 --nodes 1 --gpus 1",
+                  "plan: log2phy, 1 layers (rows of --weights) x 131072 logical experts (columns) x 917505 replicas "
+                  "(the placement gives expert 0 of layer 0");
+}
+
 TEST(CliContract, TboDecodeAndExtendShareOneBound) {
   // Before: --decode had no upper bound (2^62 was accepted) while --extend stopped at 2^40 with the library's
   // name (extend_lens[0]).
@@ -157,6 +244,7 @@ TEST(CliContract, HelpTellsTheBounds) {
   r = run_cli("eplb plan --help");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("each row's sum finite"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("a regular file of at most 1 GiB"), std::string::npos) << r.out;
   r = run_cli("tbo split --help");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("N in [0, 2^40]"), std::string::npos) << r.out;
