@@ -2,6 +2,7 @@
 // exits 2 with exactly one stderr line `epx: ...` naming the flag and its bound, sizes whose product cannot
 // fit in memory are rejected at once, and --help tells the truth about the bounds.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -193,7 +194,10 @@ TEST(CliContract, EplbLog2phyCheckedBeforeItIsBuilt) {
   // The same from --current: the placement validated and scored without building the current one's log2phy
   // (before: std::bad_alloc there), kept on one GPU (already balanced), then rejected by its log2phy.
   std::string uniform = "1", current = "[0";
-  for (int e = 1; e < (1 << 17); ++e) uniform += ",1", current += "," + std::to_string(e);
+  for (int e = 1; e < (1 << 17); ++e) {
+    uniform += ",1";
+    current += fmt::format(",{}", e);  // NOTE: not "," + std::to_string(e): GCC 12 -O3 warns -Wrestrict on it
+  }
   for (int s = 1 << 17; s < (1 << 20); ++s) current += ",0";
   const std::string weights = temp_file("uniform.csv", uniform + "\n");
   const std::string placement = temp_file("hot.json", "{\"phy2log\": [" + current + "]]}");

@@ -1,5 +1,6 @@
 // The TBO stage executor: stages from yield points, the A-ahead / alternate / B-tail order for every
 // delta, one operation list shared by both micro-batches, errors, and SGLang's DeepSeek strategy presets.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <stdexcept>
@@ -111,7 +112,7 @@ struct Recorded {
 // The stage index of every (layer, op) in the strategy's list.
 int stage_of(const TboStrategy& s, int layer, TboLayerOp op) {
   const auto stages = split_tbo_stages(s.operations);
-  const std::string name = "L" + std::to_string(layer) + "." + to_string(op);
+  const std::string name = fmt::format("L{}.{}", layer, to_string(op));  // NOTE: GCC 12 -O3 -Wrestrict on "L" + ...
   for (size_t i = 0; i < stages.size(); ++i) {
     for (const auto& o : stages[i]) {
       if (o.name == name) return static_cast<int>(i);
@@ -133,7 +134,7 @@ PresetRun run_preset(TboPreset preset, int num_layers) {
   execute_two_batch_overlap(s.operations, s.operations, s.delta_stages);
   for (const auto& r : run.trace) {
     // A stage's ops run back to back, and no stage runs twice: a new tag starts a new entry.
-    const std::string tag = std::string(r.batch == 0 ? "A" : "B") + std::to_string(stage_of(s, r.layer, r.op));
+    const std::string tag = fmt::format("{}{}", r.batch == 0 ? "A" : "B", stage_of(s, r.layer, r.op));
     if (run.timeline.empty() || run.timeline.back() != tag) run.timeline.push_back(tag);
   }
   return run;
