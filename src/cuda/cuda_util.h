@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <initializer_list>
+
 #include "core/check.h"
 
 namespace epx::cuda {
@@ -36,6 +38,17 @@ inline ErrorCode cuda_error_code(cudaError_t err) {
     default:
       return ErrorCode::kCudaError;
   }
+}
+
+// Loads each kernel into the current device's context now (cudaFuncGetAttributes), so that no first launch
+// waits for the device to drain under lazy loading (see preload_normal_kernels); returns the first error.
+inline cudaError_t preload_kernels(std::initializer_list<const void*> kernels) {
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr{};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 inline void check_cuda(cudaError_t err, const char* what) {

@@ -1,5 +1,6 @@
 // Low-latency combine: expert outputs back to each token's rank, then the weighted reduction per token.
 // Protocol: docs/low-latency.md.
+#include "cuda/cuda_util.h"
 #include "cuda/low_latency_device.cuh"
 
 namespace epx::cuda {
@@ -186,13 +187,8 @@ __global__ void __launch_bounds__(kThreads) combine(LowLatencyPeers peers, LowLa
 }  // namespace ll
 
 cudaError_t preload_low_latency_combine_kernels() {
-  const void* kernels[] = {reinterpret_cast<const void*>(&ll::combine<int64_t>), reinterpret_cast<const void*>(&ll::combine<int32_t>)};
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return preload_kernels(
+      {reinterpret_cast<const void*>(&ll::combine<int64_t>), reinterpret_cast<const void*>(&ll::combine<int32_t>)});
 }
 
 namespace {

@@ -1,5 +1,6 @@
 // Low-latency dispatch: each (token, expert) pair into its slot at the expert's rank (fp8 or bf16), then the
 // packed receive rows, counts and source info. Protocol: docs/low-latency.md.
+#include "cuda/cuda_util.h"
 #include "cuda/low_latency_device.cuh"
 
 namespace epx::cuda {
@@ -288,13 +289,8 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace ll
 
 cudaError_t preload_low_latency_dispatch_kernels() {
-  const void* kernels[] = {reinterpret_cast<const void*>(&ll::dispatch<int64_t>), reinterpret_cast<const void*>(&ll::dispatch<int32_t>)};
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return preload_kernels(
+      {reinterpret_cast<const void*>(&ll::dispatch<int64_t>), reinterpret_cast<const void*>(&ll::dispatch<int32_t>)});
 }
 
 namespace {

@@ -1,6 +1,7 @@
 // Normal path on copy engines: the SM kernels around the copies (fields into the peers' staging, packing,
 // unpacking, release waits, signals) and the combine reduction of copied rows. Host side:
 // CudaBuffer::send_with_copy_engines / send_combine_with_copy_engines; protocol: docs/normal-kernels.md.
+#include "cuda/cuda_util.h"
 #include "cuda/normal_device.cuh"
 
 namespace epx::cuda {
@@ -207,7 +208,6 @@ __global__ void signal_rows_kernel(CommArgs comm, RowCounts rows, uint64_t ce_ta
 
 // ---- combine ----------------------------------------------------------------------------------
 
-
 // Copy-engine combine, receive side (see the dispatch notes above): windows of tokens, each block
 // waits until every remote rank's rows up to its window's end arrived, then reduces it. Own rows are
 // read from the combine input.
@@ -264,20 +264,10 @@ __global__ void __launch_bounds__(kReduceThreads)
 }  // namespace
 
 cudaError_t preload_copy_kernels() {
-  const void* kernels[] = {
-      reinterpret_cast<const void*>(&copy_dispatch_begin_kernel),
-      reinterpret_cast<const void*>(&pack_fields_kernel),
-      reinterpret_cast<const void*>(&unpack_fields_kernel),
-      reinterpret_cast<const void*>(&wait_released_kernel),
-      reinterpret_cast<const void*>(&signal_rows_kernel),
-      reinterpret_cast<const void*>(&combine_reduce_kernel),
-  };
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return preload_kernels(
+      {reinterpret_cast<const void*>(&copy_dispatch_begin_kernel), reinterpret_cast<const void*>(&pack_fields_kernel),
+       reinterpret_cast<const void*>(&unpack_fields_kernel), reinterpret_cast<const void*>(&wait_released_kernel),
+       reinterpret_cast<const void*>(&signal_rows_kernel), reinterpret_cast<const void*>(&combine_reduce_kernel)});
 }
 
 void launch_copy_dispatch_begin(const CommArgs& comm, const DispatchKernelArgs& args, const StageFields& fields,

@@ -3,6 +3,7 @@
 // Protocol: docs/normal-kernels.md.
 #include <cooperative_groups.h>
 
+#include "cuda/cuda_util.h"
 #include "cuda/normal_device.cuh"
 
 namespace epx::cuda {
@@ -178,18 +179,9 @@ __global__ void __launch_bounds__(256)
 }  // namespace
 
 cudaError_t preload_layout_kernels() {
-  const void* kernels[] = {
-      reinterpret_cast<const void*>(&layout_kernel),
-      reinterpret_cast<const void*>(&layout_cluster_kernel),
-      reinterpret_cast<const void*>(&scan_kernel),
-      reinterpret_cast<const void*>(&gather_scales_kernel),
-  };
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return preload_kernels(
+      {reinterpret_cast<const void*>(&layout_kernel), reinterpret_cast<const void*>(&layout_cluster_kernel),
+       reinterpret_cast<const void*>(&scan_kernel), reinterpret_cast<const void*>(&gather_scales_kernel)});
 }
 
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,

@@ -1,5 +1,6 @@
 // Normal path: the epoch step and notify (every rank's counts to every rank, the receive layout).
 // Protocol: docs/normal-kernels.md.
+#include "cuda/cuda_util.h"
 #include "cuda/normal_device.cuh"
 
 namespace epx::cuda {
@@ -107,16 +108,8 @@ __global__ void __launch_bounds__(256)
 }  // namespace
 
 cudaError_t preload_notify_kernels() {
-  const void* kernels[] = {
-      reinterpret_cast<const void*>(&advance_epoch_kernel),
-      reinterpret_cast<const void*>(&notify_kernel),
-  };
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return preload_kernels(
+      {reinterpret_cast<const void*>(&advance_epoch_kernel), reinterpret_cast<const void*>(&notify_kernel)});
 }
 
 void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream) {

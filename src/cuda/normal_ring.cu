@@ -1,5 +1,6 @@
 // Normal path on SMs only: dispatch and combine through per-(source, channel) rings in the peers' memory.
 // Protocol: docs/normal-kernels.md.
+#include "cuda/cuda_util.h"
 #include "cuda/normal_device.cuh"
 
 namespace epx::cuda {
@@ -323,16 +324,8 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
 }  // namespace
 
 cudaError_t preload_ring_kernels() {
-  const void* kernels[] = {
-      reinterpret_cast<const void*>(&dispatch_kernel),
-      reinterpret_cast<const void*>(&combine_kernel),
-  };
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, k);
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return preload_kernels(
+      {reinterpret_cast<const void*>(&dispatch_kernel), reinterpret_cast<const void*>(&combine_kernel)});
 }
 
 namespace {

@@ -13,12 +13,7 @@ namespace {
 
 using detail::Layout;
 using detail::RefineBudget;
-
-int ceil_log2(int64_t n) {
-  int bits = 0;
-  while ((int64_t{1} << bits) < n) ++bits;
-  return bits;
-}
+using detail::ceil_log2;
 
 // Units of greedy_match: sorting n^2 pairs.
 int64_t match_units(int64_t n) { return n * n * (1 + ceil_log2(n * n)); }

@@ -213,12 +213,7 @@ namespace {
 using detail::LayerPlacement;
 using detail::Layout;
 using detail::RefineBudget;
-
-int ceil_log2(int64_t n) {
-  int bits = 0;
-  while ((int64_t{1} << bits) < n) ++bits;
-  return bits;
-}
+using detail::ceil_log2;
 
 // The best-swap search between the most loaded bin and the others: items (slots of a node's GPUs, or
 // groups of nodes) in equal bins, each bin sorted by (value, id), the bins ordered by load. Bin b holds

@@ -8,6 +8,13 @@
 
 namespace epx::eplb::detail {
 
+// The smallest b with 2^b >= n (0 for n <= 1): the log factor of the placement searches' work bounds.
+inline int ceil_log2(int64_t n) {
+  int bits = 0;
+  while ((int64_t{1} << bits) < n) ++bits;
+  return bits;
+}
+
 // The effective layout: for the global policy num_groups = num_nodes = 1.
 struct Layout {
   int num_logical = 0, num_physical = 0, num_gpus = 0, num_groups = 0, num_nodes = 0;
