@@ -259,8 +259,6 @@ class BatchMetadataSync {
   Group& group_;
   ParallelLayout layout_;
   double carried_wait_s_ = 0.0;
-  std::vector<int64_t> host_staging_;  // the host exchange's published copies (src/dp/metadata.cpp)
-  size_t host_staging_next_ = 0;
 };
 
 // Reductions alone (used by sync; exposed for tests and callers with their own transport).

@@ -77,26 +77,28 @@ size_t host_slot_words(int num_ranks) { return kBatchMetadataFields + (static_ca
 // Their slots of `gathered` are left as they are. Every participant must name the same inactive ranks:
 // a mismatch raises kInvalidArgument on every rank that sees it (a rank that waits for a rank another
 // left out times out as any collective does).
-// NOTE: `slot` (host_slot_words) is owned by the sync object and rotates over 4 slots, as all_gather_bytes'
-// staging: with mismatched lists a peer this rank skips may still read it after this rank's release()
-// returned (release only waits for the ranks it does not skip).
-void host_gather_records(Group& group, const Packed& mine, const std::vector<bool>& inactive, int64_t* slot,
+// NOTE: what this rank publishes is a copy the group owns (HostGroup::publish_copy), not memory of the caller:
+// with mismatched lists a peer this rank skips may still read it after this rank's release() returned (release
+// only waits for the ranks it does not skip), and by then the caller's sync object may be gone (ASan found that
+// in CI when the slots belonged to the sync object).
+void host_gather_records(Group& group, const Packed& mine, const std::vector<bool>& inactive,
                          std::vector<Packed>& gathered) {
   auto* host_group = dynamic_cast<host::HostGroup*>(&group);
   EPX_CHECK(ErrorCode::kInternal, host_group != nullptr, "a group with the host backend is not a HostGroup");
   const int num_ranks = group.num_ranks();
   const size_t words = host_slot_words(num_ranks);
-  std::copy(mine.begin(), mine.end(), slot);
-  std::fill(slot + kBatchMetadataFields, slot + words, 0);
+  std::vector<int64_t> slot(words, 0);
+  std::copy(mine.begin(), mine.end(), slot.begin());
   for (int r = 0; r < num_ranks; ++r) {
     if (inactive[r]) slot[kBatchMetadataFields + r / 64] |= int64_t{1} << (r % 64);
   }
-  const auto ptrs = host_group->exchange(slot, &inactive);
+  const auto ptrs = host_group->exchange(host_group->publish_copy(slot.data(), words * sizeof(int64_t)), &inactive);
   std::string mismatch;
   for (int r = 0; r < num_ranks; ++r) {
     if (inactive[r]) continue;
     const auto* theirs = static_cast<const int64_t*>(ptrs[r]);
-    if (mismatch.empty() && !std::equal(slot + kBatchMetadataFields, slot + words, theirs + kBatchMetadataFields)) {
+    if (mismatch.empty() &&
+        !std::equal(slot.begin() + kBatchMetadataFields, slot.end(), theirs + kBatchMetadataFields)) {
       mismatch = fmt::format("rank {} named other inactive ranks than rank {}", r, group.rank());
     }
     std::copy(theirs, theirs + kBatchMetadataFields, gathered[r].begin());
@@ -183,10 +185,7 @@ BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& loca
     std::vector<Packed> gathered(static_cast<size_t>(num_ranks));
     const auto start = std::chrono::steady_clock::now();
     if (!inactive_ranks.empty()) {
-      const size_t words = host_slot_words(num_ranks);
-      host_staging_.resize(4 * words);
-      int64_t* slot = host_staging_.data() + (host_staging_next_++ % 4) * words;
-      host_gather_records(group_, packed, inactive, slot, gathered);
+      host_gather_records(group_, packed, inactive, gathered);
     } else {
 #ifdef EPX_WITH_CUDA
       if (group_.backend() == Backend::kCuda) {

@@ -198,6 +198,12 @@ void HostGroup::barrier() {
   release();
 }
 
+const void* HostGroup::publish_copy(const void* data, size_t bytes) {
+  auto& staging = gather_staging_[gather_next_++ % gather_staging_.size()];
+  staging.assign(static_cast<const char*>(data), static_cast<const char*>(data) + bytes);
+  return staging.data();
+}
+
 void HostGroup::all_gather_bytes(const void* send, void* recv, size_t bytes) {
   EPX_CHECK_ARG(bytes == 0 || (send != nullptr && recv != nullptr), "all_gather_bytes: null buffer for {} bytes",
                 bytes);

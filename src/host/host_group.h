@@ -46,6 +46,10 @@ class HostGroup final : public Group {
   void barrier() override;
   void all_gather_bytes(const void* send, void* recv, size_t bytes) override;
 
+  // A copy of `bytes` at `data` in memory the group owns (rotating over the slots all_gather_bytes uses), to
+  // publish with exchange(): it outlives the caller's objects, so a peer that still reads it after this rank
+  // returned (a peer this rank skipped) reads valid memory.
+  const void* publish_copy(const void* data, size_t bytes);
   // Phase 1 of a collective. `skip` (optional, [num_ranks]) names ranks not to wait for. If
   // `timed_out` is null a wait that expires throws Error(kTimeout), and a peer that withdrew (it gave
   // up on this call) makes it throw Error(kPeerFailure); else those ranks are appended to `timed_out`
