@@ -2,8 +2,9 @@
 
 Shows what the binding costs: the same shapes and timing rules as the C++ CLI (DeepSeek-V3 step: hidden 7168,
 top-8 of 256 experts, 4096 tokens per rank for the normal path; 128 tokens for the low-latency path). One
-process, one thread per GPU (epx.cuda_groups). Timing: CUDA events on each rank's stream, warm-up, then the
-median of the iterations, slowest rank. Normal phases: "eager" (synchronized after each call, host time
+process per GPU, as engines run (torch.multiprocessing + a gloo process group on localhost, then
+epx.Group.from_process_group); threads of one process would share the GIL and time Python's lock, not epx.
+Timing: CUDA events on each rank's stream, warm-up, then the median of the iterations, slowest rank. Normal phases: "eager" (synchronized after each call, host time
 included in what the events see) and back to back (10 calls per timing). Low-latency phases: a CUDA graph of
 20 calls (torch.cuda.graph), median per call, as the CLI does.
 
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import statistics
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import epx
 
@@ -37,81 +40,110 @@ def _median_time_us(torch, stream, warmup: int, iters: int, body: Callable[[int]
     return statistics.median(times)
 
 
+def _rank_main(rank: int, num_ranks: int, port: int, params: dict, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    try:
+        group = epx.Group.from_process_group()
+        results[rank] = _measure(torch, group, **params)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(torch, group: epx.Group, num_sms: int, tokens: int, hidden: int, topk: int, experts: int,
+             ll_tokens: int, warmup: int, iters: int) -> Dict[str, float]:
+    rank, num_ranks = group.rank, group.num_ranks
+    ll_max = 256
+    gen = torch.Generator(device="cuda").manual_seed(rank + 1)
+    stream = torch.cuda.Stream()
+    out: Dict[str, float] = {}
+    with torch.cuda.stream(stream):
+        xs = [torch.randint(-8, 8, (tokens, hidden), device="cuda", generator=gen).to(torch.bfloat16)
+              for _ in range(2)]  # two copies alternate (each larger than L2)
+        idx = torch.rand(tokens, experts, device="cuda", generator=gen).argsort(dim=1)[:, :topk].contiguous()
+        w = torch.rand(tokens, topk, device="cuda", generator=gen)
+        x8 = xs[0].to(torch.float8_e4m3fn)
+        scales = torch.ones(tokens, hidden // 128, device="cuda")
+    stream.synchronize()
+    buffer = epx.Buffer(group, num_sms=num_sms,
+                        num_normal_bytes=epx.normal_buffer_size_hint(hidden, num_ranks, num_sms, tokens),
+                        num_low_latency_bytes=epx.low_latency_buffer_size_hint(ll_max, hidden, num_ranks, experts))
+    sms = f" ({num_sms} SMs)"
+    state = {}
+
+    def phase(name, body, back_to_back=True):
+        group.barrier()
+        out[name + sms] = _median_time_us(torch, stream, warmup, iters, body)
+        if back_to_back:
+            group.barrier()
+            out[name + sms + " back to back"] = _median_time_us(torch, stream, warmup, iters, body, calls=10)
+
+    def layout(i):
+        state["layout"] = buffer.get_dispatch_layout(idx, experts, stream=stream)
+
+    def dispatch(i):
+        state["recv"] = buffer.dispatch(xs[i & 1], idx, w, num_experts=experts, layout=state["layout"],
+                                        stream=stream)
+
+    phase("layout", layout)
+    phase("dispatch_bf16", dispatch, back_to_back=False)
+    phase("dispatch_bf16_cached", lambda i: buffer.dispatch(xs[i & 1], handle=state["recv"].handle, stream=stream))
+    phase("dispatch_fp8_cached", lambda i: buffer.dispatch(x8, x_scales=scales, handle=state["recv"].handle,
+                                                            stream=stream))
+    phase("combine_bf16", lambda i: buffer.combine(state["recv"].recv_x, state["recv"].handle, stream=stream))
+
+    # Low-latency: one eager round fixes the shapes, then CUDA graphs of 20 calls, replayed on `stream`
+    # (torch replays a graph on the current stream: the events must see the replay).
+    with torch.cuda.stream(stream):
+        lx, lidx, lw = xs[0][:ll_tokens].contiguous(), idx[:ll_tokens].contiguous(), w[:ll_tokens].contiguous()
+    d = buffer.low_latency_dispatch(lx, lidx, ll_max, experts, use_fp8=True, stream=stream)
+    y = torch.empty(d.recv_x.shape, dtype=torch.bfloat16, device="cuda")
+    buffer.low_latency_combine(y, lidx, lw, d.handle, stream=stream)
+    stream.synchronize()
+
+    def replay(graph):
+        with torch.cuda.stream(stream):
+            graph.replay()
+
+    for name, call in (
+            ("ll_dispatch_fp8", lambda: buffer.low_latency_dispatch(lx, lidx, ll_max, experts, use_fp8=True,
+                                                                    stream=stream)),
+            ("ll_combine_bf16", lambda: buffer.low_latency_combine(y, lidx, lw, d.handle, stream=stream))):
+        graph = torch.cuda.CUDAGraph()
+        group.barrier()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            for _ in range(20):
+                call()
+        group.barrier()
+        out[f"{name} ({ll_tokens} tokens)"] = _median_time_us(torch, stream, warmup, iters,
+                                                              lambda i: replay(graph)) / 20
+        stream.synchronize()
+    return out
+
+
 def run(num_sms: int = 24, tokens: int = 4096, hidden: int = 7168, topk: int = 8, experts: int = 256,
         ll_tokens: int = 128, warmup: int = 5, iters: int = 20) -> Dict[str, float]:
+    """Spawns one process per visible GPU (at most 8); returns phase -> microseconds of the slowest rank."""
     import torch
+    import torch.multiprocessing as mp
 
     num_ranks = min(torch.cuda.device_count(), 8)
     if num_ranks < 2:
         raise SystemExit("python -m epx.bench needs at least 2 GPUs")
-    groups = epx.cuda_groups(list(range(num_ranks)))
-    ll_max = 256
-
-    def rank_main(rank: int, group: epx.Group) -> Dict[str, float]:
-        torch.cuda.set_device(rank)
-        gen = torch.Generator(device="cuda").manual_seed(rank + 1)
-        stream = torch.cuda.Stream()
-        out: Dict[str, float] = {}
-        with torch.cuda.stream(stream):
-            xs = [torch.randint(-8, 8, (tokens, hidden), device="cuda", generator=gen).to(torch.bfloat16)
-                  for _ in range(2)]  # two copies alternate (each larger than L2)
-            idx = torch.rand(tokens, experts, device="cuda", generator=gen).argsort(dim=1)[:, :topk].contiguous()
-            w = torch.rand(tokens, topk, device="cuda", generator=gen)
-            x8 = xs[0].to(torch.float8_e4m3fn)
-            scales = torch.ones(tokens, hidden // 128, device="cuda")
-        stream.synchronize()
-        buffer = epx.Buffer(group, num_sms=num_sms,
-                            num_normal_bytes=epx.normal_buffer_size_hint(hidden, num_ranks, num_sms, tokens),
-                            num_low_latency_bytes=epx.low_latency_buffer_size_hint(ll_max, hidden, num_ranks,
-                                                                                    experts))
-        sms = f" ({num_sms} SMs)"
-        state = {}
-
-        def phase(name, body, back_to_back=True):
-            group.barrier()
-            out[name + sms] = _median_time_us(torch, stream, warmup, iters, body)
-            if back_to_back:
-                group.barrier()
-                out[name + sms + " back to back"] = _median_time_us(torch, stream, warmup, iters, body, calls=10)
-
-        def layout(i):
-            state["layout"] = buffer.get_dispatch_layout(idx, experts, stream=stream)
-
-        def dispatch(i):
-            state["recv"] = buffer.dispatch(xs[i & 1], idx, w, num_experts=experts, layout=state["layout"],
-                                            stream=stream)
-
-        phase("layout", layout)
-        phase("dispatch_bf16", dispatch, back_to_back=False)
-        phase("dispatch_bf16_cached", lambda i: buffer.dispatch(xs[i & 1], handle=state["recv"].handle,
-                                                                 stream=stream))
-        phase("dispatch_fp8_cached", lambda i: buffer.dispatch(x8, x_scales=scales, handle=state["recv"].handle,
-                                                                stream=stream))
-        phase("combine_bf16", lambda i: buffer.combine(state["recv"].recv_x, state["recv"].handle, stream=stream))
-
-        # Low-latency: one eager round fixes the shapes, then CUDA graphs of 20 calls.
-        with torch.cuda.stream(stream):
-            lx, lidx, lw = xs[0][:ll_tokens].contiguous(), idx[:ll_tokens].contiguous(), w[:ll_tokens].contiguous()
-        d = buffer.low_latency_dispatch(lx, lidx, ll_max, experts, use_fp8=True, stream=stream)
-        y = torch.empty(d.recv_x.shape, dtype=torch.bfloat16, device="cuda")
-        buffer.low_latency_combine(y, lidx, lw, d.handle, stream=stream)
-        stream.synchronize()
-        for name, call in (
-                ("ll_dispatch_fp8", lambda: buffer.low_latency_dispatch(lx, lidx, ll_max, experts, use_fp8=True,
-                                                                        stream=stream)),
-                ("ll_combine_bf16", lambda: buffer.low_latency_combine(y, lidx, lw, d.handle, stream=stream))):
-            graph = torch.cuda.CUDAGraph()
-            group.barrier()
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                for _ in range(20):
-                    call()
-            group.barrier()
-            out[f"{name} ({ll_tokens} tokens)"] = _median_time_us(torch, stream, warmup, iters,
-                                                                  lambda i: graph.replay()) / 20
-            stream.synchronize()
-        return out
-
-    per_rank: List[Dict[str, float]] = epx.run_host_ranks(groups, rank_main)
+    with socket.socket() as s:  # a free port for the process group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    params = dict(num_sms=num_sms, tokens=tokens, hidden=hidden, topk=topk, experts=experts, ll_tokens=ll_tokens,
+                  warmup=warmup, iters=iters)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(num_ranks, port, params, results), nprocs=num_ranks, join=True)
+        per_rank = [dict(results[r]) for r in range(num_ranks)]
     return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
 
 

@@ -9,12 +9,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -105,16 +107,12 @@ class CudaBuffer final : public Buffer {
     check_cuda(preload_normal_kernels(), "cudaFuncGetAttributes (preload normal kernels)");
     check_cuda(preload_low_latency_kernels(), "cudaFuncGetAttributes (preload low-latency kernels)");
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    if (cgroup_->single_process()) {
-      world_ = std::shared_ptr<CudaWorld>(group_, cgroup_->world());
-    } else {
-      world_ = map_shared_world(*group_);  // collective
-      if (world_ == nullptr) {
-        log(LogLevel::kWarn, fmt::format("epx cuda rank {}: no shared memory with the other ranks' processes (ranks "
-                                         "on several hosts, or no /dev/shm): after a timeout of the normal path "
-                                         "this buffer must be destroyed and made again on every rank",
-                                         rank_));
-      }
+    world_ = share_world(*cgroup_);  // collective
+    if (world_ == nullptr) {
+      log(LogLevel::kWarn, fmt::format("epx cuda rank {}: no shared memory with the other ranks' processes (ranks "
+                                       "on several hosts, or no /dev/shm): after a timeout of the normal path "
+                                       "this buffer must be destroyed and made again on every rank",
+                                       rank_));
     }
     open_peers();
     if (world_ != nullptr) seen_generation_ = world_->reset_generation.load();
@@ -232,6 +230,8 @@ class CudaBuffer final : public Buffer {
   void raise_recorded_errors(bool keep_invalid_topk = false);
   void begin_collective(Stream stream, bool keep_invalid_topk = false);
   void request_reset();
+  // Waits until every rank's reset_step reaches `step` (CudaWorld); kTimeout at the group's timeout.
+  void wait_reset_step(uint64_t step, const char* what);
 
   // Copy-engine path (docs/normal-kernels.md). Bytes of each staging slot when the host knows the
   // counts and the largest transfer between two ranks (pair_bytes) fits one, else 0 (SM path). Every
@@ -350,15 +350,38 @@ void CudaBuffer::begin_collective(Stream stream, bool keep_invalid_topk) {
   if (world == nullptr) return;
   const uint64_t generation = world->reset_generation.load();
   if (generation == seen_generation_) return;
-  // A rank timed out: nobody may still run a kernel on the old signals, then everyone zeroes its own.
+  // A rank timed out. Step 1: no kernel of this rank runs on the old signals (its device waits end at the
+  // timeout at the latest); step 2: it zeroed its own signals. A rank passes each step once every rank
+  // reached it, so nobody writes new signals into a region that is still to be zeroed. A rank that does not
+  // come within the timeout makes this call fail with kTimeout; the reset stays pending and the next call
+  // waits again (a step already taken is not repeated).
+  std::atomic<uint64_t>& mine = world->reset_step[rank_];
+  const uint64_t idle = 2 * generation - 1, zeroed = 2 * generation;
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
-  group_->barrier();
-  check_cuda(cudaMemsetAsync(region_, 0, kNormalSignalBytes, stream), "cudaMemsetAsync (reset)");
-  ce_seq_ = 0;
-  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
-  std::memset(errors_, 0, 2 * sizeof(ErrorRecord));
-  group_->barrier();
+  if (mine.load() < idle) mine.store(idle);
+  wait_reset_step(idle, "no kernel runs on the old signals");
+  if (mine.load() < zeroed) {
+    check_cuda(cudaMemsetAsync(region_, 0, kNormalSignalBytes, stream), "cudaMemsetAsync (reset)");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
+    ce_seq_ = 0;
+    std::memset(errors_, 0, 2 * sizeof(ErrorRecord));
+    mine.store(zeroed);
+  }
+  wait_reset_step(zeroed, "its signals are zeroed");
   seen_generation_ = generation;
+}
+
+void CudaBuffer::wait_reset_step(uint64_t step, const char* what) {
+  const auto deadline = detail::deadline_after_ms(group_->timeout_ms());
+  for (int r = 0; r < num_ranks_; ++r) {
+    while (world_->reset_step[r].load() < step) {
+      EPX_CHECK(ErrorCode::kTimeout, std::chrono::steady_clock::now() < deadline,
+                "cuda rank {}: the buffer's reset after a timeout waited {} ms for rank {} to report that {}; "
+                "the reset stays pending and the next call of this rank waits again",
+                rank_, group_->timeout_ms(), r, what);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
 }
 
 int64_t CudaBuffer::copy_slot_bytes(const CudaDispatchHandle& h, int64_t pair_bytes) const {

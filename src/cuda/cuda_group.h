@@ -9,12 +9,21 @@
 
 namespace epx::cuda {
 
-// State shared by the ranks of one buffer's group: a rank that hit a timeout bumps reset_generation so that
-// every rank's next collective call resets its buffer's signals first. One object in the process for
-// create_cuda_groups (ranks as threads); in POSIX shared memory for one process per GPU (map_shared_world).
+// Ranks a CudaWorld has room for (more than any CUDA group on one host holds).
+inline constexpr int kWorldMaxRanks = 64;
+
+// State shared by the ranks of one buffer: a rank that hit a timeout bumps reset_generation so that every
+// rank's next collective call resets the buffer's signals first, meeting the others through reset_step
+// (docs/reliability.md, "Reset after a timeout"). The meeting goes through this memory, not through the
+// group's collectives: a rank that comes to it late must not make the group's NCCL communicator time out
+// (which aborts it for good). One object per buffer (share_world): in the process for ranks as threads; in
+// POSIX shared memory for one process per GPU (map_shared_world).
 // NOTE: only lock-free atomics, so the object works the same when several processes map it.
 struct CudaWorld {
   std::atomic<uint64_t> reset_generation{0};
+  // Rank r's progress through the reset to generation g: 2g - 1 once no kernel of r runs on the old signals,
+  // 2g once r zeroed its own signals. Only rank r writes reset_step[r]; it only grows.
+  std::atomic<uint64_t> reset_step[kWorldMaxRanks] = {};
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "CudaWorld must work across processes");
 
@@ -23,9 +32,12 @@ class CudaGroup : public Group {
   Backend backend() const override { return Backend::kCuda; }
   // True when all ranks are threads of this process (peer memory is plain device pointers).
   virtual bool single_process() const = 0;
-  // Shared state of single-process groups; null for NCCL groups (see map_shared_world).
-  virtual CudaWorld* world() const = 0;
 };
+
+// Collective over `group`: one new CudaWorld that every rank of the group shares (rank 0 makes it and the
+// others take a reference when the ranks are threads; map_shared_world otherwise). Null on every rank alike
+// when the processes cannot share memory.
+std::shared_ptr<CudaWorld> share_world(CudaGroup& group);
 
 // Collective over `group` (two all-gathers): a CudaWorld in POSIX shared memory that every rank's process maps,
 // for groups of one process per GPU on one host. Rank 0 creates it and unlinks its name once every rank mapped

@@ -28,8 +28,7 @@ namespace {
 // Ranks as threads: collectives delegate to a host group; each rank owns one device.
 class ThreadCudaGroup final : public CudaGroup {
  public:
-  ThreadCudaGroup(std::shared_ptr<Group> host, std::shared_ptr<CudaWorld> world, int device)
-      : host_(std::move(host)), world_(std::move(world)), device_(device) {}
+  ThreadCudaGroup(std::shared_ptr<Group> host, int device) : host_(std::move(host)), device_(device) {}
   int rank() const override { return host_->rank(); }
   int num_ranks() const override { return host_->num_ranks(); }
   Device device() const override { return Device::cuda(device_); }
@@ -39,11 +38,9 @@ class ThreadCudaGroup final : public CudaGroup {
     host_->all_gather_bytes(send, recv, bytes);
   }
   bool single_process() const override { return true; }
-  CudaWorld* world() const override { return world_.get(); }
 
  private:
   std::shared_ptr<Group> host_;
-  std::shared_ptr<CudaWorld> world_;
   int device_;
 };
 
@@ -139,7 +136,6 @@ class NcclCudaGroup final : public CudaGroup {
     if (total > 0) std::memcpy(recv, host_stage_, total);
   }
   bool single_process() const override { return false; }
-  CudaWorld* world() const override { return nullptr; }
 
  private:
   // Waits until a non-blocking communicator finished its pending call (creation, a collective),
@@ -279,6 +275,21 @@ std::shared_ptr<CudaWorld> map_shared_world(Group& group) {
   return everyone ? world : nullptr;
 }
 
+std::shared_ptr<CudaWorld> share_world(CudaGroup& group) {
+  EPX_CHECK_ARG(group.num_ranks() <= kWorldMaxRanks, "a cuda buffer's group has at most {} ranks, got {}",
+                kWorldMaxRanks, group.num_ranks());
+  if (!group.single_process()) return map_shared_world(group);
+  // Ranks as threads: rank 0's object, handed over by address; the barrier keeps rank 0's reference alive
+  // until every rank copied it.
+  std::shared_ptr<CudaWorld> world = group.rank() == 0 ? std::make_shared<CudaWorld>() : nullptr;
+  const std::shared_ptr<CudaWorld>* mine = &world;
+  std::vector<const std::shared_ptr<CudaWorld>*> all(static_cast<size_t>(group.num_ranks()));
+  group.all_gather_bytes(&mine, all.data(), sizeof(mine));
+  if (group.rank() != 0) world = *all[0];
+  group.barrier();
+  return world;
+}
+
 }  // namespace epx::cuda
 
 namespace epx {
@@ -297,11 +308,8 @@ std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& d
   HostGroupOptions host_options;
   host_options.timeout_ms = detail::clamp_timeout_ms(options.timeout_ms);
   auto hosts = create_host_groups(num_ranks, host_options);
-  auto world = std::make_shared<cuda::CudaWorld>();
   std::vector<std::shared_ptr<Group>> groups;
-  for (int r = 0; r < num_ranks; ++r) {
-    groups.push_back(std::make_shared<cuda::ThreadCudaGroup>(hosts[r], world, devices[r]));
-  }
+  for (int r = 0; r < num_ranks; ++r) groups.push_back(std::make_shared<cuda::ThreadCudaGroup>(hosts[r], devices[r]));
   return groups;
 }
 
