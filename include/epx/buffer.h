@@ -152,6 +152,15 @@ struct CombineResult {
 
 // ---- low-latency ---------------------------------------------------------------------------------
 
+// Memory layout of the low-latency fp8 scales (recv_x_scales). S = H / 128 scales per row (fp32, or uint8
+// UE8M0 exponents), except column-major UE8M0: S = H / 512 int32 words, byte j of word i the exponent of
+// block 4i + j (DeepGEMM's packed UE8M0).
+enum class ScaleLayout : uint8_t {
+  kRowMajor,     // [E_local, R * M, S]
+  kColumnMajor,  // [E_local, S, R * M]: one scale column per row block, as DeepGEMM's grouped GEMMs read them
+                 // (DeepEP returns this memory as a [E_local, R * M, S] view with strides (S * R * M, 1, R * M))
+};
+
 class LowLatencyHandle {
  public:
   virtual ~LowLatencyHandle() = default;
@@ -164,6 +173,10 @@ struct LowLatencyDispatchArgs {
   int64_t num_experts = 0;          // <= 1024, divisible by num_ranks
   bool use_fp8 = false;
   ScaleFormat scale_format = ScaleFormat::kFloat32;
+  // With kFloat32: power-of-two scales (the data quantized as with kUE8M0), returned as fp32 (DeepEP's
+  // round_scale). Implied by kUE8M0.
+  bool round_scale = false;
+  ScaleLayout scale_layout = ScaleLayout::kRowMajor;  // column-major UE8M0 needs H % 512 == 0
   // True: the call only sends; the result's recv_hook() completes the receive. The caller may run
   // other work in between (and must call the hook before reading the outputs).
   bool return_recv_hook = false;
@@ -185,7 +198,7 @@ struct LowLatencyDispatchResult {
   // return_recv_hook, call the hook before the second-next dispatch of this buffer, from the thread that
   // drives it, and before destroying the buffer; calling it again does nothing.
   Tensor recv_x;             // [E_local, R * M, H]: bf16, or fp8 e4m3 with use_fp8
-  Tensor recv_x_scales;      // [E_local, R * M, H / 128]: fp32 or uint8 (UE8M0); only with use_fp8
+  Tensor recv_x_scales;      // fp32 or uint8 (UE8M0) [E_local, R * M, H / 128], or in scale_layout (ScaleLayout)
   Tensor recv_count;         // int32 [E_local]: pairs received per local expert
   Tensor recv_src_info;      // int32 [E_local, R * M]: the row's source token index; -1 past recv_count[e]
   Tensor recv_layout_range;  // int64 [E_local, R]: (begin << 32) | count, begin = prefix of counts over s

@@ -29,6 +29,7 @@ from ._epx import (  # noqa: F401
     OutOfMemoryError,
     PeerFailureError,
     ScaleFormat,
+    ScaleLayout,
     TimeoutError,
     UnsupportedError,
     built_with_cuda,

@@ -151,26 +151,43 @@ class Buffer:
         return CombineResult(x=conv(out["x"]), topk_weights=conv(out["topk_weights"]))
 
     def low_latency_dispatch(self, x: Any, topk_idx: Any, max_tokens_per_rank: int, num_experts: int, *,
-                             use_fp8: bool = False, use_ue8m0: bool = False, return_recv_hook: bool = False,
+                             use_fp8: bool = False, use_ue8m0: bool = False, round_scale: bool = False,
+                             column_major_scales: bool = False, return_recv_hook: bool = False,
                              cumulative_recv_counts: Any = None, stream: Any = None) -> LowLatencyDispatchResult:
-        """Low-latency dispatch: fixed shapes, no host sync on the cuda backend (CUDA-graph capturable)."""
+        """Low-latency dispatch: fixed shapes, no host sync on the cuda backend (CUDA-graph capturable).
+
+        fp8 scales (use_fp8): fp32 [E_local, R * M, H / 128] (amax / 448), powers of two with round_scale, or
+        uint8 UE8M0 exponents with use_ue8m0. column_major_scales: DeepGEMM's layout, written by the receive
+        kernel: the same shape as a view of [E_local, S, R * M] memory (strides (S * R * M, 1, R * M)); with
+        use_ue8m0, S = H / 512 int32 words of four exponents (H % 512 == 0).
+        """
         try:
             fmt = _epx.ScaleFormat.ue8m0 if use_ue8m0 else _epx.ScaleFormat.float32
         except Exception:  # no truth value (e.g. an array): the native call rejects it below and still takes part
             fmt = use_ue8m0
         try:
+            layout = _epx.ScaleLayout.column_major if column_major_scales else _epx.ScaleLayout.row_major
+        except Exception:  # as use_ue8m0
+            layout = column_major_scales
+        try:
             out = self._native.low_latency_dispatch(
                 x=to_arg(x), topk_idx=to_arg(topk_idx), max_tokens_per_rank=max_tokens_per_rank,
-                num_experts=num_experts, use_fp8=use_fp8, scale_format=fmt, return_recv_hook=return_recv_hook,
+                num_experts=num_experts, use_fp8=use_fp8, scale_format=fmt, round_scale=round_scale,
+                scale_layout=layout, return_recv_hook=return_recv_hook,
                 cumulative_recv_counts=to_arg(cumulative_recv_counts), stream=cuda_stream_of(stream, x))
         except TypeError as e:
-            if fmt is use_ue8m0 and str(e).startswith("scale_format:"):  # name the argument the caller passed
-                t = type(use_ue8m0)
-                raise TypeError(f"use_ue8m0: expected a bool, got {t.__module__}.{t.__qualname__}") from None
+            for name, value, native, passed in (("use_ue8m0", use_ue8m0, "scale_format:", fmt),
+                                                ("column_major_scales", column_major_scales, "scale_layout:", layout)):
+                if passed is value and str(e).startswith(native):  # name the argument the caller passed
+                    t = type(value)
+                    raise TypeError(f"{name}: expected a bool, got {t.__module__}.{t.__qualname__}") from None
             raise
         conv = Outputs(any_torch(x, topk_idx))  # buffer-owned memory: nothing is allocated
+        scales = conv(out["recv_x_scales"])
+        if layout is _epx.ScaleLayout.column_major and scales is not None:
+            scales = scales.transpose(1, 2) if is_torch(scales) else scales.swapaxes(1, 2)
         return LowLatencyDispatchResult(
-            recv_x=conv(out["recv_x"]), recv_x_scales=conv(out["recv_x_scales"]), recv_count=conv(out["recv_count"]),
+            recv_x=conv(out["recv_x"]), recv_x_scales=scales, recv_count=conv(out["recv_count"]),
             recv_src_info=conv(out["recv_src_info"]), recv_layout_range=conv(out["recv_layout_range"]),
             handle=out["handle"], recv_hook=out["recv_hook"])
 

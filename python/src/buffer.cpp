@@ -184,7 +184,8 @@ nb::dict combine(Buffer& buffer, nb::handle x, nb::handle topk_weights, nb::hand
 
 nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx, nb::handle max_tokens_per_rank,
                               nb::handle num_experts, nb::handle use_fp8, nb::handle scale_format,
-                              nb::handle return_recv_hook, nb::handle cumulative_recv_counts, nb::handle stream) {
+                              nb::handle round_scale, nb::handle scale_layout, nb::handle return_recv_hook,
+                              nb::handle cumulative_recv_counts, nb::handle stream) {
   LowLatencyDispatchResult r = collective<LowLatencyDispatchArgs>(
       [&](LowLatencyDispatchArgs& a) {
         a.x = to_view(x, "x");
@@ -193,6 +194,8 @@ nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx,
         a.num_experts = to_int<int64_t>(num_experts, "num_experts");
         a.use_fp8 = to_bool(use_fp8, "use_fp8");
         a.scale_format = to_enum<ScaleFormat>(scale_format, "scale_format", "an epx.ScaleFormat");
+        a.round_scale = to_bool(round_scale, "round_scale");
+        a.scale_layout = to_enum<ScaleLayout>(scale_layout, "scale_layout", "an epx.ScaleLayout");
         a.return_recv_hook = to_bool(return_recv_hook, "return_recv_hook");
         a.cumulative_recv_counts = to_view(cumulative_recv_counts, "cumulative_recv_counts");
         a.stream = to_stream(stream);
@@ -252,9 +255,10 @@ void register_buffer(nb::module_& m) {
   // `collective`), so nanobind rejects nothing but a wrong number or name of arguments before the binding
   // runs; nb::sig keeps the types a caller should pass in help() and the stubs.
   const auto arg = [](const char* name) { return nb::arg(name).none(); };
-  nb::class_<NormalConfig>(m, "NormalConfig",
-                           "Tuning of the cuda backend's normal kernels (BufferOptions::normal in include/epx/buffer.h); "
-                           "the same on every rank except stage_timeline.")
+  nb::class_<NormalConfig>(
+      m, "NormalConfig",
+      "Tuning of the cuda backend's normal kernels (BufferOptions::normal in include/epx/buffer.h); "
+      "the same on every rank except stage_timeline.")
       .def(nb::init<>())
       .def_rw("copy_engines", &NormalConfig::copy_engines)
       .def_rw("whole_copies", &NormalConfig::whole_copies)
@@ -315,11 +319,14 @@ void register_buffer(nb::module_& m) {
                    "stream: object | None = None) -> dict"))
       .def("low_latency_dispatch", &low_latency_dispatch, arg("x"), arg("topk_idx"), arg("max_tokens_per_rank"),
            arg("num_experts"), arg("use_fp8") = false, arg("scale_format") = ScaleFormat::kFloat32,
-           arg("return_recv_hook") = false, arg("cumulative_recv_counts") = nb::none(), arg("stream") = nb::none(),
-           nb::sig("def low_latency_dispatch(self, x: object, topk_idx: object, max_tokens_per_rank: int, "
-                   "num_experts: int, use_fp8: bool = False, "
-                   "scale_format: epx._epx.ScaleFormat = epx._epx.ScaleFormat.float32, return_recv_hook: bool = False, "
-                   "cumulative_recv_counts: object | None = None, stream: object | None = None) -> dict"))
+           arg("round_scale") = false, arg("scale_layout") = ScaleLayout::kRowMajor, arg("return_recv_hook") = false,
+           arg("cumulative_recv_counts") = nb::none(), arg("stream") = nb::none(),
+           nb::sig(
+               "def low_latency_dispatch(self, x: object, topk_idx: object, max_tokens_per_rank: int, "
+               "num_experts: int, use_fp8: bool = False, "
+               "scale_format: epx._epx.ScaleFormat = epx._epx.ScaleFormat.float32, round_scale: bool = False, "
+               "scale_layout: epx._epx.ScaleLayout = epx._epx.ScaleLayout.row_major, return_recv_hook: bool = False, "
+               "cumulative_recv_counts: object | None = None, stream: object | None = None) -> dict"))
       .def("low_latency_combine", &low_latency_combine, arg("x"), arg("topk_idx"), arg("topk_weights"), arg("handle"),
            arg("return_recv_hook") = false, arg("out") = nb::none(), arg("stream") = nb::none(),
            nb::sig("def low_latency_combine(self, x: object, topk_idx: object, topk_weights: object, "

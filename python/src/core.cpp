@@ -9,6 +9,7 @@
 #include <string>
 
 #include "bind.h"
+#include "epx/buffer.h"
 #include "epx/error.h"
 #include "epx/group.h"
 #include "epx/log.h"
@@ -247,6 +248,11 @@ void register_core(nb::module_& m) {
   nb::enum_<ScaleFormat>(m, "ScaleFormat", "fp8 scales: float32, or UE8M0 power-of-two exponents (uint8).")
       .value("float32", ScaleFormat::kFloat32)
       .value("ue8m0", ScaleFormat::kUE8M0);
+  nb::enum_<ScaleLayout>(m, "ScaleLayout",
+                         "Low-latency fp8 scale layout: row_major [E, R * M, S], or column_major [E, S, R * M] "
+                         "(DeepGEMM's; S = H / 512 int32 words of four exponents with UE8M0).")
+      .value("row_major", ScaleLayout::kRowMajor)
+      .value("column_major", ScaleLayout::kColumnMajor);
 
   m.def("version", &version, "The epx version, e.g. '0.1.0'.");
   m.def("built_with_cuda", &built_with_cuda, "True when this build contains the CUDA backend.");

@@ -191,6 +191,44 @@ def test_low_latency_packed_rows_and_combine(num_ranks):
     assert all(run(num_ranks, body))
 
 
+def test_low_latency_scale_options():
+    """round_scale: UE8M0 quantization with fp32 powers of two; column_major_scales: DeepGEMM's layout, the same
+    values as a transposed view; UE8M0 column-major packs four exponents per int32."""
+    num_ranks, T, H, K, E, M = 2, 10, 1024, 3, 8, 16
+    inputs = [make_inputs(r, T, H, K, E, seed=5) for r in range(num_ranks)]
+    nbytes = epx.low_latency_buffer_size_hint(M, H, num_ranks, E)
+
+    def body(rank, group):
+        buffer = epx.Buffer(group, num_low_latency_bytes=nbytes)
+        x, idx, _ = inputs[rank]
+
+        def scales(**kw):
+            d = buffer.low_latency_dispatch(x, idx, M, E, use_fp8=True, **kw)
+            return d.recv_count.copy(), np.array(d.recv_x_scales), d.recv_x_scales.strides
+
+        count, fp32, _ = scales()
+        _, ue8m0, _ = scales(use_ue8m0=True)
+        _, rounded, _ = scales(round_scale=True)
+        _, fp32_cm, strides = scales(column_major_scales=True)
+        _, ue8m0_cm, _ = scales(use_ue8m0=True, column_major_scales=True)
+        local, rows, blocks = fp32.shape
+        assert fp32_cm.shape == fp32.shape and strides == (4 * blocks * rows, 4, 4 * rows)
+        assert ue8m0_cm.shape == (local, rows, blocks // 4) and ue8m0_cm.dtype == np.int32
+        for e in range(local):
+            n = int(count[e])
+            np.testing.assert_array_equal(fp32_cm[e, :n], fp32[e, :n])
+            np.testing.assert_array_equal(rounded[e, :n], np.ldexp(1.0, ue8m0[e, :n].astype(np.int32) - 127))
+            words = ue8m0[e, :n].astype(np.uint32).reshape(n, blocks // 4, 4)
+            packed = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+            np.testing.assert_array_equal(ue8m0_cm[e, :n].view(np.uint32), packed)
+        with pytest.raises(epx.InvalidArgumentError, match="multiple of 512, got 384"):
+            buffer.low_latency_dispatch(x[:, :384].copy(), idx, M, E, use_fp8=True, use_ue8m0=True,
+                                        column_major_scales=True)
+        return True
+
+    assert all(run(num_ranks, body))
+
+
 def test_bad_input_raises_named_errors():
     def body(rank, group):
         buffer = epx.Buffer(group)
@@ -280,6 +318,9 @@ SCALAR_FAULTS = [
     ("low_latency_dispatch", "num_experts", "4", TypeError, "num_experts: expected an int, got str"),
     ("low_latency_dispatch", "use_fp8", "no", TypeError, "use_fp8: expected a bool, got str"),
     ("low_latency_dispatch", "use_ue8m0", np.ones(2, bool), TypeError, "use_ue8m0: expected a bool, got numpy.ndarray"),
+    ("low_latency_dispatch", "column_major_scales", np.ones(2, bool), TypeError,
+     "column_major_scales: expected a bool, got numpy.ndarray"),
+    ("low_latency_dispatch", "round_scale", "yes", TypeError, "round_scale: expected a bool, got str"),
     ("low_latency_combine", "handle", "dispatch handle", TypeError,
      "handle: expected an epx.LowLatencyHandle, got epx._epx.DispatchHandle"),
     ("low_latency_combine", "return_recv_hook", None, TypeError, "return_recv_hook: expected a bool, got NoneType"),

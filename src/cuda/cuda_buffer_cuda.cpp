@@ -23,8 +23,8 @@
 #include "core/check.h"
 #include "core/limits.h"
 #include "core/timeout.h"
-#include "cuda/cuda_group.h"
 #include "cuda/copy_engine_host.h"
+#include "cuda/cuda_group.h"
 #include "cuda/cuda_util.h"
 #include "cuda/low_latency_engine.h"
 #include "cuda/normal_kernels.h"
@@ -119,8 +119,7 @@ class CudaBuffer final : public Buffer {
     group_->barrier();
     if (options.num_low_latency_bytes > 0) {
       low_latency_ = std::make_unique<LowLatencyEngine>(*group_, cgroup_->single_process(), device_,
-                                                        options.num_low_latency_bytes, allocator_,
-                                                        options.low_latency);
+                                                        options.num_low_latency_bytes, allocator_, options.low_latency);
     }
 
     comm_.rank = rank_;
@@ -276,7 +275,7 @@ class CudaBuffer final : public Buffer {
   int num_channels_ = 1;
   // BufferOptions::num_sms: sizes the channels (rings, signals); a call may use fewer SMs (DispatchArgs::num_sms).
   int num_sms_ = 1;
-  NormalConfig config_;  // the same on every rank (Buffer::create checked it)
+  NormalConfig config_;                   // the same on every rank (Buffer::create checked it)
   cudaStream_t copy_stream_ = nullptr;    // copy-engine transfers into peers' staging
   cudaStream_t signal_stream_ = nullptr;  // announces finished transfers (stream writes, else a kernel)
   WriteValue64 write_value_ = nullptr;
@@ -626,8 +625,9 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
     handle->rank_prefix = empty(DType::kInt32, {R, R}, stream);
     launch_advance_epoch(comm_, stream);
     launch_notify(comm_, handle->chan_start.data_as<int32_t>(), per_expert, handle->num_local_experts,
-                  args.expert_alignment, T, config_.whole_copies && config_.copy_engines, handle->recv_meta.data_as<int32_t>(),
-                  handle->recv_expert_counts.data_as<int32_t>(), handle->rank_prefix.data_as<int32_t>(), stream);
+                  args.expert_alignment, T, config_.whole_copies && config_.copy_engines,
+                  handle->recv_meta.data_as<int32_t>(), handle->recv_expert_counts.data_as<int32_t>(),
+                  handle->rank_prefix.data_as<int32_t>(), stream);
     check_cuda(cudaGetLastError(), "notify launch");
     if (args.num_worst_tokens == 0) {
       check_cuda(cudaMemcpyAsync(meta_host_, handle->recv_meta.data(), m.size() * sizeof(int32_t),
@@ -734,8 +734,8 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   // Without it (worst-token mode, graph capture) only this rank learns, here or on its next call.
   if (errors_[1].code != kErrNone) raise_recorded_errors();
   if (cached == nullptr && args.num_worst_tokens == 0) {
-    const int32_t failed = handle->meta_host[RecvMetaLayout{num_ranks_, num_channels_, handle->num_local_experts}
-                                                 .failed_source()];
+    const int32_t failed =
+        handle->meta_host[RecvMetaLayout{num_ranks_, num_channels_, handle->num_local_experts}.failed_source()];
     EPX_CHECK(ErrorCode::kPeerFailure, failed < 0,
               "cuda rank {}: rank {} passed an invalid topk_idx entry to this dispatch (its bad entries were "
               "dropped); the dispatch failed on every rank, the buffer stays usable",

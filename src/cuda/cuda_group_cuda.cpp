@@ -1,8 +1,7 @@
 #include <cuda_runtime.h>
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <nccl.h>
-
-#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -114,8 +113,8 @@ class NcclCudaGroup final : public CudaGroup {
     EPX_CHECK_ARG(bytes == 0 || (send != nullptr && recv != nullptr), "all_gather_bytes: null buffer for {} bytes",
                   bytes);
     EPX_CHECK(ErrorCode::kPeerFailure, failed_.empty(),
-              "cuda rank {}: the NCCL group failed earlier ({}) and cannot be used again; create a new group",
-              rank_, failed_);
+              "cuda rank {}: the NCCL group failed earlier ({}) and cannot be used again; create a new group", rank_,
+              failed_);
     DeviceGuard guard(device_);
     const size_t total = static_cast<size_t>(
         detail::checked_mul(static_cast<int64_t>(bytes), num_ranks_, "all_gather_bytes: bytes * num_ranks"));
@@ -175,8 +174,9 @@ class NcclCudaGroup final : public CudaGroup {
              fmt::format("all_gather_bytes: NCCL reports {} (a peer failed)", nccl().GetErrorString(state)));
       }
       if (std::chrono::steady_clock::now() > deadline) {
-        fail(ErrorCode::kTimeout,
-             fmt::format("waited {} ms in all_gather_bytes for its peers: a peer rank is absent or stuck", timeout_ms_));
+        fail(
+            ErrorCode::kTimeout,
+            fmt::format("waited {} ms in all_gather_bytes for its peers: a peer rank is absent or stuck", timeout_ms_));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
@@ -190,11 +190,14 @@ class NcclCudaGroup final : public CudaGroup {
       nccl().CommAbort(comm_);
       comm_ = nullptr;
       cudaStreamSynchronize(stream_);  // the aborted collective no longer blocks it
-      detail::raise(code, "cuda rank {}: {}; the group aborted its NCCL communicator and cannot be used again: "
-                          "destroy it and the buffers on it, and create a new group", rank_, what);
+      detail::raise(code,
+                    "cuda rank {}: {}; the group aborted its NCCL communicator and cannot be used again: "
+                    "destroy it and the buffers on it, and create a new group",
+                    rank_, what);
     }
-    detail::raise(code, "cuda rank {}: {}; the caller's NCCL communicator may still run this all-gather: abort it "
-                        "(ncclCommAbort; it cannot be reused), then destroy this group and the buffers on it",
+    detail::raise(code,
+                  "cuda rank {}: {}; the caller's NCCL communicator may still run this all-gather: abort it "
+                  "(ncclCommAbort; it cannot be reused), then destroy this group and the buffers on it",
                   rank_, what);
   }
 

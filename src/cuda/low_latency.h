@@ -56,7 +56,9 @@ struct LowLatencyDispatchLaunch {
   int64_t num_tokens;
   int num_topk;
   bool use_fp8;
-  bool ue8m0;
+  bool ue8m0;                   // quantize with power-of-two scales; the staged scales are exponent bytes
+  bool scales_fp32;             // received scales as fp32 (2^(e - 127) when ue8m0: round_scale), else exponents
+  bool scales_column_major;     // received scales [E_local][units][R * M] (DeepGEMM), else [E_local][R * M][units]
   int* cumulative_recv_counts;  // [E_local] or null
 };
 

@@ -7,6 +7,7 @@
 
 #include "cuda/cuda_util.h"
 #include "cuda/low_latency_engine.h"
+#include "ep/low_latency_scales.h"
 #include "epx/log.h"
 
 namespace epx::cuda {
@@ -139,6 +140,7 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
   DeviceGuard guard(device_);
   report_device_events();
   const int set = static_cast<int>(num_dispatches_++ % 2);
+  const ep::LowLatencyScales scales = ep::LowLatencyScales::of(args, shape.hidden);
   const LowLatencyDispatchLaunch launch{
       args.x.data,
       args.topk_idx.data,
@@ -146,7 +148,9 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
       shape.num_tokens,
       static_cast<int>(shape.num_topk),
       args.use_fp8,
-      args.scale_format == ScaleFormat::kUE8M0,
+      scales.wire_ue8m0,
+      scales.out_fp32,
+      scales.column_major,
       args.cumulative_recv_counts.defined() ? args.cumulative_recv_counts.data_as<int>() : nullptr};
   auto stream = reinterpret_cast<cudaStream_t>(args.stream);
   if (args.return_recv_hook) {
@@ -166,9 +170,7 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
   // The packed outputs the receive kernel fills (not the staging area the peers write).
   result.recv_x = view(s.recv_x, args.use_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16, {e_local, slots, shape.hidden});
   if (args.use_fp8) {
-    result.recv_x_scales =
-        view(s.recv_x_scales, args.scale_format == ScaleFormat::kUE8M0 ? DType::kUInt8 : DType::kFloat32,
-             {e_local, slots, shape.hidden / kFp8BlockSize});
+    result.recv_x_scales = view(s.recv_x_scales, scales.dtype, scales.shape(e_local, slots));
   }
   result.recv_count = view(s.recv_count, DType::kInt32, {e_local});
   result.recv_src_info = view(s.recv_src_info, DType::kInt32, {e_local, slots});

@@ -165,6 +165,12 @@ LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args
                 kLowLatencyMaxExperts, args.num_experts);
   EPX_CHECK_ARG(args.scale_format == ScaleFormat::kFloat32 || args.scale_format == ScaleFormat::kUE8M0,
                 "scale_format {} is not a ScaleFormat", static_cast<int>(args.scale_format));
+  EPX_CHECK_ARG(args.scale_layout == ScaleLayout::kRowMajor || args.scale_layout == ScaleLayout::kColumnMajor,
+                "scale_layout {} is not a ScaleLayout", static_cast<int>(args.scale_layout));
+  EPX_CHECK_ARG(!args.use_fp8 || args.scale_format != ScaleFormat::kUE8M0 ||
+                    args.scale_layout != ScaleLayout::kColumnMajor || shape.hidden % (4 * kFp8BlockSize) == 0,
+                "column-major UE8M0 scales pack four exponents per int32: x hidden size must be a multiple of {}, got {}",
+                4 * kFp8BlockSize, shape.hidden);
   shape.num_local_experts = args.num_experts / num_ranks;
   check_optional(args.cumulative_recv_counts, "cumulative_recv_counts", DType::kInt32, {shape.num_local_experts},
                  device);

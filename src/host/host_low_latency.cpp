@@ -186,18 +186,20 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
   message->max_tokens = max_tokens;
   message->num_experts = args.num_experts;
   message->use_fp8 = args.use_fp8;
-  message->scale_format = args.scale_format;
+  const ep::LowLatencyScales scales = ep::LowLatencyScales::of(args, hidden);
+  message->scale_format = scales.wire_ue8m0 ? ScaleFormat::kUE8M0 : ScaleFormat::kFloat32;
   message->topk.resize(num_tokens * num_topk);
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t k = 0; k < num_topk; ++k) message->topk[t * num_topk + k] = topk_at(args.topk_idx, t, k);
   }
   if (args.use_fp8) {
     const int64_t num_blocks = hidden / kFp8BlockSize;
-    const DType scale_dtype = args.scale_format == ScaleFormat::kUE8M0 ? DType::kUInt8 : DType::kFloat32;
+    const DType scale_dtype = scales.wire_ue8m0 ? DType::kUInt8 : DType::kFloat32;
     message->x.resize(num_tokens * hidden);
     message->scales.resize(num_tokens * num_blocks * dtype_size(scale_dtype));
     quantize_fp8_host(args.x, TensorView::of(message->x.data(), DType::kFloat8E4M3, {num_tokens, hidden}),
-                      TensorView::of(message->scales.data(), scale_dtype, {num_tokens, num_blocks}), args.scale_format);
+                      TensorView::of(message->scales.data(), scale_dtype, {num_tokens, num_blocks}),
+                      message->scale_format);
   } else {
     const auto* src = static_cast<const uint8_t*>(args.x.data);
     message->x.assign(src, src + args.x.nbytes());
@@ -212,7 +214,8 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
   state->max_tokens = max_tokens;
   state->num_experts = args.num_experts;
   state->use_fp8 = args.use_fp8;
-  state->scale_format = args.scale_format;
+  state->scale_format = message->scale_format;
+  state->scales = scales;
   state->topk = message->topk;
   // Slot order inside an (expert, source rank) block: ascending token index, then ascending k.
   state->slot_idx.assign(num_tokens * num_topk, -1);
@@ -250,10 +253,8 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
   const DType x_dtype = args.use_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
   result.recv_x = Tensor::wrap(TensorView::of(set.x.get(), x_dtype, {num_local_experts, num_slots, hidden}), set.x);
   if (args.use_fp8) {
-    const DType scale_dtype = args.scale_format == ScaleFormat::kUE8M0 ? DType::kUInt8 : DType::kFloat32;
     result.recv_x_scales = Tensor::wrap(
-        TensorView::of(set.x_scales.get(), scale_dtype, {num_local_experts, num_slots, hidden / kFp8BlockSize}),
-        set.x_scales);
+        TensorView::of(set.x_scales.get(), scales.dtype, scales.shape(num_local_experts, num_slots)), set.x_scales);
   }
   result.recv_count = Tensor::wrap(TensorView::of(set.count.get(), DType::kInt32, {num_local_experts}), set.count);
   result.recv_src_info =
@@ -272,6 +273,33 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
   }
   return result;
 }
+
+namespace {
+
+// One received row's scales (num_blocks in the wire format: exponent bytes or fp32) into recv_x_scales at
+// (expert e, row) in the caller's format and layout (ep::LowLatencyScales).
+void put_scales(const ep::LowLatencyScales& s, const uint8_t* wire, int64_t num_blocks, int64_t e, int64_t row,
+                int64_t num_slots, uint8_t* out) {
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (s.out_fp32) {
+      float v;
+      if (s.wire_ue8m0) {
+        v = ue8m0_to_float(wire[b]);
+      } else {
+        std::memcpy(&v, wire + b * 4, 4);
+      }
+      const int64_t i =
+          s.column_major ? (e * num_blocks + b) * num_slots + row : (e * num_slots + row) * num_blocks + b;
+      std::memcpy(out + i * 4, &v, 4);
+    } else if (s.column_major) {  // word b / 4 of the row, byte b % 4 (little-endian int32)
+      out[((e * s.units + b / 4) * num_slots + row) * 4 + b % 4] = wire[b];
+    } else {
+      out[(e * num_slots + row) * num_blocks + b] = wire[b];
+    }
+  }
+}
+
+}  // namespace
 
 void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>& state) {
   EPX_CHECK_ARG(state->epoch == ll_epoch_,
@@ -316,9 +344,9 @@ void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>&
         ++block_count[e * num_ranks_ + s];
         const int64_t slot = e * num_slots + next_row[e]++;
         std::memcpy(recv_x + slot * row_bytes, p->x.data() + t * row_bytes, row_bytes);
-        if (state->use_fp8) {
-          std::memcpy(recv_scales + slot * scale_bytes, p->scales.data() + t * scale_bytes, scale_bytes);
-        }
+        if (state->use_fp8)
+          put_scales(state->scales, p->scales.data() + t * scale_bytes, num_blocks, e, next_row[e] - 1, num_slots,
+                     recv_scales);
         src_info[slot] = static_cast<int32_t>(t);
       }
     }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "ep/low_latency_scales.h"
 #include "ep/validate.h"
 #include "epx/quant.h"
 #include "epx/tensor.h"
@@ -70,7 +71,8 @@ struct LowLatencyState {
   ep::LowLatencyShape shape;
   int64_t max_tokens = 0, num_experts = 0;
   bool use_fp8 = false;
-  ScaleFormat scale_format = ScaleFormat::kFloat32;
+  ScaleFormat scale_format = ScaleFormat::kFloat32;  // between ranks (UE8M0 also for round_scale)
+  ep::LowLatencyScales scales;                       // what the receiver returns
   // Dispatch.
   std::vector<int64_t> topk;              // [T, K]
   std::vector<int32_t> slot_idx;          // [T, K]: index of (t, k) in its (expert, rank) block, -1 if none

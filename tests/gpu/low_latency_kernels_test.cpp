@@ -336,12 +336,20 @@ class Rig {
   }
 
   LowLatencyDispatchLaunch dispatch_args(int r) const {
-    return {ranks_[r].x, ranks_[r].topk, true, num_tokens_[r], c_.num_topk, c_.use_fp8, c_.ue8m0, ranks_[r].cumulative};
+    return {ranks_[r].x,
+            ranks_[r].topk,
+            true,
+            num_tokens_[r],
+            c_.num_topk,
+            c_.use_fp8,
+            c_.ue8m0,
+            /*scales_fp32=*/!c_.ue8m0,
+            /*scales_column_major=*/false,
+            ranks_[r].cumulative};
   }
   LowLatencyCombineLaunch combine_args(int r, int dispatch_set) const {
-    return {ranks_[r].y,    ranks_[r].topk, true,          static_cast<const float*>(ranks_[r].weights),
-            num_tokens_[r], c_.num_topk,    ranks_[r].out, dispatch_set,
-            LowLatencyConfig{}.combine_send_parts};
+    return {ranks_[r].y, ranks_[r].topk, true,         static_cast<const float*>(ranks_[r].weights), num_tokens_[r],
+            c_.num_topk, ranks_[r].out,  dispatch_set, LowLatencyConfig{}.combine_send_parts};
   }
 
   // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive
@@ -715,6 +723,116 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
       cudaStreamDestroy(stream);
     });
   }
+}
+
+// DeepEP's round_scale and DeepGEMM's column-major scales (ScaleLayout), written by the receive kernel: counts,
+// data and scales of the received rows match the host backend byte for byte, with and without the hook.
+TEST_F(LowLatencyKernels, ScaleOptionsMatchHostBackend) {
+  std::mt19937 rng(512);
+  const Case c{2, 64, 64, 2048, 8, 32, true, false};
+  if (!runs_here(c)) GTEST_SKIP() << "needs " << c.num_ranks << " ranks";
+  const auto in = make_inputs(c, rng);
+  struct Option {
+    ScaleFormat format;
+    bool round;
+    ScaleLayout layout;
+  };
+  const std::vector<Option> options = {{ScaleFormat::kFloat32, true, ScaleLayout::kRowMajor},
+                                       {ScaleFormat::kFloat32, false, ScaleLayout::kColumnMajor},
+                                       {ScaleFormat::kFloat32, true, ScaleLayout::kColumnMajor},
+                                       {ScaleFormat::kUE8M0, false, ScaleLayout::kColumnMajor},
+                                       {ScaleFormat::kUE8M0, false, ScaleLayout::kRowMajor}};
+  const int R = c.num_ranks;
+  const int64_t e_local = c.num_experts / R, slots = R * c.max_tokens;
+  struct Got {
+    std::vector<int32_t> count;
+    std::vector<uint8_t> x, scales;
+    std::vector<int64_t> scale_shape;
+    size_t scale_elem = 0;
+  };
+  auto args_for = [&](const Option& o, const void* x, const void* topk, int r, Device dev) {
+    LowLatencyDispatchArgs a;
+    a.x = TensorView::of(const_cast<void*>(x), DType::kBFloat16, {in[r].num_tokens, c.hidden}, dev);
+    a.topk_idx = TensorView::of(const_cast<void*>(topk), DType::kInt64, {in[r].num_tokens, c.num_topk}, dev);
+    a.max_tokens_per_rank = c.max_tokens;
+    a.num_experts = c.num_experts;
+    a.use_fp8 = true;
+    a.scale_format = o.format;
+    a.round_scale = o.round;
+    a.scale_layout = o.layout;
+    return a;
+  };
+  // Host backend.
+  std::vector<std::vector<Got>> want(options.size(), std::vector<Got>(R));
+  {
+    auto hosts = create_host_groups(R, {.timeout_ms = 20'000});
+    run_host_ranks(hosts, [&](int r, Group&) {
+      BufferOptions bo;
+      bo.num_low_latency_bytes = 1;
+      auto buffer = Buffer::create(hosts[r], bo);
+      for (size_t i = 0; i < options.size(); ++i) {
+        const auto d =
+            buffer->low_latency_dispatch(args_for(options[i], in[r].x.data(), in[r].topk.data(), r, Device::cpu()));
+        Got& g = want[i][r];
+        g.count.assign(d.recv_count.data_as<int32_t>(), d.recv_count.data_as<int32_t>() + e_local);
+        const auto* xb = static_cast<const uint8_t*>(d.recv_x.data());
+        const auto* sb = static_cast<const uint8_t*>(d.recv_x_scales.data());
+        g.x.assign(xb, xb + d.recv_x.nbytes());
+        g.scales.assign(sb, sb + d.recv_x_scales.nbytes());
+        g.scale_shape = d.recv_x_scales.sizes();
+        g.scale_elem = dtype_size(d.recv_x_scales.dtype());
+      }
+    });
+  }
+  std::vector<int> devices;
+  for (int r = 0; r < R; ++r) devices.push_back(r % num_gpus_);
+  auto groups = create_cuda_groups(devices);
+  run_host_ranks(groups, [&](int r, Group&) {
+    cudaSetDevice(devices[r]);
+    BufferOptions bo;
+    bo.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, R, c.num_experts);
+    auto buffer = Buffer::create(groups[r], bo);
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    void* x = to_device(in[r].x);
+    void* topk = to_device(in[r].topk);
+    for (size_t i = 0; i < options.size(); ++i) {
+      for (const bool hook : {false, true}) {
+        SCOPED_TRACE("option " + std::to_string(i) + (hook ? " hook" : " plain") + " rank " + std::to_string(r));
+        auto a = args_for(options[i], x, topk, r, Device::cuda(devices[r]));
+        a.return_recv_hook = hook;
+        a.stream = stream;
+        auto d = buffer->low_latency_dispatch(a);
+        if (hook) d.recv_hook();
+        cudaStreamSynchronize(stream);
+        const Got& w = want[i][r];
+        ASSERT_EQ(d.recv_x_scales.sizes(), w.scale_shape);
+        ASSERT_EQ(dtype_size(d.recv_x_scales.dtype()), w.scale_elem);
+        const auto count = to_host<int32_t>(d.recv_count);
+        const auto xs = to_host<uint8_t>(d.recv_x);
+        const auto sc = to_host<uint8_t>(d.recv_x_scales);
+        ASSERT_EQ(count, w.count);
+        const bool cm = options[i].layout == ScaleLayout::kColumnMajor;
+        const int64_t units = cm ? w.scale_shape[1] : w.scale_shape[2];
+        int64_t bad = 0;
+        for (int64_t e = 0; e < e_local; ++e) {
+          for (int64_t row = 0; row < count[e]; ++row) {
+            const int64_t x0 = (e * slots + row) * c.hidden;
+            bad += std::memcmp(xs.data() + x0, w.x.data() + x0, c.hidden) != 0;
+            for (int64_t u = 0; u < units; ++u) {
+              const int64_t at = cm ? (e * units + u) * slots + row : (e * slots + row) * units + u;
+              bad += std::memcmp(sc.data() + at * w.scale_elem, w.scales.data() + at * w.scale_elem, w.scale_elem) != 0;
+            }
+          }
+        }
+        EXPECT_EQ(bad, 0);
+      }
+    }
+    cudaFree(x);
+    cudaFree(topk);
+    buffer.reset();
+    cudaStreamDestroy(stream);
+  });
 }
 
 // Timing of EP2 (or EP1x2 on one GPU), 128 tokens, hidden 7168, top-8 of 256: fp8 dispatch, bf16 combine.

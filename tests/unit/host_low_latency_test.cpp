@@ -358,6 +358,105 @@ TEST(HostLowLatency, Fp8Dispatch) {
   }
 }
 
+void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected kInvalidArgument mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// DeepEP/DeepGEMM scale options: round_scale gives the UE8M0 quantization with fp32 powers of two; column-major
+// is the transpose of the row-major scales; column-major UE8M0 packs four exponents per int32.
+TEST(HostLowLatency, ScaleOptionsGiveTheSameScalesInTheirLayout) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Case c;
+  c.num_ranks = 2;
+  c.num_experts = 8;
+  c.hidden = 1024;  // 8 scale blocks, two words of four exponents
+  c.num_topk = 3;
+  c.use_fp8 = true;
+  auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
+  auto buffers = make_buffers(groups);
+  auto in = make_inputs(rng, c);
+  const int64_t E = c.num_experts / c.num_ranks, slots = c.num_ranks * c.max_tokens, S = c.hidden / kFp8BlockSize;
+  struct Got {
+    std::vector<uint8_t> x, scales;
+    std::vector<int32_t> count;
+    std::vector<int64_t> scale_shape;
+    DType scale_dtype = DType::kFloat32;
+  };
+  auto run = [&](ScaleFormat format, bool round, ScaleLayout layout) {
+    std::vector<Got> got(c.num_ranks);
+    testing::on_ranks(c.num_ranks, [&](int r) {
+      auto a = dispatch_args(in[r], c);
+      a.scale_format = format;
+      a.round_scale = round;
+      a.scale_layout = layout;
+      const auto res = buffers[r]->low_latency_dispatch(a);
+      const auto* x = static_cast<const uint8_t*>(res.recv_x.data());
+      const auto* sc = static_cast<const uint8_t*>(res.recv_x_scales.data());
+      got[r].x.assign(x, x + res.recv_x.nbytes());
+      got[r].scales.assign(sc, sc + res.recv_x_scales.nbytes());
+      got[r].count.assign(res.recv_count.data_as<int32_t>(), res.recv_count.data_as<int32_t>() + E);
+      got[r].scale_shape = res.recv_x_scales.sizes();
+      got[r].scale_dtype = res.recv_x_scales.dtype();
+    });
+    return got;
+  };
+  const auto fp32 = run(ScaleFormat::kFloat32, false, ScaleLayout::kRowMajor);
+  const auto ue8m0 = run(ScaleFormat::kUE8M0, false, ScaleLayout::kRowMajor);
+  const auto rounded = run(ScaleFormat::kFloat32, true, ScaleLayout::kRowMajor);
+  const auto fp32_cm = run(ScaleFormat::kFloat32, false, ScaleLayout::kColumnMajor);
+  const auto rounded_cm = run(ScaleFormat::kFloat32, true, ScaleLayout::kColumnMajor);
+  const auto ue8m0_cm = run(ScaleFormat::kUE8M0, false, ScaleLayout::kColumnMajor);
+  auto f32 = [](const std::vector<uint8_t>& v, int64_t i) {
+    float f;
+    std::memcpy(&f, v.data() + i * 4, 4);
+    return f;
+  };
+  for (int r = 0; r < c.num_ranks; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(fp32_cm[r].scale_shape, (std::vector<int64_t>{E, S, slots}));
+    EXPECT_EQ(ue8m0_cm[r].scale_shape, (std::vector<int64_t>{E, S / 4, slots}));
+    EXPECT_EQ(ue8m0_cm[r].scale_dtype, DType::kInt32);
+    EXPECT_EQ(rounded[r].scale_dtype, DType::kFloat32);
+    EXPECT_EQ(rounded[r].count, ue8m0[r].count);
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t row = 0; row < ue8m0[r].count[e]; ++row) {
+        const int64_t x0 = (e * slots + row) * c.hidden;
+        ASSERT_TRUE(
+            std::equal(rounded[r].x.begin() + x0, rounded[r].x.begin() + x0 + c.hidden, ue8m0[r].x.begin() + x0))
+            << "round_scale quantizes as UE8M0: expert " << e << " row " << row;
+        ASSERT_TRUE(
+            std::equal(fp32_cm[r].x.begin() + x0, fp32_cm[r].x.begin() + x0 + c.hidden, fp32[r].x.begin() + x0));
+        for (int64_t b = 0; b < S; ++b) {
+          const int64_t rm = (e * slots + row) * S + b, cm = (e * S + b) * slots + row;
+          const uint8_t exponent = ue8m0[r].scales[rm];
+          ASSERT_EQ(f32(rounded[r].scales, rm), ue8m0_to_float(exponent)) << "e " << e << " row " << row << " b " << b;
+          ASSERT_EQ(f32(rounded_cm[r].scales, cm), ue8m0_to_float(exponent));
+          ASSERT_EQ(f32(fp32_cm[r].scales, cm), f32(fp32[r].scales, rm));
+          ASSERT_EQ(ue8m0_cm[r].scales[((e * (S / 4) + b / 4) * slots + row) * 4 + b % 4], exponent);
+        }
+      }
+    }
+  }
+  // Column-major UE8M0 needs whole words of four exponents.
+  Case odd = c;
+  odd.hidden = 384;
+  auto odd_in = make_inputs(rng, odd);
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    auto a = dispatch_args(odd_in[r], odd);
+    a.scale_format = ScaleFormat::kUE8M0;
+    a.scale_layout = ScaleLayout::kColumnMajor;
+    expect_invalid([&] { buffers[r]->low_latency_dispatch(a); }, "multiple of 512, got 384");
+  });
+}
+
 TEST(HostLowLatency, HookSplitsSendAndReceive) {
   const unsigned seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -517,16 +616,6 @@ TEST(HostLowLatency, SilentRankIsMaskedAfterTimeout) {
     EXPECT_EQ(buffers[r]->rank_mask(), (std::vector<bool>{false, false, true})) << "rank " << r;
     check_dispatch(in, c, r, step.dispatched[r], present);
     check_combine(in, c, r, step.combined[r].x, present);
-  }
-}
-
-void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected kInvalidArgument mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
 }
 

@@ -49,6 +49,15 @@ class ScaleFormat(enum.Enum):
 
     ue8m0 = 1
 
+class ScaleLayout(enum.Enum):
+    """
+    Low-latency fp8 scale layout: row_major [E, R * M, S], or column_major [E, S, R * M] (DeepGEMM's; S = H / 512 int32 words of four exponents with UE8M0).
+    """
+
+    row_major = 0
+
+    column_major = 1
+
 def version() -> str:
     """The epx version, e.g. '0.1.0'."""
 
@@ -216,7 +225,7 @@ class Buffer:
 
     def combine(self, x: object, topk_weights: object | None = None, bias_0: object | None = None, bias_1: object | None = None, handle: DispatchHandle | None = None, num_sms: int = 0, stream: object | None = None) -> dict: ...
 
-    def low_latency_dispatch(self, x: object, topk_idx: object, max_tokens_per_rank: int, num_experts: int, use_fp8: bool = False, scale_format: ScaleFormat = ScaleFormat.float32, return_recv_hook: bool = False, cumulative_recv_counts: object | None = None, stream: object | None = None) -> dict: ...
+    def low_latency_dispatch(self, x: object, topk_idx: object, max_tokens_per_rank: int, num_experts: int, use_fp8: bool = False, scale_format: ScaleFormat = ScaleFormat.float32, round_scale: bool = False, scale_layout: ScaleLayout = ScaleLayout.row_major, return_recv_hook: bool = False, cumulative_recv_counts: object | None = None, stream: object | None = None) -> dict: ...
 
     def low_latency_combine(self, x: object, topk_idx: object, topk_weights: object, handle: LowLatencyHandle, return_recv_hook: bool = False, out: object | None = None, stream: object | None = None) -> dict: ...
 

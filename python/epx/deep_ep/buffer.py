@@ -81,7 +81,7 @@ class Buffer:
     epx-only keywords: epx_num_sms, the most SMs a call may use (default max(24, Buffer.num_sms); a
     Config asking for more is clamped, with a warning); epx_timeout_ms, the group's timeout for peer
     waits; epx_column_major_scales (default True), whether low-latency fp8 scales come in DeepEP's
-    column-major layout (one transposing copy per dispatch) or in epx's row-major layout (no copy).
+    column-major layout or row-major (both written by the receive kernel, no copy).
     """
 
     #: SMs of the normal kernels when no Config is given (DeepEP's class attribute; see set_num_sms).
@@ -426,41 +426,6 @@ class Buffer:
         self._comm_stream.wait_stream(compute)
         return _Launch(self._comm_stream, compute, True)
 
-    def _ll_scales(self, src: torch.Tensor, round_scale: bool, use_ue8m0: bool, launch: _Launch):
-        """DeepEP's scale tensor for epx's row-major scales `src` ([E, R * M, H / 128]: fp32, or uint8 UE8M0
-        exponents when round_scale), and the function that fills it (None: `src` itself, or a view of it).
-
-        DeepEP layout: [E, R * M, S] with the last two dimensions column-major (stride (S * R * M, 1, R * M));
-        S = H / 128 fp32 scales, powers of two with round_scale; with use_ue8m0, S = H / 512 int32 each packing
-        four exponents (byte j of element i: block 4 * i + j). The copy reads and writes E * R * M * S * 4
-        bytes (one elementwise kernel; round_scale adds one for the exponent -> fp32 conversion).
-        """
-        num_local, rows, blocks = src.shape
-        if use_ue8m0:
-            if blocks % 4 != 0:
-                raise ValueError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, got {blocks * 128}")
-            convert = lambda: src.view(torch.int32)  # noqa: E731 - [E, R * M, H / 512], no copy
-            cols, dtype = blocks // 4, torch.int32
-        elif round_scale:
-            convert = lambda: (src.to(torch.int32) << 23).view(torch.float32)  # noqa: E731 - 2^(e - 127)
-            cols, dtype = blocks, torch.float32
-        else:
-            convert = lambda: src  # noqa: E731
-            cols, dtype = blocks, torch.float32
-        if not self._column_major_scales and not (round_scale and not use_ue8m0):
-            return convert(), None
-        with launch.scope():
-            if self._column_major_scales:
-                out = torch.empty((num_local, cols, rows), dtype=dtype, device=src.device).transpose(1, 2)
-            else:
-                out = torch.empty((num_local, rows, cols), dtype=dtype, device=src.device)
-
-        def fill() -> None:
-            with launch.scope():
-                out.copy_(convert())
-
-        return out, fill
-
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -483,30 +448,27 @@ class Buffer:
             raise ValueError("async_finish and return_recv_hook cannot both be set")
         launch = self._ll_launch(async_finish)
         res = runtime.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                           use_fp8=use_fp8, use_ue8m0=use_fp8 and round_scale,
+                                           use_fp8=use_fp8, use_ue8m0=use_ue8m0, round_scale=round_scale,
+                                           column_major_scales=self._column_major_scales,
                                            return_recv_hook=return_recv_hook,
                                            cumulative_recv_counts=cumulative_local_expert_recv_stats,
                                            stream=launch.stream)
-        scales, fill = None, None
-        if use_fp8:
-            scales, fill = self._ll_scales(res.recv_x_scales, round_scale, use_ue8m0, launch)
-        hook = None
-        if return_recv_hook:
-            native_hook, pending = res.recv_hook, [fill]
-
-            def hook() -> None:
-                native_hook()
-                if pending[0] is not None:
-                    pending[0]()
-                    pending[0] = None
-        elif fill is not None:
-            fill()
+        # The receive kernel writes the scales in DeepEP's format and layout: fp32 (powers of two with
+        # round_scale), or with use_ue8m0 int32 words of four exponents [E, R * M, H / 512]; column-major (the
+        # transpose of [E, S, R * M] memory) unless epx_column_major_scales=False.
+        scales = res.recv_x_scales
+        if use_fp8 and use_ue8m0 and not self._column_major_scales:
+            if scales.shape[-1] % 4 != 0:
+                raise ValueError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, got "
+                                 f"{scales.shape[-1] * 128}")
+            scales = scales.view(torch.int32)  # uint8 exponents [E, R * M, H / 128] as words
+        hook = res.recv_hook if return_recv_hook else None
         handle = LowLatencyHandle(res.recv_src_info, res.recv_layout_range, num_max_dispatch_tokens_per_rank,
                                   int(x.shape[1]), num_experts, res.handle)
         recv = (res.recv_x, scales) if use_fp8 else res.recv_x
         ins = (x, topk_idx, cumulative_local_expert_recv_stats)
         keep = ins + (res.recv_x, scales, res.recv_count, res.recv_src_info, res.recv_layout_range)
-        event = self._finish(launch, async_finish, ins, (scales,) if fill is not None else (), keep=keep)
+        event = self._finish(launch, async_finish, ins, (), keep=keep)
         return recv, res.recv_count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: Any) -> torch.Tensor:
