@@ -207,16 +207,16 @@ def test_simulate_matches_the_cli():
     #  --tokens 512 --buffer 50 --every 50 --layers-per-step 4` (same seed and defaults otherwise).
     r = eplb.simulate(layers=8, experts=32, replicas=40, groups=4, nodes=2, gpus=8, steps=300, tokens=512, buffer=50,
                       every=50, layers_per_step=4)
-    assert r.mean_utilization_rebalanced == 0.7231923853511046
+    assert r.mean_utilization_rebalanced == 0.7232486331391644
     assert r.mean_utilization_static == 0.412965923554957
-    assert (r.rebalances_computed, r.rebalances_skipped, r.moved_experts) == (6, 0, 318)
+    assert (r.rebalances_computed, r.rebalances_skipped, r.moved_experts) == (6, 0, 380)
     assert r.steps.tolist() == [50, 100, 150, 200, 250, 300]
-    np.testing.assert_array_equal(r.utilization_rebalanced[:2], [0.46280436923994983, 0.7785101594684375])
+    np.testing.assert_array_equal(r.utilization_rebalanced[:2], [0.46280436923994983, 0.7828850410649115])
     np.testing.assert_array_equal(r.utilization_static[-1], 0.4251021888843998)
     assert r.gpu_load_static.sum() == pytest.approx(r.logical_load.sum())
     assert r.gpu_load_rebalanced.max() < r.gpu_load_static.max()
     d = r.as_dict()
-    assert d["timeline"][1] == {"step": 100, "utilization_rebalanced": 0.7785101594684375,
+    assert d["timeline"][1] == {"step": 100, "utilization_rebalanced": 0.7828850410649115,
                                 "utilization_static": 0.41479842774942655}
     json.dumps(d)
 

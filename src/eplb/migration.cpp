@@ -11,9 +11,9 @@ namespace epx::eplb {
 
 namespace {
 
+using detail::ceil_log2;
 using detail::Layout;
 using detail::RefineBudget;
-using detail::ceil_log2;
 
 // Units of greedy_match: sorting n^2 pairs.
 int64_t match_units(int64_t n) { return n * n * (1 + ceil_log2(n * n)); }
@@ -136,10 +136,9 @@ double candidate_balancedness(const double* w, const std::vector<int32_t>& phy2l
 // Local search from the current layer: swaps (2 moves) and replica conversions (1 move) around the most
 // loaded GPU, each chosen to lower the layer's max GPU load the most, until `target` balancedness is
 // reached. Swaps across nodes only exchange single-replica experts and conversions stay inside the node
-// that already hosts the expert, so an expert's replicas never spread over nodes. Each step costs about
-// (slots per GPU + 3) x 2 x (slots + GPUs) units of `budget` (every pair of a max-GPU slot and a slot, and a
-// full re-sum per trial conversion); it stops at the first step that does not fit. Returns the balancedness
-// reached.
+// that already hosts the expert, so an expert's replicas never spread over more nodes than in `mix`. Each step costs
+// about (slots per GPU + 3) x 2 x (slots + GPUs) units of `budget` (every pair of a max-GPU slot and a slot, and a full
+// re-sum per trial conversion); it stops at the first step that does not fit. Returns the balancedness reached.
 double local_search(const double* w, const Layout& lay, int num_nodes_real, double target, RefineBudget& budget,
                     std::vector<int32_t>& mix) {
   const int P = lay.num_physical, spg = lay.slots_per_gpu, R = lay.num_gpus;
@@ -262,7 +261,32 @@ void migrate_layer(const double* w, const Layout& lay, int num_nodes, const int3
   const std::vector<int32_t> target_layer = relabel(fresh, cur, lay, budget);
   const double target = candidate_balancedness(w, target_layer, lay, cnt) - max_balance_loss;
 
+  // NOTE: node locality. With a hierarchical layout the fresh (and renamed) layer keeps each expert's replicas
+  // inside one node, since a replica on a second node doubles the expert's inter-node traffic. Mixes of the
+  // current and the target layer can split an expert (and so can the current layer itself, e.g. the trivial
+  // one), so a candidate is taken only when no expert spans two nodes.
+  const bool keep_local = lay.hierarchical && lay.num_nodes > 1;
+  const int ppn = lay.physical_per_node;
+  std::vector<int> target_node(num_logical, -1), node_of(num_logical, -1);
+  for (int s = 0; s < P; ++s) target_node[target_layer[s]] = s / ppn;
+  // The first expert (in slot order) whose replicas sit on two nodes, or -1.
+  auto split_expert = [&](const std::vector<int32_t>& m) {
+    if (!keep_local) return -1;
+    std::fill(node_of.begin(), node_of.end(), -1);
+    for (int s = 0; s < P; ++s) {
+      int& node = node_of[m[s]];
+      if (node < 0) {
+        node = s / ppn;
+      } else if (node != s / ppn) {
+        return static_cast<int>(m[s]);
+      }
+    }
+    return -1;
+  };
+  const int64_t split_units = keep_local ? int64_t{P} + num_logical : 0;
+
   std::vector<int32_t> mix(cur, cur + P);
+  bool mix_split = split_expert(mix) >= 0;
   std::vector<char> switched(lay.num_gpus, 0);
   auto differs = [&](int g) {
     return !std::equal(mix.begin() + static_cast<int64_t>(g) * spg, mix.begin() + static_cast<int64_t>(g + 1) * spg,
@@ -274,13 +298,13 @@ void migrate_layer(const double* w, const Layout& lay, int num_nodes, const int3
   };
   // NOTE: units of the GPU-by-GPU adoption: a trial copies the layer, scores it and counts its moves; each
   // closure step scans the experts and slots once more and rescores.
-  const int64_t trial_units = 3 * int64_t{P} + num_logical + lay.num_gpus;
-  const int64_t closure_units = 2 * (int64_t{P} + num_logical) + lay.num_gpus;
+  const int64_t trial_units = 3 * int64_t{P} + num_logical + lay.num_gpus + split_units;
+  const int64_t closure_units = 2 * (int64_t{P} + num_logical) + lay.num_gpus + split_units;
   double cur_bal = candidate_balancedness(w, mix, lay, cnt);
   std::vector<int32_t> trial, best_trial;
   std::vector<char> trial_switched, best_switched;
   bool out_of_budget = false;
-  while (cur_bal < target && !out_of_budget && budget.spend(P)) {
+  while ((cur_bal < target || mix_split) && !out_of_budget && budget.spend(P)) {
     double best_bal = -std::numeric_limits<double>::infinity();
     int64_t best_moves = 0;
     for (int g = 0; g < lay.num_gpus && !out_of_budget; ++g) {
@@ -293,27 +317,37 @@ void migrate_layer(const double* w, const Layout& lay, int num_nodes, const int3
       trial_switched = switched;
       switch_gpu(trial, g);
       trial_switched[g] = 1;
-      // Closure: also adopt the GPUs where the target keeps experts that this switch left without a replica.
+      // Closure: also adopt the GPUs where the target keeps experts that this switch left without a replica,
+      // and, for an expert on two nodes, the GPUs that hold it outside its target node (target GPUs hold it
+      // only in its target node, so this ends with the expert in one node).
       double b = candidate_balancedness(w, trial, lay, cnt);
-      while (b < 0) {
+      int split = b < 0 ? -1 : split_expert(trial);
+      while (b < 0 || split >= 0) {
         if (!budget.spend(closure_units)) {
           out_of_budget = true;
           break;
         }
-        int missing = -1;
-        for (int e = 0; e < num_logical && missing < 0; ++e) {
-          if (cnt[e] == 0) missing = e;
-        }
         int host = -1;
-        for (int s = 0; s < P && host < 0; ++s) {
-          if (target_layer[s] == missing && !trial_switched[s / spg]) host = s / spg;
+        if (b < 0) {
+          int missing = -1;
+          for (int e = 0; e < num_logical && missing < 0; ++e) {
+            if (cnt[e] == 0) missing = e;
+          }
+          for (int s = 0; s < P && host < 0; ++s) {
+            if (target_layer[s] == missing && !trial_switched[s / spg]) host = s / spg;
+          }
+        } else {
+          for (int s = 0; s < P && host < 0; ++s) {
+            if (trial[s] == split && s / ppn != target_node[split] && !trial_switched[s / spg]) host = s / spg;
+          }
         }
         if (host < 0) break;
         switch_gpu(trial, host);
         trial_switched[host] = 1;
         b = candidate_balancedness(w, trial, lay, cnt);
+        split = b < 0 ? -1 : split_expert(trial);
       }
-      if (b < 0) continue;
+      if (b < 0 || split >= 0) continue;
       int64_t moves = 0;
       for (int s = 0; s < P; ++s) moves += trial[s] != cur[s];
       if (b > best_bal || (b == best_bal && moves < best_moves)) {
@@ -323,15 +357,18 @@ void migrate_layer(const double* w, const Layout& lay, int num_nodes, const int3
         best_switched = trial_switched;
       }
     }
-    if (!(best_bal > cur_bal)) break;
+    // A split current layer takes the best node-local trial even when it is less balanced.
+    const bool found = best_bal > -std::numeric_limits<double>::infinity();
+    if (!found || !(best_bal > cur_bal || mix_split)) break;
     mix = best_trial;
     switched = best_switched;
     cur_bal = best_bal;
+    mix_split = false;
   }
-  if (cur_bal < target) mix = target_layer;
+  if (cur_bal < target || mix_split) mix = target_layer;
   // The local search often reaches the target with fewer moves than adopting whole GPUs.
   std::vector<int32_t> searched(cur, cur + P);
-  if (local_search(w, lay, num_nodes, target, budget, searched) >= target) {
+  if (local_search(w, lay, num_nodes, target, budget, searched) >= target && split_expert(searched) < 0) {
     int64_t moves_mix = 0, moves_searched = 0;
     for (int s = 0; s < P; ++s) moves_mix += mix[s] != cur[s], moves_searched += searched[s] != cur[s];
     if (moves_searched < moves_mix) mix = std::move(searched);

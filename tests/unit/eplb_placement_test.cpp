@@ -1,7 +1,8 @@
 // EPLB placement: hand-computed small placements, the deepseek policy against a literal reference of the
 // published algorithm and against brute force, invariants of every policy on random inputs (Zipf with
-// exponents 0-1.5, uniform, with zeros and ties), default >= deepseek, migration-aware bounds, bad input,
-// and the default policy's work bound on large shapes.
+// exponents 0-1.5, uniform, with zeros and ties), default >= deepseek, migration-aware bounds and node
+// locality, bad input, and the default policy's work bound on large shapes.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -571,6 +572,60 @@ TEST(EplbPlacement, RejectsBadInput) {
   expect_error([&] { rebalance_migration_aware(ok, {4, 1, 1, 1}, {0, 1, 2, 2}); }, "logical expert 3 has no replica");
   expect_error([&] { rebalance_migration_aware(ok, {4, 1, 1, 1}, {0, 1, 2, 3}, {1.5}); }, "max_balance_loss");
   expect_error([] { policy_from_string("greedy"); }, "'greedy'");
+}
+
+// ---- node locality of migration-aware placements (issue 16) -----------------------------------------
+// The hierarchical policy keeps an expert's replicas inside one node (a replica on a second node doubles the
+// expert's inter-node traffic). Mixing the current and the fresh layer GPU by GPU could leave an expert on
+// two nodes; so could keeping a current layer that already splits experts (the trivial one does whenever
+// slots outnumber experts). Random shapes (2-4 nodes, 1-4 GPUs per node, 0-3 redundant slots per GPU beyond
+// the experts' share), random loads (Zipf 0-1.5, uniform with zeros) and three kinds of current layer.
+TEST(EplbPlacement, MigrationAwareKeepsEveryExpertInOneNode) {
+  std::mt19937_64 rng(16);
+  int64_t split_currents = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const int nodes = 2 + static_cast<int>(rng() % 3), gpus_per_node = 1 + static_cast<int>(rng() % 4);
+    const int gpus = nodes * gpus_per_node, groups = nodes * (1 + static_cast<int>(rng() % 2));
+    const int E = groups * (1 + static_cast<int>(rng() % 6));
+    const int slots_per_gpu = (E + gpus - 1) / gpus + static_cast<int>(rng() % 4);
+    const PlacementShape shape{gpus * slots_per_gpu, groups, nodes, gpus};
+    const int L = 3, P = shape.num_physical;
+    Weights w;
+    if (trial % 3 == 2) {
+      std::uniform_real_distribution<double> u(0.0, 100.0);
+      w.assign(L, std::vector<double>(E));
+      for (auto& row : w) {
+        for (double& x : row) x = rng() % 4 == 0 ? 0.0 : u(rng);
+      }
+    } else {
+      w = zipf_loads(L, E, 0.5 * static_cast<double>(rng() % 4), 10000, rng());
+    }
+    const std::vector<int32_t> currents[] = {trivial_phy2log(L, E, P), shuffled_placement(L, E, P, rng()),
+                                             rebalance(zipf_loads(L, E, 1.0, 10000, rng()), shape).phy2log};
+    for (const auto& current : currents) {
+      for (int l = 0; l < L; ++l) {
+        std::vector<int> node_of(E, -1);
+        bool split = false;
+        for (int s = 0; s < P; ++s) {
+          const int e = current[l * P + s], node = s / (P / nodes);
+          split |= node_of[e] >= 0 && node_of[e] != node;
+          node_of[e] = node;
+        }
+        split_currents += split;
+      }
+      for (double loss : {0.0, 0.01, 0.05}) {
+        const MigrationResult r = rebalance_migration_aware(w, shape, current, {loss});
+        ASSERT_TRUE(r.placement.hierarchical);
+        SCOPED_TRACE(fmt::format("trial {}: {} experts on {} slots, {} nodes x {} GPUs, {} groups, loss {}", trial, E,
+                                 P, nodes, gpus_per_node, groups, loss));
+        check_invariants(r.placement, w, shape, false);  // every expert present, each in one node
+        const auto fresh = balancedness_per_layer(w, rebalance(w, shape).phy2log, P, gpus);
+        const auto got = balancedness_per_layer(w, r.placement.phy2log, P, gpus);
+        for (int l = 0; l < L; ++l) ASSERT_GE(got[l], fresh[l] - loss - 1e-12) << "layer " << l;
+      }
+    }
+  }
+  EXPECT_GT(split_currents, 100);  // the inputs do exercise current layers that split experts
 }
 
 }  // namespace
