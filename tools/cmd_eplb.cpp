@@ -156,7 +156,8 @@ struct SimArgs {
   int layers = 61, experts = 256, replicas = 288, groups = 8, nodes = 4, gpus = 32;
   double exponent = 1.0, drift = 0.01;
   int steps = 1000, tokens = 4096, topk = 8, buffer = 100, every = 100, layers_per_step = 8, report_every = 50;
-  double threshold = 0.95, max_balance_loss = 0.01;
+  double threshold = 1.0, max_balance_loss = 0.01;  // threshold: SGLang's default, never skip
+  std::string gate = "mean_step";
   std::string policy = "default";
   std::string plot;  // PNG path: drawn by the Python package's epx.plot (matplotlib)
   bool no_migration = false;
@@ -238,6 +239,7 @@ void run_simulate(const SimArgs& a) {
   opt.num_groups = a.groups;
   opt.rebalance_every_steps = a.every;
   opt.utilization_threshold = a.threshold;
+  opt.gate_statistic = gate_statistic_from_string(a.gate);
   opt.layers_per_step = a.layers_per_step;
   opt.policy = policy_from_string(a.policy);
   opt.migration_aware = !a.no_migration;
@@ -251,6 +253,7 @@ void run_simulate(const SimArgs& a) {
   LoadRecorder fixed(a.layers, a.experts, a.replicas, a.gpus, rec);  // the same load, never rebalanced
 
   nlohmann::json timeline = nlohmann::json::array();
+  nlohmann::json rebalances = nlohmann::json::array();
   std::vector<int64_t> physical;
   double sum_with = 0, sum_without = 0;
   int64_t computed = 0, skipped = 0;
@@ -260,6 +263,7 @@ void run_simulate(const SimArgs& a) {
     const StepReport report = managed.step(physical);
     computed += report.rebalance_computed;
     skipped += report.rebalance_skipped;
+    if (report.rebalance_due) rebalances.push_back(nlohmann::json::parse(to_json(report.rebalance)));
     to_physical(initial, logical, step, physical);
     fixed.record_pass(initial, physical);
     fixed.end_step();
@@ -286,6 +290,7 @@ void run_simulate(const SimArgs& a) {
                      {"buffer_steps", a.buffer},
                      {"rebalance_every", a.every},
                      {"threshold", a.threshold},
+                     {"gate_statistic", a.gate},
                      {"layers_per_step", a.layers_per_step},
                      {"policy", a.policy},
                      {"migration_aware", !a.no_migration},
@@ -297,6 +302,7 @@ void run_simulate(const SimArgs& a) {
   out["mean_utilization_static"] = sum_without / a.steps;
   out["rebalances_computed"] = computed;
   out["rebalances_skipped"] = skipped;
+  out["rebalances"] = std::move(rebalances);
   out["moved_experts"] = managed.total_moved_experts();
   out["moved_bytes"] = static_cast<double>(managed.total_moved_experts()) * a.expert_bytes;
   std::cout << out.dump() << "\n";
@@ -360,9 +366,15 @@ void add_eplb(CLI::App& app) {
   s->add_option("--every", sim->every, "Rebalance every N steps (>= --buffer)")
       ->capture_default_str()
       ->check(int_in(1, kMaxInt));
-  s->add_option("--threshold", sim->threshold, "Rebalance only below this utilization")
+  s->add_option("--threshold", sim->threshold,
+                "Skip a due rebalance only when the gate statistic is above this (1 = never skip, SGLang's default)")
       ->capture_default_str()
       ->check(number_in(0, 1));
+  s->add_option("--gate", sim->gate,
+                "Gate statistic: mean_step (SGLang's: mean of per-step utilizations since the last due rebalance) or "
+                "buffer (one ratio of the buffer's summed counts)")
+      ->capture_default_str()
+      ->check(one_of({"mean_step", "buffer"}));
   s->add_option("--layers-per-step", sim->layers_per_step, "Layers applied per step (0 = all)")
       ->capture_default_str()
       ->check(int_in(0, kMaxInt));

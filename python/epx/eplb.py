@@ -160,12 +160,12 @@ def choose_replicas(location: ExpertLocation, layer: int, topk_logical: Any, gpu
 
 def make_recorder(num_layers: int, num_logical: int, num_physical: int, num_gpus: int, buffer_steps: int = 1000,
                   mode: Union[RecordMode, str] = "stat") -> LoadRecorder:
-    """A LoadRecorder, with the mode given by enum or name (``"stat"``, ``"per_pass"``, ``"per_token"``)."""
+    """A LoadRecorder, with the mode given by enum or name (``"stat"``, ``"stat_approx"``, ``"per_pass"``, ``"per_token"``)."""
     return LoadRecorder(num_layers, num_logical, num_physical, num_gpus, buffer_steps, enum_arg(RecordMode, mode, "mode"))
 
 
 def make_manager(initial: ExpertLocation, *, buffer_steps: int = 1000, record_mode: Union[RecordMode, str] = "stat",
-                 num_groups: int = 1, rebalance_every_steps: int = 1000, utilization_threshold: float = 0.9,
+                 num_groups: int = 1, rebalance_every_steps: int = 1000, utilization_threshold: float = 1.0,
                  layers_per_step: int = 0, policy: Union[Policy, str] = "default", migration_aware: bool = True,
                  max_balance_loss: float = 0.01) -> RebalanceManager:
     """A RebalanceManager with enums given by enum or name; see RebalanceManager for the options."""
@@ -273,7 +273,7 @@ class _Splitter:
 
 def simulate(layers: int = 61, experts: int = 256, replicas: int = 288, groups: int = 8, nodes: int = 4,
              gpus: int = 32, exponent: float = 1.0, drift: float = 0.01, steps: int = 1000, tokens: int = 4096,
-             topk: int = 8, buffer: int = 100, every: int = 100, threshold: float = 0.95, layers_per_step: int = 8,
+             topk: int = 8, buffer: int = 100, every: int = 100, threshold: float = 1.0, layers_per_step: int = 8,
              policy: str = "default", migration_aware: bool = True, max_balance_loss: float = 0.01, seed: int = 1,
              expert_bytes: float = 3.0 * 7168 * 2048, report_every: int = 50) -> SimulationResult:
     """Serving with a drifting Zipf load, with and without EPLB: ``epx eplb simulate`` in Python.

@@ -398,6 +398,8 @@ size_t num_layers_of(const LoadRecorder& r) {
 void bind_recorder(nb::module_& m) {
   nb::enum_<RecordMode>(m, "RecordMode", "What the load recorder keeps besides per-step counts.")
       .value("stat", RecordMode::kStat, "Per-step counts only.")
+      .value("stat_approx", RecordMode::kStatApprox,
+             "As stat, for normal-dispatch receive counts rounded up to expert_alignment (SGLang's stat_approx).")
       .value("per_pass", RecordMode::kPerPass, "Also each forward pass's counts (passes()).")
       .value("per_token", RecordMode::kPerToken, "Also each token's chosen slots (tokens()).");
 
@@ -492,10 +494,12 @@ void bind_manager(nb::module_& m) {
           nb::rv_policy::automatic, "int32 [num_physical]");
   nb::class_<StepReport>(m, "StepReport", "What one RebalanceManager.step() did.")
       .def_ro("step", &StepReport::step, "Index of the step just recorded.")
-      .def_ro("utilization", &StepReport::utilization, "Over the whole buffer, at this step.")
+      .def_ro("utilization", &StepReport::utilization,
+              "Over the whole buffer (one ratio of summed counts), at this step.")
       .def_ro("rebalance_computed", &StepReport::rebalance_computed)
       .def_ro("rebalance_skipped", &StepReport::rebalance_skipped,
-              "A rebalance was due but utilization was >= the threshold.")
+              "A rebalance was due but the gate statistic (SGLang's: mean per-step utilization since the last due "
+              "rebalance) was strictly above the threshold.")
       .def_ro("updates", &StepReport::updates, "Layers switched to the new placement in this step.")
       .def_ro("moved_experts", &StepReport::moved_experts, "Slots that changed in `updates`.");
 
@@ -518,7 +522,7 @@ void bind_manager(nb::module_& m) {
             new (self) RebalanceManager(initial, {buffer_steps, record_mode}, options);
           },
           nb::arg("initial"), nb::arg("buffer_steps") = 1000, nb::arg("record_mode") = RecordMode::kStat,
-          nb::arg("num_groups") = 1, nb::arg("rebalance_every_steps") = 1000, nb::arg("utilization_threshold") = 0.9,
+          nb::arg("num_groups") = 1, nb::arg("rebalance_every_steps") = 1000, nb::arg("utilization_threshold") = 1.0,
           nb::arg("layers_per_step") = 0, nb::arg("policy") = Policy::kDefault, nb::arg("migration_aware") = true,
           nb::arg("max_balance_loss") = 0.01)
       .def(
@@ -530,7 +534,7 @@ void bind_manager(nb::module_& m) {
           },
           nb::arg("physical_counts"),
           "Once per forward pass: records counts [num_layers, num_physical] under location, closes the step, and "
-          "rebalances every rebalance_every_steps steps (unless utilization >= the threshold).")
+          "rebalances every rebalance_every_steps steps (unless the gate statistic is strictly above the threshold).")
       .def_prop_ro(
           "location", [](const RebalanceManager& mgr) { return mgr.location(); },
           "A copy of the placement in force (pending layers applied so far).")

@@ -11,6 +11,8 @@ const char* to_string(RecordMode mode) noexcept {
   switch (mode) {
     case RecordMode::kStat:
       return "stat";
+    case RecordMode::kStatApprox:
+      return "stat_approx";
     case RecordMode::kPerPass:
       return "per_pass";
     case RecordMode::kPerToken:
@@ -21,10 +23,11 @@ const char* to_string(RecordMode mode) noexcept {
 
 RecordMode record_mode_from_string(const std::string& name) {
   if (name == "stat") return RecordMode::kStat;
+  if (name == "stat_approx") return RecordMode::kStatApprox;
   if (name == "per_pass") return RecordMode::kPerPass;
   if (name == "per_token") return RecordMode::kPerToken;
-  epx::detail::raise(ErrorCode::kInvalidArgument, "record mode must be 'stat', 'per_pass' or 'per_token', got '{}'",
-                     name);
+  epx::detail::raise(ErrorCode::kInvalidArgument,
+                     "record mode must be 'stat', 'stat_approx', 'per_pass' or 'per_token', got '{}'", name);
 }
 
 LoadRecorder::LoadRecorder(int num_layers, int num_logical, int num_physical, int num_gpus,
@@ -102,6 +105,16 @@ void LoadRecorder::record_tokens(const ExpertLocation& location, int layer, std:
 
 void LoadRecorder::end_step() {
   open_.index = num_steps_++;
+  const auto capacity = static_cast<size_t>(std::max(kMaxUtilizationWindow, options_.buffer_steps));
+  const double step_utilization = counts_utilization(open_.counts.data());
+  if (step_utilization_.size() < capacity) {
+    step_utilization_.push_back(step_utilization);
+  } else {
+    step_utilization_[step_utilization_head_] = step_utilization;
+    step_utilization_head_ = static_cast<int>((step_utilization_head_ + 1) % capacity);
+  }
+  last_step_count_sum_ = 0;
+  for (int32_t c : open_.counts) last_step_count_sum_ += c;
   Step next;
   next.counts.assign(open_.counts.size(), 0);
   for (size_t i = 0; i < buffer_sum_.size(); ++i) buffer_sum_[i] += open_.counts[i];
@@ -120,6 +133,9 @@ void LoadRecorder::clear() {
   ring_.clear();
   ring_head_ = 0;
   std::fill(buffer_sum_.begin(), buffer_sum_.end(), 0);
+  step_utilization_.clear();
+  step_utilization_head_ = 0;
+  last_step_count_sum_ = 0;
   open_ = Step{};
   open_.counts.assign(static_cast<size_t>(num_layers_) * num_physical_, 0);
 }
@@ -158,23 +174,59 @@ std::vector<int64_t> LoadRecorder::logical_loads(int window) const {
   return out;
 }
 
+namespace {
+
+// (mean GPU load + 1e-5) / (max GPU load + 1e-5) of one layer's slot counts, as SGLang's compute_utilization_rate.
+template <typename Count>
+double layer_utilization(const Count* counts, int num_physical, int num_gpus, std::vector<double>& gpu) {
+  const int spg = num_physical / num_gpus;
+  gpu.assign(num_gpus, 0.0);
+  for (int s = 0; s < num_physical; ++s) gpu[s / spg] += static_cast<double>(counts[s]);
+  double sum = 0, max_load = 0;
+  for (double v : gpu) {
+    sum += v;
+    max_load = std::max(max_load, v);
+  }
+  return (sum / num_gpus + 1e-5) / (max_load + 1e-5);
+}
+
+}  // namespace
+
 std::vector<double> LoadRecorder::utilization_per_layer(int window) const {
   const auto loads = physical_loads(window);
-  const int spg = num_physical_ / num_gpus_;
   std::vector<double> out(num_layers_);
-  std::vector<double> gpu(num_gpus_);
+  std::vector<double> gpu;
   for (int l = 0; l < num_layers_; ++l) {
-    std::fill(gpu.begin(), gpu.end(), 0.0);
-    for (int s = 0; s < num_physical_; ++s)
-      gpu[s / spg] += static_cast<double>(loads[static_cast<int64_t>(l) * num_physical_ + s]);
-    double sum = 0, max_load = 0;
-    for (double v : gpu) {
-      sum += v;
-      max_load = std::max(max_load, v);
-    }
-    out[l] = (sum / num_gpus_ + 1e-5) / (max_load + 1e-5);
+    out[l] = layer_utilization(loads.data() + static_cast<int64_t>(l) * num_physical_, num_physical_, num_gpus_, gpu);
   }
   return out;
+}
+
+double LoadRecorder::counts_utilization(const int32_t* counts) const {
+  std::vector<double> gpu;
+  double sum = 0;
+  for (int l = 0; l < num_layers_; ++l) {
+    sum += layer_utilization(counts + static_cast<int64_t>(l) * num_physical_, num_physical_, num_gpus_, gpu);
+  }
+  return sum / num_layers_;
+}
+
+std::vector<double> LoadRecorder::step_utilizations(int window) const {
+  EPX_CHECK_ARG(window >= 1, "window must be >= 1 step, got {}", window);
+  const size_t n = step_utilization_.size();
+  const size_t take = std::min(static_cast<size_t>(window), n);
+  std::vector<double> out;
+  out.reserve(take);
+  for (size_t i = n - take; i < n; ++i) out.push_back(step_utilization_[(step_utilization_head_ + i) % n]);
+  return out;
+}
+
+double LoadRecorder::mean_step_utilization(int window) const {
+  const auto values = step_utilizations(window);
+  if (values.empty()) return 1.0;
+  double sum = 0;
+  for (double v : values) sum += v;
+  return sum / static_cast<double>(values.size());
 }
 
 double LoadRecorder::utilization(int window) const {

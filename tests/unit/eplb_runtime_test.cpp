@@ -1,11 +1,15 @@
 // EPLB at run time: ExpertLocation (trivial start, validation, JSON round trip, set_layer), replica choice
 // (static locality and fairness, dynamic uniformity, rank invariance), the load recorder (hand-computed
 // utilization, windows, ring eviction, logical mapping across a placement change, per_pass/per_token) and
-// the rebalance manager (N >= buffer check, threshold skip, chunked application, placement from loads).
+// the rebalance manager (N >= buffer check, threshold skip, chunked application, placement from loads), and
+// SGLang's rebalance gate (issue 16): skip only strictly above the threshold (default 1: never), on the mean
+// of per-step utilizations since the last due rebalance, with SGLang's balancedness log line and JSON.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "epx/eplb/expert_location.h"
@@ -238,6 +242,162 @@ TEST(EplbManager, RebalancesInChunksFromRecordedLoads) {
   }
   EXPECT_TRUE(r.rebalance_skipped);
   EXPECT_FALSE(r.rebalance_computed);
+}
+
+TEST(EplbRecorder, PerStepUtilizationAsSglangPerPass) {
+  // 1 layer, 2 experts, 4 slots on 2 GPUs. SGLang's per-pass rate: (mean + 1e-5) / (max + 1e-5) of the
+  // pass's GPU counts; its windows average those rates.
+  const ExpertLocation a(1, 2, 4, 2, 1, {0, 1, 0, 1});
+  LoadRecorder rec(1, 2, 4, 2, {2, RecordMode::kStat});
+  EXPECT_EQ(rec.mean_step_utilization(10), 1.0);  // nothing recorded
+  EXPECT_EQ(rec.last_step_count_sum(), 0);
+  rec.record_pass(a, std::vector<int64_t>{4, 0, 0, 0});  // GPU loads 4, 0
+  rec.end_step();
+  rec.record_pass(a, std::vector<int64_t>{0, 0, 1, 3});  // GPU loads 0, 4
+  rec.end_step();
+  const double half = (2 + 1e-5) / (4 + 1e-5);
+  EXPECT_EQ(rec.step_utilizations(10), (std::vector<double>{half, half}));
+  EXPECT_EQ(rec.mean_step_utilization(10), half);
+  EXPECT_EQ(rec.utilization(10), 1.0);  // one ratio of the summed counts (4, 4) sees no imbalance
+  EXPECT_EQ(rec.last_step_count_sum(), 4);
+  rec.end_step();  // an empty step: rate 1, as SGLang's (0 + 1e-5) / (0 + 1e-5)
+  EXPECT_EQ(rec.step_utilizations(2), (std::vector<double>{half, 1.0}));
+  EXPECT_EQ(rec.mean_step_utilization(1), 1.0);
+  // The per-step values outlive the 2-step count ring: the last max(1000, buffer_steps) are kept.
+  for (int i = 0; i < 1000; ++i) rec.end_step();
+  EXPECT_EQ(rec.step_utilizations(5000).size(), 1000u);
+  expect_invalid([&] { rec.step_utilizations(0); }, "window must be >= 1");
+  rec.clear();
+  EXPECT_TRUE(rec.step_utilizations(10).empty());
+  EXPECT_EQ(record_mode_from_string("stat_approx"), RecordMode::kStatApprox);
+  EXPECT_STREQ(to_string(RecordMode::kStatApprox), "stat_approx");
+  expect_invalid([] { record_mode_from_string("approx"); }, "'stat', 'stat_approx', 'per_pass' or 'per_token'");
+}
+
+// Counts for the gate tests: 1 layer, 2 experts, 4 slots on 2 GPUs (slots 0, 1 on GPU 0).
+const ExpertLocation& gate_location() {
+  static const ExpertLocation loc(1, 2, 4, 2, 1, {0, 1, 0, 1});
+  return loc;
+}
+
+TEST(EplbManager, GateDefaultsAreSglangs) {
+  const ManagerOptions defaults;
+  EXPECT_EQ(defaults.utilization_threshold, 1.0);  // eplb_min_rebalancing_utilization_threshold
+  EXPECT_EQ(defaults.gate_statistic, GateStatistic::kMeanStepUtilization);
+  // Perfectly balanced steps have utilization exactly 1: SGLang skips only when strictly above the threshold,
+  // so the default still rebalances (epx skipped at >= 0.9 before).
+  ManagerOptions opt;
+  opt.rebalance_every_steps = 2;
+  RebalanceManager m(gate_location(), {2}, opt);
+  const std::vector<int64_t> balanced{1, 1, 1, 1};
+  EXPECT_FALSE(m.step(balanced).rebalance_due);
+  const StepReport r = m.step(balanced);
+  ASSERT_TRUE(r.rebalance_due);
+  EXPECT_EQ(r.rebalance.gate_utilization, 1.0);
+  EXPECT_TRUE(r.rebalance_computed);
+  EXPECT_FALSE(r.rebalance.skipped);
+  // A threshold equal to the statistic does not skip either; one below it does.
+  for (const auto& [threshold, skipped] : {std::pair{1.0, false}, std::pair{0.999, true}}) {
+    opt.utilization_threshold = threshold;
+    RebalanceManager g(gate_location(), {2}, opt);
+    g.step(balanced);
+    EXPECT_EQ(g.step(balanced).rebalance_skipped, skipped) << threshold;
+  }
+  for (double bad : {1.5, -0.1, std::numeric_limits<double>::quiet_NaN()}) {
+    opt.utilization_threshold = bad;
+    expect_invalid([&] { RebalanceManager(gate_location(), {2}, opt); },
+                   "utilization_threshold must be in [0, 1] (1 = never skip, SGLang's default)");
+  }
+  EXPECT_EQ(gate_statistic_from_string("buffer"), GateStatistic::kBufferUtilization);
+  expect_invalid([] { gate_statistic_from_string("sum"); }, "'mean_step' or 'buffer'");
+}
+
+TEST(EplbManager, GateAveragesPerStepUtilizationSinceTheLastDueRebalance) {
+  // Alternating hot GPUs: every step has rate (2 + 1e-5) / (4 + 1e-5) ~ 0.5, the buffer's summed counts are
+  // balanced (1.0). With threshold 0.9, SGLang's statistic (0.5) rebalances; the old summed-count ratio skipped.
+  const std::vector<int64_t> left{4, 0, 0, 0}, right{0, 0, 0, 4};
+  const double half = (2 + 1e-5) / (4 + 1e-5);
+  ManagerOptions opt;
+  opt.rebalance_every_steps = 4;
+  opt.utilization_threshold = 0.9;
+  opt.migration_aware = false;
+  RebalanceManager sglang(gate_location(), {2}, opt);
+  opt.gate_statistic = GateStatistic::kBufferUtilization;
+  RebalanceManager buffer(gate_location(), {2}, opt);
+  StepReport a, b;
+  for (int step = 0; step < 4; ++step) {
+    a = sglang.step(step % 2 == 0 ? left : right);
+    b = buffer.step(step % 2 == 0 ? left : right);
+  }
+  ASSERT_TRUE(a.rebalance_due && b.rebalance_due);
+  EXPECT_EQ(a.rebalance.gate_window_steps, 4);  // the steps since the start
+  EXPECT_DOUBLE_EQ(a.rebalance.gate_utilization, half);
+  EXPECT_TRUE(a.rebalance_computed);
+  EXPECT_EQ(b.rebalance.gate_window_steps, 2);  // the recorder buffer
+  EXPECT_EQ(b.rebalance.gate_utilization, 1.0);
+  EXPECT_TRUE(b.rebalance_skipped);
+  EXPECT_FALSE(b.rebalance_computed);
+
+  // The window restarts at every due rebalance (SGLang clears its history when it dumps the record): four
+  // balanced steps now give exactly 1, although the two half steps are still among the last 10.
+  opt.gate_statistic = GateStatistic::kMeanStepUtilization;
+  opt.utilization_threshold = 0.99;
+  RebalanceManager m(gate_location(), {2}, opt);
+  const std::vector<int64_t> balanced{1, 1, 1, 1};
+  for (int step = 0; step < 4; ++step) m.step(step < 2 ? left : balanced);
+  StepReport r;
+  for (int step = 0; step < 4; ++step) r = m.step(balanced);
+  ASSERT_TRUE(r.rebalance_due);
+  EXPECT_EQ(r.rebalance.gate_window_steps, 4);
+  EXPECT_EQ(r.rebalance.gate_utilization, 1.0);
+  EXPECT_TRUE(r.rebalance_skipped);
+  EXPECT_DOUBLE_EQ(r.rebalance.last_10_average_balancedness, (2 * half + 6) / 8);
+}
+
+TEST(EplbManager, ReportsBalancednessPerRebalanceAsSglangLogsIt) {
+  const std::vector<int64_t> hot{6, 0, 2, 0};  // expert 0 hot: GPU loads 6, 2
+  ManagerOptions opt;
+  opt.rebalance_every_steps = 2;
+  opt.migration_aware = false;
+  RebalanceManager m(gate_location(), {2}, opt);
+  m.step(hot);
+  const StepReport r = m.step(hot);
+  ASSERT_TRUE(r.rebalance_computed);
+  const RebalanceReport& rb = r.rebalance;
+  const double rate = (4 + 1e-5) / (6 + 1e-5);
+  EXPECT_EQ(rb.step, 1);
+  EXPECT_DOUBLE_EQ(rb.current_step_balancedness, rate);
+  EXPECT_DOUBLE_EQ(rb.last_10_average_balancedness, rate);
+  EXPECT_DOUBLE_EQ(rb.last_1000_average_balancedness, rate);
+  EXPECT_EQ(rb.gpu_physical_count_sum, 8);
+  // Logical loads 16 (expert 0) and 0: the trivial placement puts 8 + 8 on GPU 0's slot 0 and GPU 1's slot 2,
+  // i.e. balanced already by replica splitting: 1.0 before; the new placement is never worse here.
+  EXPECT_DOUBLE_EQ(rb.placement_balancedness_before, 1.0);
+  EXPECT_GE(rb.placement_balancedness_after, rb.placement_balancedness_before - 1e-12);
+  EXPECT_EQ(to_log_line(rb).rfind("[Expert Balancedness] forward_pass_id=1 current_pass_balancedness=0.667 "
+                                  "last_10_average_balancedness=0.667 last_100_average_balancedness=0.667 "
+                                  "last_1000_average_balancedness=0.667 gpu_physical_count_sum=8 "
+                                  "[EPLBManager] rebalance computed: GPU utilization 0.667 (mean_step over 2 steps, "
+                                  "threshold 1.00) placement_balancedness 1.000 -> ",
+                                  0),
+            0u)
+      << to_log_line(rb);
+  const auto j = nlohmann::json::parse(to_json(rb));
+  EXPECT_EQ(j["step"], 1);
+  EXPECT_EQ(j["gpu_physical_count_sum"], 8);
+  EXPECT_EQ(j["gate_statistic"], "mean_step");
+  EXPECT_EQ(j["skipped"], false);
+  EXPECT_DOUBLE_EQ(j["current_step_balancedness"].get<double>(), rate);
+  EXPECT_EQ(j.size(), 15u);
+
+  RebalanceReport skipped = rb;
+  skipped.skipped = true;
+  skipped.gate_utilization = 0.95;
+  skipped.threshold = 0.9;
+  EXPECT_NE(to_log_line(skipped).find("[EPLBManager] Skipped ep rebalancing: current GPU utilization 0.95 > minimum "
+                                      "rebalance threshold 0.90 (mean_step over 2 steps)"),
+            std::string::npos)
+      << to_log_line(skipped);
 }
 
 }  // namespace

@@ -218,6 +218,11 @@ class RecordMode(enum.Enum):
     stat = 0
     """Per-step counts only."""
 
+    stat_approx = 3
+    """
+    As stat, for normal-dispatch receive counts rounded up to expert_alignment (SGLang's stat_approx).
+    """
+
     per_pass = 1
     """Also each forward pass's counts (passes())."""
 
@@ -305,14 +310,16 @@ class StepReport:
 
     @property
     def utilization(self) -> float:
-        """Over the whole buffer, at this step."""
+        """Over the whole buffer (one ratio of summed counts), at this step."""
 
     @property
     def rebalance_computed(self) -> bool: ...
 
     @property
     def rebalance_skipped(self) -> bool:
-        """A rebalance was due but utilization was >= the threshold."""
+        """
+        A rebalance was due but the gate statistic (SGLang's: mean per-step utilization since the last due rebalance) was strictly above the threshold.
+        """
 
     @property
     def updates(self) -> list[LayerUpdate]:
@@ -327,11 +334,11 @@ class RebalanceManager:
     Records load every forward pass, periodically computes a new placement and applies it layers_per_step layers per step. Not thread-safe.
     """
 
-    def __init__(self, initial: ExpertLocation, buffer_steps: int = 1000, record_mode: RecordMode = RecordMode.stat, num_groups: int = 1, rebalance_every_steps: int = 1000, utilization_threshold: float = 0.9, layers_per_step: int = 0, policy: Policy = Policy.default, migration_aware: bool = True, max_balance_loss: float = 0.01) -> None: ...
+    def __init__(self, initial: ExpertLocation, buffer_steps: int = 1000, record_mode: RecordMode = RecordMode.stat, num_groups: int = 1, rebalance_every_steps: int = 1000, utilization_threshold: float = 1.0, layers_per_step: int = 0, policy: Policy = Policy.default, migration_aware: bool = True, max_balance_loss: float = 0.01) -> None: ...
 
     def step(self, physical_counts: object) -> StepReport:
         """
-        Once per forward pass: records counts [num_layers, num_physical] under location, closes the step, and rebalances every rebalance_every_steps steps (unless utilization >= the threshold).
+        Once per forward pass: records counts [num_layers, num_physical] under location, closes the step, and rebalances every rebalance_every_steps steps (unless the gate statistic is strictly above the threshold).
         """
 
     @property
