@@ -54,6 +54,7 @@ class DispatchCounts {
   std::vector<int64_t> take();
 
   int rank() const { return rank_; }
+  int num_gpus() const { return num_gpus_; }
   RecordMode mode() const { return mode_; }
 
  private:
