@@ -252,6 +252,14 @@ class BatchMetadataSync {
   // Throws kInvalidArgument for a rank outside [0, num_ranks) or this rank itself in the list; kUnsupported
   // for a non-empty list on the cuda backend (an NCCL all-gather needs every rank). An empty list is sync(local).
   BatchSyncResult sync(const std::optional<BatchMetadata>& local, std::span<const int> inactive_ranks);
+  // Instead of sync(): this rank cannot make this step's sync (e.g. the Python binding could not convert its
+  // arguments), but keeps the group in step. Host backend with attn_dp_size > 1: takes part in the collective
+  // with an error flag, so every peer's sync raises Error(kPeerFailure) naming this rank and `reason` at once;
+  // it waits (bounded by the group's timeout) until every peer outside `inactive_ranks` has seen the flag, so
+  // pass the step's list when it is known (entries outside [0, num_ranks) and this rank are ignored). Cuda
+  // backend: does nothing (an NCCL all-gather has no error flag: the peers wait for their timeout); with
+  // attn_dp_size 1 there is no collective and nothing is done. Never throws; the caller raises its own error.
+  void fail(const std::string& reason, std::span<const int> inactive_ranks = {}) noexcept;
 
   double carried_wait_s() const { return carried_wait_s_; }
 

@@ -221,4 +221,20 @@ BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& loca
   return result;
 }
 
+void BatchMetadataSync::fail(const std::string& reason, std::span<const int> inactive_ranks) noexcept {
+  if (layout_.attn_dp_size() == 1) return;
+  auto* host_group = dynamic_cast<host::HostGroup*>(&group_);
+  if (host_group == nullptr) return;
+  try {
+    const int num_ranks = group_.num_ranks();
+    std::vector<bool> inactive(static_cast<size_t>(num_ranks), false);
+    for (const int r : inactive_ranks) {
+      if (r >= 0 && r < num_ranks && r != group_.rank()) inactive[r] = true;
+    }
+    host_group->fail(fmt::format("BatchMetadataSync::sync: {}", reason), &inactive);
+  } catch (...) {  // out of memory for the mask: peers still learn that this rank failed
+    host_group->fail("BatchMetadataSync::sync failed on this rank");
+  }
+}
+
 }  // namespace epx

@@ -167,7 +167,7 @@ void HostGroup::release(const std::vector<bool>* skip, std::vector<int>* timed_o
   report(rank_, "release", seq, missing, w.timeout_ms, timed_out);
 }
 
-void HostGroup::fail(const std::string& reason) noexcept {
+void HostGroup::fail(const std::string& reason, const std::vector<bool>* skip) noexcept {
   const uint64_t seq = ++seq_;
   HostWorld& w = *world_;
   std::unique_lock lock(w.mutex);
@@ -182,7 +182,7 @@ void HostGroup::fail(const std::string& reason) noexcept {
   w.release_seq[rank_] = seq;  // reads nothing
   w.cv.notify_all();
   // Peers release once they have seen the flag; keep the slot until then (or the timeout).
-  w.wait_for(lock, w.release_seq, seq, nullptr);
+  w.wait_for(lock, w.release_seq, seq, skip);
 }
 
 std::shared_ptr<void> HostGroup::world_object(const std::string& key,

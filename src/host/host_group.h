@@ -60,9 +60,10 @@ class HostGroup final : public Group {
   // Phase 2. Same skip/timeout rules; ranks that time out here are appended to `timed_out`.
   void release(const std::vector<bool>* skip = nullptr, std::vector<int>* timed_out = nullptr);
   // Instead of exchange() + release(): this rank failed before it could publish (`reason` says why).
-  // Completes the collective with an error flag, waiting (bounded) until every peer has seen it. Never
-  // throws; the caller raises its own error afterwards.
-  void fail(const std::string& reason) noexcept;
+  // Completes the collective with an error flag, waiting (bounded) until every peer not in `skip` (the same
+  // optional [num_ranks] mask the peers pass to exchange()) has seen it. Never throws; the caller raises its
+  // own error afterwards.
+  void fail(const std::string& reason, const std::vector<bool>* skip = nullptr) noexcept;
   // The number of this rank's last collective (1, 2, ...): the same on every rank that made the same calls,
   // so it names a collective across ranks (e.g. the dispatch that made a handle).
   uint64_t seq() const { return seq_; }

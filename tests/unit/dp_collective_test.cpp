@@ -831,6 +831,60 @@ TEST(BatchMetadata, InactiveRanksAreCheckedAndMustAgree) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
 }
 
+// A rank that cannot make a step's sync (the Python binding could not convert its arguments) calls fail() instead:
+// its peers raise kPeerFailure naming it at once instead of waiting for the 60 s timeout, and the next step's sync
+// works on every rank (the collective numbers stayed in step). 4 ranks, pure DP. Second round: rank 3 is dead and
+// left out; rank 1 fails with the list, so it does not wait for rank 3 either.
+TEST(BatchMetadata, FailKeepsTheGroupInStepAndPeersRaiseAtOnce) {
+  const auto layout = ParallelLayout::pure_dp(4);
+  auto groups = create_host_groups(4, {.timeout_ms = 60'000});
+  BatchMetadata decode;
+  decode.forward_mode = ForwardMode::kDecode;
+  decode.num_tokens = 3;
+  std::atomic<int> num_peer_failures{0};
+  const auto start = std::chrono::steady_clock::now();
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    BatchMetadataSync sync(group, layout);
+    if (rank == 1) {
+      sync.fail("local: expected a BatchMetadata or None, got str");
+    } else {
+      try {
+        sync.sync(decode);
+        ADD_FAILURE() << "rank " << rank << " did not see rank 1 fail";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
+        EXPECT_NE(std::string(e.what()).find("expected a BatchMetadata or None, got str"), std::string::npos)
+            << e.what();
+        ++num_peer_failures;
+      }
+    }
+    const BatchSyncResult next = sync.sync(decode);
+    EXPECT_EQ(next.global.num_tokens, (std::vector<int64_t>{3, 3, 3, 3}));
+  });
+  EXPECT_EQ(num_peer_failures.load(), 3);
+
+  const std::vector<int> dead{3};
+  num_peer_failures = 0;
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    if (rank == 3) return;
+    BatchMetadataSync sync(group, layout);
+    if (rank == 1) {
+      sync.fail("inactive_ranks: expected a sequence of ints", dead);
+    } else {
+      try {
+        sync.sync(decode, dead);
+        ADD_FAILURE() << "rank " << rank << " did not see rank 1 fail";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
+        ++num_peer_failures;
+      }
+    }
+    EXPECT_EQ(sync.sync(decode, dead).global.num_tokens, (std::vector<int64_t>{3, 3, 3, 0}));
+  });
+  EXPECT_EQ(num_peer_failures.load(), 2);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+}
+
 TEST(BatchMetadata, RejectsBadRecords) {
   const auto layout = ParallelLayout::pure_dp(2);
   auto groups = create_host_groups(2, {.timeout_ms = 200});
