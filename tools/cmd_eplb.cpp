@@ -17,6 +17,7 @@
 #include "epx/eplb/expert_location.h"
 #include "epx/eplb/manager.h"
 #include "epx/eplb/placement.h"
+#include "epx/eplb/sglang_format.h"
 #include "epx/eplb/synthetic.h"
 #include "epx/error.h"
 
@@ -82,6 +83,7 @@ void check_log2phy_fits(const Placement& p) {
 
 struct PlanArgs {
   std::string weights, current, policy = "default";
+  std::string format = "epx";  // "sglang": only SGLang's --init-expert-location object
   int replicas = 0, groups = 1, nodes = 1, gpus = 1;
   double max_balance_loss = 0.01;
   bool fresh = false;
@@ -124,6 +126,11 @@ void run_plan(const PlanArgs& a) {
     placement = std::move(u.placement);
     phyrank = std::move(u.phyrank);
     out["mode"] = "fresh";
+  }
+  if (a.format == "sglang") {
+    // NOTE: the only key: SGLang passes the object's keys as keywords of init_by_mapping, which takes no other.
+    std::cout << to_sglang_expert_location_json(placement.phy2log, num_layers) << "\n";
+    return;
   }
   check_log2phy_fits(placement);
   eplb::detail::build_log2phy(placement, phyrank);
@@ -316,8 +323,9 @@ void add_eplb(CLI::App& app) {
   auto plan_args = std::make_shared<PlanArgs>();
   auto* plan = eplb->add_subcommand("plan", "Compute an expert placement from a load file; prints JSON");
   plan->add_option("--weights", plan_args->weights,
-                   "JSON {\"weights\": [[...], ...]} or CSV (plain decimal numbers), layers x logical; loads finite, "
-                   ">= 0, each row's sum finite; a regular file of at most " +
+                   "JSON {\"weights\": [[...], ...]}, SGLang's {\"logical_count\": ...} (2-D, or 3-D with the passes "
+                   "summed; its .pt dump converted to JSON) or CSV (plain decimal numbers), layers x logical; loads "
+                   "finite, >= 0, each row's sum finite; a regular file of at most " +
                        format_bytes(kMaxInputFileBytes))
       ->required();
   plan->add_option("--replicas", plan_args->replicas,
@@ -331,8 +339,8 @@ void add_eplb(CLI::App& app) {
       ->capture_default_str()
       ->check(one_of({"deepseek", "default"}));
   plan->add_option("--current", plan_args->current,
-                   "Current placement JSON ({\"phy2log\": [[...]]}, every logical expert in each row; a regular file "
-                   "of at most " +
+                   "Current placement JSON ({\"phy2log\": [[...]]} or SGLang's {\"physical_to_logical_map\": "
+                   "[[...]]}, every logical expert in each row; a regular file of at most " +
                        format_bytes(kMaxInputFileBytes) +
                        "); reports moved_experts, and with the default policy keeps experts in place unless moving "
                        "buys balance");
@@ -341,6 +349,11 @@ void add_eplb(CLI::App& app) {
       ->capture_default_str()
       ->check(number_in(0, 1));
   plan->add_flag("--fresh", plan_args->fresh, "With --current: compute a fresh placement anyway");
+  plan->add_option("--format", plan_args->format,
+                   "Output: epx (the placement, balancedness and moves) or sglang (only {\"physical_to_logical_map\": "
+                   "[[...]]}, a file SGLang's --init-expert-location accepts)")
+      ->capture_default_str()
+      ->check(one_of({"epx", "sglang"}));
   plan->callback([plan_args] { run_plan(*plan_args); });
 
   auto sim = std::make_shared<SimArgs>();

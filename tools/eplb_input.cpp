@@ -10,8 +10,22 @@
 #include <sstream>
 
 #include "command.h"
+#include "epx/eplb/sglang_format.h"
+#include "epx/error.h"
 
 namespace epx::cli {
+
+namespace {
+
+// The library's message without its "epx invalid_argument: " prefix (the CLI's line names the flag instead).
+std::string library_message(const Error& e) {
+  std::string message = e.what();
+  const std::string prefix = std::string("epx ") + to_string(e.code()) + ": ";
+  if (message.rfind(prefix, 0) == 0) message.erase(0, prefix.size());
+  return message;
+}
+
+}  // namespace
 
 std::vector<std::vector<double>> parse_weights(const std::string& text, const std::string& path) {
   const size_t first = text.find_first_not_of(" \t\r\n");
@@ -21,6 +35,24 @@ std::vector<std::vector<double>> parse_weights(const std::string& text, const st
       j = nlohmann::json::parse(text);
     } catch (const nlohmann::json::exception& e) {
       throw BadInput("--weights '" + path + "' is not valid JSON: " + e.what());
+    }
+    if (j.is_object() && j.contains("logical_count") && !j.contains("weights")) {
+      // SGLang's recorded distribution (its dump converted to JSON, or an --init-expert-location file): the passes
+      // are summed, as SGLang's init_by_eplb does. NOTE: the document is dropped first, so that one parsed copy of
+      // the text is held at a time (kParseBytesPerByte).
+      j = nlohmann::json();
+      eplb::SglangLogicalCount count;
+      try {
+        count = eplb::parse_sglang_logical_count(text);
+      } catch (const Error& e) {
+        throw BadInput(fmt::format("--weights '{}' (SGLang logical_count): {}", path, library_message(e)));
+      }
+      std::vector<std::vector<double>> out(static_cast<size_t>(count.num_layers));
+      for (int l = 0; l < count.num_layers; ++l) {
+        const auto first = count.counts.begin() + static_cast<int64_t>(l) * count.num_logical;
+        out[l].assign(first, first + count.num_logical);
+      }
+      return out;
     }
     const nlohmann::json& rows = j.is_object() && j.contains("weights") ? j["weights"] : j;
     if (!rows.is_array()) throw BadInput("--weights JSON must hold an array of rows in field 'weights'");
@@ -94,12 +126,59 @@ void check_weights(const std::vector<std::vector<double>>& weight, const std::st
   }
 }
 
+namespace {
+
+// SGLang's --init-expert-location file ({"physical_to_logical_map": [[...]]}), checked as parse_current checks
+// its own form.
+std::vector<int32_t> parse_current_sglang(const std::string& text, int num_layers, int num_logical, int num_physical) {
+  eplb::SglangExpertLocation loc;
+  try {
+    loc = eplb::parse_sglang_expert_location(text);
+  } catch (const Error& e) {
+    throw BadInput(fmt::format("--current (SGLang physical_to_logical_map): {}", library_message(e)));
+  }
+  if (loc.num_layers != num_layers) {
+    throw BadInput(
+        fmt::format("--current physical_to_logical_map has {} layers, --weights has {}", loc.num_layers, num_layers));
+  }
+  if (loc.num_physical != num_physical) {
+    throw BadInput(fmt::format("--current physical_to_logical_map rows have {} slots, --replicas is {}",
+                               loc.num_physical, num_physical));
+  }
+  std::vector<char> present(num_logical);
+  for (int l = 0; l < num_layers; ++l) {
+    std::fill(present.begin(), present.end(), 0);
+    for (int s = 0; s < num_physical; ++s) {
+      const int32_t id = loc.phy2log[static_cast<size_t>(l) * num_physical + s];
+      if (id >= num_logical) {
+        throw BadInput(fmt::format(
+            "--current physical_to_logical_map[{}][{}] = {} is outside [0, {}) (the logical experts of --weights)", l,
+            s, id, num_logical));
+      }
+      present[id] = 1;
+    }
+    const auto missing = std::find(present.begin(), present.end(), 0);
+    if (missing != present.end()) {
+      throw BadInput(fmt::format(
+          "--current physical_to_logical_map row {} holds no replica of logical expert {} (each needs >= 1)", l,
+          missing - present.begin()));
+    }
+  }
+  return std::move(loc.phy2log);
+}
+
+}  // namespace
+
 std::vector<int32_t> parse_current(const std::string& text, int num_layers, int num_logical, int num_physical) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw BadInput(std::string("--current is not valid JSON: ") + e.what());
+  }
+  if (j.is_object() && j.contains("physical_to_logical_map") && !j.contains("phy2log")) {
+    j = nlohmann::json();  // one parsed copy at a time
+    return parse_current_sglang(text, num_layers, num_logical, num_physical);
   }
   if (!j.is_object() || !j.contains("phy2log") || !j["phy2log"].is_array()) {
     throw BadInput("--current JSON needs a field 'phy2log' with one row per layer");

@@ -161,6 +161,69 @@ TEST(EplbCli, HostileInputRejected) {
   }
 }
 
+// SGLang's files (epx/eplb/sglang_format.h): its recorder's logical_count (3-D: passes x layers x experts) as
+// --weights is planned on the summed passes; --format sglang prints only physical_to_logical_map, which --current
+// reads back; broken fields exit 2 naming the flag and the field.
+TEST(EplbCli, SglangFiles) {
+  // 2 passes x 2 layers x 4 experts; the sums are the rows of `summed`.
+  const std::string counts = write("sglang_count.json",
+                                   R"({"rank": 0, "average_utilization_rate_over_window": null, "logical_count": [
+                                       [[30, 5, 10, 15], [1, 1, 2, 2]],
+                                       [[10, 5, 10, 15], [0, 1, 1, 2]]]})");
+  const std::vector<std::vector<double>> summed{{40, 10, 20, 30}, {1, 2, 3, 4}};
+  const std::string shape = " --replicas 6 --groups 1 --nodes 1 --gpus 2 --policy deepseek";
+  CliRun r = run("eplb plan --weights " + counts + shape);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto out = nlohmann::json::parse(r.out);
+  const Placement p = rebalance(summed, {6, 1, 1, 2}, Policy::kDeepSeek);
+  std::vector<int32_t> flat;
+  for (const auto& row : out["phy2log"]) {
+    for (int32_t v : row) flat.push_back(v);
+  }
+  EXPECT_EQ(flat, p.phy2log);
+  EXPECT_NEAR(out["balancedness_after"].get<double>(), balancedness(summed, p.phy2log, 6, 2), 1e-12);
+
+  r = run("eplb plan --weights " + counts + shape + " --format sglang");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto sglang = nlohmann::json::parse(r.out);
+  ASSERT_EQ(sglang.size(), 1u) << r.out;  // SGLang's init_by_mapping takes no other key
+  EXPECT_EQ(sglang["physical_to_logical_map"], out["phy2log"]);
+
+  const std::string current = write("sglang_location.json", r.out);
+  r = run("eplb plan --weights " + counts + shape + " --current " + current);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["moved_experts"].get<int64_t>(), 0);
+  EXPECT_NEAR(nlohmann::json::parse(r.out)["balancedness_current"].get<double>(), balancedness(summed, p.phy2log, 6, 2),
+              1e-12);
+
+  const std::string negative = write("sglang_negative.json", R"({"logical_count": [[1, -2, 3, 4]]})");
+  const std::string ragged = write("sglang_ragged.json", R"({"logical_count": [[[1, 2, 3, 4]], [[1, 2, 3]]]})");
+  const std::string short_map = write("sglang_short.json", R"({"physical_to_logical_map": [[0, 1, 2, 3, 0]]})");
+  const std::string missing = write("sglang_missing.json", R"({"physical_to_logical_map": [[0, 1, 2, 2, 0, 1]]})");
+  const std::string layers = write("sglang_layers.json", R"({"physical_to_logical_map": [[0, 1, 2, 3, 0, 1]]})");
+  const std::string one = write("one.csv", "1,2,3,4\n");
+  const struct {
+    std::string args, needle;
+  } cases[] = {
+      {"--weights " + negative + shape, "(SGLang logical_count): logical_count[0][1] = -2 must be an integer"},
+      {"--weights " + ragged + shape, "logical_count[1][0] holds 3 experts, the first row holds 4"},
+      {"--weights " + one + shape + " --current " + short_map,
+       "--current physical_to_logical_map rows have 5 slots, --replicas is 6"},
+      {"--weights " + one + shape + " --current " + missing,
+       "--current physical_to_logical_map row 0 holds no replica of logical expert 3"},
+      {"--weights " + counts + shape + " --current " + layers,
+       "--current physical_to_logical_map has 1 layers, --weights has 2"},
+      {"--weights " + counts + shape + " --format deepep", "'deepep'"},
+  };
+  for (const auto& c : cases) {
+    r = run("eplb plan " + c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find(c.needle), std::string::npos) << c.args << "\n" << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+}
+
 TEST(EplbCli, SimulateRejectsBadFlagsBeforeStepping) {
   // Before: nan passed until the first rebalance, after --every steps; -1 bytes printed negative moved_bytes.
   for (const char* args : {"--max-balance-loss nan", "--expert-bytes -1", "--expert-bytes nan"}) {
