@@ -114,6 +114,12 @@ def dp_scatter(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, gl
     return out
 
 
-def sync_batch_metadata(sync: BatchMetadataSync, local: Optional[BatchMetadata]) -> BatchSyncResult:
-    """``sync.sync(local)``: the per-step collective (None for a rank with no batch)."""
-    return sync.sync(local)
+def sync_batch_metadata(sync: BatchMetadataSync, local: Optional[BatchMetadata],
+                        inactive_ranks: Optional[Sequence[int]] = None) -> BatchSyncResult:
+    """``sync.sync(local, inactive_ranks)``: the per-step collective (None for a rank with no batch).
+
+    ``inactive_ranks``: group ranks that are dead or absent this step (the same list on every calling rank, host
+    backend only): they are not waited for, and each DP rank whose leader is listed counts as SGLang's fallback
+    record ``BatchMetadata.idle()``.
+    """
+    return sync.sync(local, inactive_ranks)

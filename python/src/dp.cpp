@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bind.h"
+#include "collective.h"
 #include "epx/error.h"
 #include "epx/group.h"
 
@@ -190,6 +191,46 @@ void bind_gather(nb::module_& m) {
       "of the sum of every rank's global_buffer (reduce_scatter); rows past the count are zeroed. GIL released.");
 }
 
+// The group ranks of `obj`: None (none) or a sequence of ints (list, tuple, numpy or torch integers).
+std::vector<int> to_rank_list(nb::handle obj, const char* name) {
+  std::vector<int> ranks;
+  if (obj.is_none()) return ranks;
+  if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr()) || !PySequence_Check(obj.ptr())) {
+    wrong_type(name, "None or a sequence of ints", obj);
+  }
+  const Py_ssize_t n = PySequence_Size(obj.ptr());
+  if (n < 0) throw nb::python_error();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    nb::object item = nb::steal(PySequence_GetItem(obj.ptr(), i));
+    if (!item.is_valid()) throw nb::python_error();
+    const std::string item_name = std::string(name) + "[" + std::to_string(i) + "]";
+    ranks.push_back(to_int<int>(item, item_name.c_str()));
+  }
+  return ranks;
+}
+
+// BatchMetadataSync.sync: every argument converted inside the collective (collective_or_fail), so a wrong-typed
+// argument on one rank still takes part in the step (with an error flag) instead of leaving its peers paired
+// with its next sync.
+BatchSyncResult sync_batch_metadata(BatchMetadataSync& sync, nb::handle local, nb::handle inactive_ranks) {
+  struct Args {
+    std::optional<BatchMetadata> local;
+    std::vector<int> inactive_ranks;
+  };
+  return collective_or_fail<Args>(
+      [&](Args& a) {
+        // NOTE: the list first: fail() then skips the ranks it names even when `local` is what failed.
+        a.inactive_ranks = to_rank_list(inactive_ranks, "inactive_ranks");
+        if (!local.is_none()) {
+          BatchMetadata record;
+          if (!nb::try_cast(local, record)) wrong_type("local", "an epx.dp.BatchMetadata or None", local);
+          a.local = record;
+        }
+      },
+      [&](const Args& a) { return sync.sync(a.local, a.inactive_ranks); },
+      [&](const std::string& reason, const Args& a) { sync.fail(reason, a.inactive_ranks); });
+}
+
 void bind_metadata(nb::module_& m) {
   nb::enum_<ForwardMode>(m, "ForwardMode", "The kind of batch a DP rank runs in a step.")
       .value("IDLE", ForwardMode::kIdle)
@@ -278,15 +319,19 @@ void bind_metadata(nb::module_& m) {
                                 "(skipped when attn_dp_size == 1). Not thread-safe; one per rank.")
       .def(nb::init<Group&, const ParallelLayout&>(), nb::arg("group"), nb::arg("layout"), nb::keep_alive<1, 2>(),
            "Raises InvalidArgumentError unless layout.world_size == group.num_ranks. Keeps the group alive.")
-      .def(
-          "sync",
-          [](BatchMetadataSync& s, const std::optional<BatchMetadata>& local) {
-            nb::gil_scoped_release release;
-            return s.sync(local);
-          },
-          nb::arg("local").none(),
-          "Collective. local: this rank's record, or None for a rank with no batch. Raises InvalidArgumentError "
-          "for a bad record (before communicating), TimeoutError from the group. GIL released.")
+      .def("sync", &sync_batch_metadata, nb::arg("local").none(), nb::arg("inactive_ranks").none() = nb::none(),
+           // NOTE: the arguments are nb::handle so that nanobind rejects none before the collective (see
+           // collective.h); the signature keeps the types a caller should pass.
+           nb::sig("def sync(self, local: BatchMetadata | None, inactive_ranks: collections.abc.Sequence[int] | None "
+                   "= None) -> BatchSyncResult"),
+           "Collective. local: this rank's record, or None for a rank with no batch. inactive_ranks: None or the "
+           "group ranks (ints) that are dead or absent this step, the same list on every calling rank: they are not "
+           "waited for and each DP rank whose leader is listed counts as BatchMetadata.idle() (SGLang's fallback "
+           "record; host backend only, UnsupportedError on cuda). Raises InvalidArgumentError for a bad record or "
+           "list (before communicating; a list that differs between ranks on every rank that compares them), "
+           "TimeoutError from the group. A wrong-typed argument raises TypeError naming it after this rank took "
+           "part with an error flag (host backend: every peer's sync raises PeerFailureError at once). GIL "
+           "released.")
       .def_prop_ro("carried_wait_s", &BatchMetadataSync::carried_wait_s);
 
   m.def(

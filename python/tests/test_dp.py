@@ -4,6 +4,8 @@
 Routing of the collective tests: 4 ranks, pure DP (every rank its own DP rank and leader) with counts
 [3, 0, 5, 2] (rank 1 idle), or attn_dp 2 x attn_tp 2 (leaders 0 and 2; ranks 1 and 3 hold copies)."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -176,6 +178,91 @@ def test_metadata_sync_rejects_a_bad_record_before_communicating():
         sync.sync(dp.BatchMetadata(num_tokens=-1, forward_mode=dp.ForwardMode.DECODE))
     with pytest.raises(epx.InvalidArgumentError):
         dp.BatchMetadataSync(group, dp.ParallelLayout.pure_dp(2))  # layout of 2 ranks, group of 1
+
+
+def test_metadata_sync_with_inactive_ranks():
+    # 4 ranks, pure DP; rank 3 is dead and never calls. The others list it (as a list, a tuple, numpy ints):
+    # DP rank 3 counts as the fallback record (0 tokens, IDLE, prefill-graph vote 0) and nobody waits for it
+    # (the group's timeout is 60 s; each step must take well under that).
+    layout = dp.ParallelLayout.pure_dp(4)
+    lists = {0: [3], 1: (3,), 2: np.array([3], np.int64)}
+    extend = dict(forward_mode=dp.ForwardMode.EXTEND, is_extend_in_batch=True, can_run_decode_graph=False)
+
+    def body(rank, group):
+        if rank == 3:
+            return None
+        sync = dp.BatchMetadataSync(group, layout)
+        out = []
+        for _ in range(2):
+            start = time.monotonic()
+            local = None if rank == 1 else dp.BatchMetadata(num_tokens=5 + rank, **extend)
+            out.append((sync.sync(local, lists[rank]), time.monotonic() - start))
+        out.append((dp.sync_batch_metadata(sync, None, [3]), 0.0))
+        return out
+
+    results = epx.run_host_ranks(epx.host_groups(4, timeout_ms=60_000), body)
+    for rank in range(3):
+        for r, seconds in results[rank]:
+            assert seconds < 30
+            g = r.global_info
+            if g.any_tokens:
+                assert g.num_tokens == [5, 0, 7, 0] and g.forward_mode == dp.ForwardMode.EXTEND
+                assert not g.can_run_prefill_graph and g.is_extend_in_batch and not g.can_run_decode_graph
+                assert r.run_idle_batch == (rank == 1) and r.runs_batch
+            else:  # the last step: every live rank idle
+                assert g.num_tokens == [0, 0, 0, 0] and g.forward_mode == dp.ForwardMode.IDLE
+                assert not r.runs_batch
+    reference = dp.reduce_batch_metadata([dp.BatchMetadata(num_tokens=5, **extend), dp.BatchMetadata.idle(),
+                                          dp.BatchMetadata(num_tokens=7, **extend), dp.BatchMetadata.idle()])
+    assert results[0][0][0].global_info.can_run_tbo == reference.can_run_tbo
+    assert results[0][0][0].global_info.num_tokens == reference.num_tokens
+
+
+def test_metadata_sync_wrong_typed_argument_still_joins():
+    # Rank 1 passes a str as its record, then a float in its inactive list: it raises TypeError naming the
+    # argument after taking part with an error flag, so ranks 0, 2 and 3 raise PeerFailureError at once (not
+    # after the 60 s timeout) and the next step pairs up on every rank.
+    layout = dp.ParallelLayout.pure_dp(4)
+    decode = dp.BatchMetadata(num_tokens=2, forward_mode=dp.ForwardMode.DECODE)
+
+    def body(rank, group):
+        sync = dp.BatchMetadataSync(group, layout)
+        seen = []
+        for bad_local, bad_list in (("decode", None), (decode, [3.0])):
+            start = time.monotonic()
+            try:
+                if rank == 1:
+                    sync.sync(bad_local, bad_list)
+                else:
+                    sync.sync(decode)
+            except TypeError as e:
+                seen.append(("type", str(e)))
+            except epx.PeerFailureError as e:
+                seen.append(("peer", str(e)))
+            assert time.monotonic() - start < 30
+        seen.append(sync.sync(decode).global_info.num_tokens)
+        return seen
+
+    results = epx.run_host_ranks(epx.host_groups(4, timeout_ms=60_000), body)
+    assert results[1][0] == ("type", "local: expected an epx.dp.BatchMetadata or None, got str")
+    assert results[1][1] == ("type", "inactive_ranks[0]: expected an int, got float")
+    for rank in (0, 2, 3):
+        assert results[rank][0][0] == "peer" and "local: expected an epx.dp.BatchMetadata" in results[rank][0][1]
+        assert results[rank][1][0] == "peer" and "inactive_ranks[0]" in results[rank][1][1]
+    for rank in range(4):
+        assert results[rank][2] == [2, 2, 2, 2]
+
+
+def test_metadata_sync_inactive_ranks_checked():
+    group = epx.host_groups(1)[0]
+    sync = dp.BatchMetadataSync(group, dp.ParallelLayout.pure_dp(1))
+    with pytest.raises(epx.InvalidArgumentError, match=r"inactive rank 1 is not in \[0, 1\)"):
+        sync.sync(None, [1])
+    with pytest.raises(epx.InvalidArgumentError, match="rank 0 names itself inactive"):
+        sync.sync(None, [0])
+    with pytest.raises(TypeError, match="inactive_ranks: expected None or a sequence of ints, got str"):
+        sync.sync(None, "3")
+    assert sync.sync(None, []).global_info.num_tokens == [0]
 
 
 def test_gather_rejects_bad_tensors():

@@ -416,9 +416,9 @@ class BatchMetadataSync:
         Raises InvalidArgumentError unless layout.world_size == group.num_ranks. Keeps the group alive.
         """
 
-    def sync(self, local: BatchMetadata | None) -> BatchSyncResult:
+    def sync(self, local: BatchMetadata | None, inactive_ranks: Sequence[int] | None = None) -> BatchSyncResult:
         """
-        Collective. local: this rank's record, or None for a rank with no batch. Raises InvalidArgumentError for a bad record (before communicating), TimeoutError from the group. GIL released.
+        Collective. local: this rank's record, or None for a rank with no batch. inactive_ranks: None or the group ranks (ints) that are dead or absent this step, the same list on every calling rank: they are not waited for and each DP rank whose leader is listed counts as BatchMetadata.idle() (SGLang's fallback record; host backend only, UnsupportedError on cuda). Raises InvalidArgumentError for a bad record or list (before communicating; a list that differs between ranks on every rank that compares them), TimeoutError from the group. A wrong-typed argument raises TypeError naming it after this rank took part with an error flag (host backend: every peer's sync raises PeerFailureError at once). GIL released.
         """
 
     @property
