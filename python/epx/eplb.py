@@ -14,32 +14,51 @@ Balancedness of a layer = mean GPU load / max GPU load, where a GPU's load is th
 Arrays in are numpy arrays, torch tensors (CUDA ones are copied to the host), lists, or anything with
 ``__dlpack__``; they are read once in C++ (no per-element Python work). Arrays out are numpy.
 Policies, record modes and replica choices take their enum or its name (``"deepseek"``, ``"per_pass"``).
+
+SGLang's EPLB files (include/epx/eplb/sglang_format.h): ``load_sglang_logical_count`` reads its recorded
+distribution (``{"logical_count": ...}``, 2-D or its dump's 3-D with the passes summed, or the dict ``torch.load``
+returns for its ``.pt`` dump), ``load_sglang_expert_location`` its ``physical_to_logical_map``; the ``save_sglang_*``
+functions write the files its ``--init-expert-location`` accepts. Input files are regular files of at most
+``MAX_INPUT_FILE_BYTES``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _epx
 from ._epx.eplb import (  # noqa: F401
+    DispatchCounts,
     DriftingZipf,
     ExpertLocation,
+    GateStatistic,
     LayerUpdate,
     LoadRecorder,
     MigrationResult,
     Placement,
     Policy,
     RebalanceManager,
+    RebalanceReport,
     RecordMode,
     RelocationPlan,
     RelocationStats,
     ReplicaChoice,
+    SglangExpertLocation,
+    SglangLogicalCount,
     SlotAction,
     SlotPlan,
     StepReport,
+    parse_sglang_expert_location,
+    parse_sglang_logical_count,
+    to_sglang_expert_location_json,
+    to_sglang_logical_count_json,
     zipf_loads,
 )
 from ._args import enum_arg, invalid_argument
@@ -50,13 +69,20 @@ _native = _epx.eplb
 #: The standard utilization windows, in steps (include/epx/eplb/recorder.h).
 UTILIZATION_WINDOWS = (10, 100, 1000)
 
+#: The most bytes an input file may hold (the CLI's kMaxInputFileBytes, tools/command.h).
+MAX_INPUT_FILE_BYTES = 1 << 30
+
 __all__ = [
-    "DriftingZipf", "ExpertLocation", "LayerUpdate", "LoadRecorder", "MigrationResult", "Placement", "Policy",
-    "RebalanceManager", "RecordMode", "RelocationPlan", "RelocationStats", "ReplicaChoice", "SimulationResult",
-    "SlotAction", "SlotPlan", "StepReport", "UTILIZATION_WINDOWS", "balancedness", "balancedness_per_layer",
-    "choose_replicas", "count_moved_experts", "gpu_loads", "make_manager", "make_recorder", "placement_from_phy2log",
-    "plan_relocation", "rebalance", "rebalance_migration_aware", "relocate_weights", "simulate", "trivial_phy2log",
-    "zipf_loads",
+    "DispatchCounts", "DriftingZipf", "ExpertLocation", "GateStatistic", "LayerUpdate", "LoadRecorder",
+    "MAX_INPUT_FILE_BYTES", "MigrationResult", "Placement", "Policy", "RebalanceManager", "RebalanceReport",
+    "RecordMode", "RelocationPlan", "RelocationStats", "ReplicaChoice", "SglangExpertLocation", "SglangLogicalCount",
+    "SimulationResult", "SlotAction", "SlotPlan", "StepReport", "UTILIZATION_WINDOWS", "all_reduce_counts",
+    "balancedness", "balancedness_per_layer", "choose_replicas", "count_moved_experts", "gpu_loads",
+    "load_sglang_expert_location", "load_sglang_logical_count", "make_manager", "make_recorder",
+    "parse_sglang_expert_location", "parse_sglang_logical_count", "placement_from_phy2log", "plan_relocation",
+    "rebalance", "rebalance_migration_aware", "relocate_weights", "save_sglang_expert_location",
+    "save_sglang_logical_count", "simulate", "to_sglang_expert_location_json", "to_sglang_logical_count_json",
+    "trivial_phy2log", "zipf_loads",
 ]
 
 
@@ -167,13 +193,144 @@ def make_recorder(num_layers: int, num_logical: int, num_physical: int, num_gpus
 def make_manager(initial: ExpertLocation, *, buffer_steps: int = 1000, record_mode: Union[RecordMode, str] = "stat",
                  num_groups: int = 1, rebalance_every_steps: int = 1000, utilization_threshold: float = 1.0,
                  layers_per_step: int = 0, policy: Union[Policy, str] = "default", migration_aware: bool = True,
-                 max_balance_loss: float = 0.01) -> RebalanceManager:
-    """A RebalanceManager with enums given by enum or name; see RebalanceManager for the options."""
+                 max_balance_loss: float = 0.01,
+                 gate_statistic: Union[GateStatistic, str] = "mean_step") -> RebalanceManager:
+    """A RebalanceManager with enums given by enum or name; see RebalanceManager for the options.
+
+    A due rebalance is skipped only when the gate statistic is strictly above ``utilization_threshold``
+    (SGLang's rule; the default 1.0 never skips). ``gate_statistic="mean_step"`` is SGLang's (the mean of the
+    per-step utilizations since the last due rebalance); ``"buffer"`` is one ratio of the buffer's summed counts.
+    """
     return RebalanceManager(initial, buffer_steps=buffer_steps, record_mode=enum_arg(RecordMode, record_mode, "record_mode"),
                             num_groups=num_groups, rebalance_every_steps=rebalance_every_steps,
                             utilization_threshold=utilization_threshold, layers_per_step=layers_per_step,
                             policy=enum_arg(Policy, policy, "policy"), migration_aware=migration_aware,
-                            max_balance_loss=max_balance_loss)
+                            max_balance_loss=max_balance_loss,
+                            gate_statistic=enum_arg(GateStatistic, gate_statistic, "gate_statistic"))
+
+
+def all_reduce_counts(group: _epx.Group, counts: Any) -> np.ndarray:
+    """Collective: ``counts`` (integers >= 0, any shape; e.g. ``DispatchCounts.take()``) summed element-wise over
+    the ranks of ``group``, as an int64 numpy array of the same shape on every rank (the input is unchanged).
+
+    Every rank raises ``epx.InvalidArgumentError`` when the ranks passed different sizes, a count is negative or
+    a sum exceeds INT64_MAX. A rank whose ``counts`` does not convert still joins the call (its peers see the size
+    mismatch) and raises. The GIL is released while it waits.
+    """
+    if is_torch(counts):
+        counts = counts.detach().cpu()
+    elif isinstance(counts, (list, tuple)):
+        try:
+            counts = np.asarray(counts)
+        except ValueError:
+            pass  # NOTE: rejected inside the collective, so this rank still joins the call
+    return _native.all_reduce_counts(group, counts)
+
+
+# ---- SGLang's EPLB files ------------------------------------------------------------------------------
+
+
+def _read_input_file(path: Any, what: str) -> str:
+    """The text of a regular file of at most MAX_INPUT_FILE_BYTES, as the CLI reads its input files."""
+    path = os.fspath(path)
+    bound = f"{MAX_INPUT_FILE_BYTES >> 30} GiB"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise invalid_argument(f"{what}: cannot read '{path}': {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise invalid_argument(f"{what}: '{path}' is a directory, not a file")
+    # NOTE: checked before opening: opening a FIFO would block until a writer appears.
+    if not stat.S_ISREG(st.st_mode):
+        raise invalid_argument(f"{what}: '{path}' is not a regular file (input files are regular files of at most "
+                               f"{bound})")
+    if st.st_size > MAX_INPUT_FILE_BYTES:
+        raise invalid_argument(f"{what}: '{path}' holds {st.st_size} bytes, more than the {bound} an input file may "
+                               "hold")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise invalid_argument(f"{what}: '{path}' is not a regular file")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > MAX_INPUT_FILE_BYTES:  # the file grew while it was read
+                raise invalid_argument(f"{what}: '{path}' holds more than the {bound} an input file may hold")
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid_argument(f"{what}: '{path}' is not UTF-8 text ({e})") from None
+
+
+def _sglang_text(source: Any, what: str, key: str) -> str:
+    """JSON text from SGLang's forms: a dict (e.g. what torch.load returns for its .pt files), JSON text, or a
+    path to a .json file. A .pt path is refused with the conversion to use (reading it needs torch's unpickler)."""
+    if isinstance(source, Mapping):
+        if key not in source:
+            raise invalid_argument(f"{what}: the mapping has no key '{key}' (keys: {sorted(map(str, source))})")
+        value = _host(source[key])
+        out = {key: np.asarray(value).tolist()}
+        for extra in ("rank", "average_utilization_rate_over_window"):
+            if key == "logical_count" and source.get(extra) is not None:
+                out[extra] = source[extra].item() if hasattr(source[extra], "item") else source[extra]
+        return json.dumps(out)
+    if isinstance(source, str) and source.lstrip().startswith("{"):
+        return source  # JSON text, as SGLang's --init-expert-location also takes it
+    path = os.fspath(source)
+    if str(path).endswith(".pt"):
+        raise invalid_argument(
+            f"{what}: '{path}' is a torch .pt file, which epx does not read (it needs torch's unpickler): pass "
+            f"torch.load('{path}') instead, or convert it once to JSON: "
+            f"json.dump({{'{key}': torch.load(p)['{key}'].tolist()}}, open('out.json', 'w'))")
+    return _read_input_file(path, what)
+
+
+def load_sglang_logical_count(source: Any) -> SglangLogicalCount:
+    """SGLang's recorded distribution, summed over its passes as SGLang's ``init_by_eplb`` does.
+
+    ``source``: a path to a JSON file ``{"logical_count": [...]}`` (2-D [num_layers, num_logical] or the dump's
+    3-D [buffer_size, num_layers, num_logical]; the dump's ``rank`` and ``average_utilization_rate_over_window``
+    are kept when present), that JSON text, or the dict ``torch.load`` returns for SGLang's ``.pt`` dump (or its
+    ``dump_record(output_mode="object")``). ``.counts`` (int64 [num_layers, num_logical]) is ``rebalance``'s
+    ``weight``. Raises ``epx.InvalidArgumentError`` naming the field, index or file bound.
+    """
+    return parse_sglang_logical_count(_sglang_text(source, "logical_count", "logical_count"))
+
+
+def load_sglang_expert_location(source: Any) -> SglangExpertLocation:
+    """SGLang's ``--init-expert-location`` placement ``{"physical_to_logical_map": [[...]]}``: a path to a JSON
+    file, the JSON text, or a dict (``torch.load`` of a ``.pt`` one).
+
+    ``.phy2log`` is int32 [num_layers, num_physical]; the file does not say num_logical, so build the location with
+    the model's: ``ExpertLocation(num_gpus, num_nodes, loc.phy2log, num_logical)``.
+    """
+    return parse_sglang_expert_location(_sglang_text(source, "physical_to_logical_map", "physical_to_logical_map"))
+
+
+def save_sglang_logical_count(path: Any, logical_count: Any) -> None:
+    """Writes ``{"logical_count": [[...] per layer]}`` of integer counts [num_layers, num_logical] (e.g.
+    ``recorder.logical_loads(window)``): SGLang's ``--init-expert-location`` rebalances from it."""
+    text = to_sglang_logical_count_json(_host(logical_count))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def save_sglang_expert_location(path: Any, placement: Any) -> None:
+    """Writes ``{"physical_to_logical_map": [[...] per layer]}`` (the only key, as SGLang needs) of an
+    ExpertLocation, a Placement or a phy2log array [num_layers, num_physical]."""
+    if isinstance(placement, ExpertLocation):
+        placement = placement.phy2log_table
+    elif isinstance(placement, Placement):
+        placement = placement.phy2log
+    text = to_sglang_expert_location_json(_host(placement))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def plan_relocation(old_phy2log: Any, new_phy2log: Any, num_ranks: int, num_nodes: int = 1,
@@ -226,6 +383,8 @@ class SimulationResult:
     final_phy2log: np.ndarray = field(repr=False)  # int32 [num_layers, num_physical]
     gpu_load_static: np.ndarray = field(repr=False)  # float64 [num_gpus]: logical_load on initial, summed over layers
     gpu_load_rebalanced: np.ndarray = field(repr=False)  # float64 [num_gpus]: the same on final_phy2log
+    # Per due rebalance, RebalanceReport.to_json() as a dict (the CLI's "rebalances").
+    rebalances: List[Dict[str, Any]] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> Dict[str, Any]:
         return {
@@ -241,6 +400,7 @@ class SimulationResult:
             "moved_bytes": self.moved_bytes,
             "gpu_load_static": self.gpu_load_static.tolist(),
             "gpu_load_rebalanced": self.gpu_load_rebalanced.tolist(),
+            "rebalances": list(self.rebalances),
         }
 
 
@@ -273,7 +433,8 @@ class _Splitter:
 
 def simulate(layers: int = 61, experts: int = 256, replicas: int = 288, groups: int = 8, nodes: int = 4,
              gpus: int = 32, exponent: float = 1.0, drift: float = 0.01, steps: int = 1000, tokens: int = 4096,
-             topk: int = 8, buffer: int = 100, every: int = 100, threshold: float = 1.0, layers_per_step: int = 8,
+             topk: int = 8, buffer: int = 100, every: int = 100, threshold: float = 1.0, gate: str = "mean_step",
+             layers_per_step: int = 8,
              policy: str = "default", migration_aware: bool = True, max_balance_loss: float = 0.01, seed: int = 1,
              expert_bytes: float = 3.0 * 7168 * 2048, report_every: int = 50) -> SimulationResult:
     """Serving with a drifting Zipf load, with and without EPLB: ``epx eplb simulate`` in Python.
@@ -291,7 +452,7 @@ def simulate(layers: int = 61, experts: int = 256, replicas: int = 288, groups: 
     rebalance(np.ones((1, experts)), replicas, gpus, groups, nodes, policy)
     managed = make_manager(initial, buffer_steps=buffer, num_groups=groups, rebalance_every_steps=every,
                            utilization_threshold=threshold, layers_per_step=layers_per_step, policy=policy,
-                           migration_aware=migration_aware, max_balance_loss=max_balance_loss)
+                           migration_aware=migration_aware, max_balance_loss=max_balance_loss, gate_statistic=gate)
     fixed = LoadRecorder(layers, experts, replicas, gpus, buffer, RecordMode.stat)
     split_fixed = _Splitter(initial)
     split_managed, managed_table = split_fixed, initial.phy2log_table
@@ -299,11 +460,14 @@ def simulate(layers: int = 61, experts: int = 256, replicas: int = 288, groups: 
     report_steps, with_eplb, without = [], [], []
     sum_with = sum_without = 0.0
     computed = skipped = 0
+    rebalances = []
     for step in range(steps):
         logical = load.sample()
         report = managed.step(split_managed(logical, step))
         computed += report.rebalance_computed
         skipped += report.rebalance_skipped
+        if report.rebalance_due:
+            rebalances.append(json.loads(report.rebalance.to_json()))
         if report.updates:
             managed_table = managed.location.phy2log_table
             split_managed = _Splitter(managed.location)
@@ -321,7 +485,8 @@ def simulate(layers: int = 61, experts: int = 256, replicas: int = 288, groups: 
     final = np.array(managed_table)
     settings = dict(layers=layers, experts=experts, replicas=replicas, groups=groups, nodes=nodes, gpus=gpus,
                     exponent=exponent, drift=drift, steps=steps, tokens=tokens, topk=topk, buffer_steps=buffer,
-                    rebalance_every=every, threshold=threshold, layers_per_step=layers_per_step, policy=policy,
+                    rebalance_every=every, threshold=threshold, gate_statistic=gate, layers_per_step=layers_per_step,
+                    policy=policy,
                     migration_aware=migration_aware, seed=seed, expert_bytes=expert_bytes)
     return SimulationResult(
         settings=settings, utilization_window_steps=window, steps=np.array(report_steps, np.int64),
@@ -331,5 +496,5 @@ def simulate(layers: int = 61, experts: int = 256, replicas: int = 288, groups: 
         moved_bytes=float(managed.total_moved_experts) * expert_bytes, logical_load=logical_load,
         initial_phy2log=np.array(initial.phy2log_table), final_phy2log=final,
         gpu_load_static=gpu_loads(logical_load, initial.phy2log_table, gpus).sum(axis=0),
-        gpu_load_rebalanced=gpu_loads(logical_load, final, gpus).sum(axis=0))
+        gpu_load_rebalanced=gpu_loads(logical_load, final, gpus).sum(axis=0), rebalances=rebalances)
 

@@ -1,5 +1,6 @@
 // EPLB bindings: placement, balancedness, ExpertLocation (+ JSON), replica choice, the load recorder, the
-// rebalance manager, relocation plans (+ the host-transport executor) and the synthetic loads.
+// rebalance manager (+ its gate and per-rebalance report), dispatch counts and their all-reduce, relocation plans
+// (+ the host-transport executor), SGLang's EPLB files and the synthetic loads.
 //
 // Arrays cross as nb::ndarray (numpy, torch CPU tensors, anything with __dlpack__ or the buffer protocol) and
 // are read once, in C++, into the flat vectors the core takes; results come back as numpy arrays owning the
@@ -19,11 +20,14 @@
 #include <vector>
 
 #include "bind.h"
+#include "collective.h"
+#include "epx/eplb/dispatch_counts.h"
 #include "epx/eplb/expert_location.h"
 #include "epx/eplb/manager.h"
 #include "epx/eplb/placement.h"
 #include "epx/eplb/recorder.h"
 #include "epx/eplb/relocation.h"
+#include "epx/eplb/sglang_format.h"
 #include "epx/eplb/synthetic.h"
 #include "epx/error.h"
 #include "epx/group.h"
@@ -159,6 +163,13 @@ NumpyArray<const T> shared_numpy(std::shared_ptr<const std::vector<T>> values, c
   auto* held = new std::shared_ptr<const std::vector<T>>(std::move(values));
   nb::capsule owner(held, [](void* p) noexcept { delete static_cast<std::shared_ptr<const std::vector<T>>*>(p); });
   return NumpyArray<const T>(data, shape, owner);
+}
+
+template <typename T>
+NumpyArray<T> to_numpy_shaped(std::vector<T> values, const std::vector<size_t>& shape) {
+  auto* held = new std::vector<T>(std::move(values));
+  nb::capsule owner(held, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return NumpyArray<T>(held->data(), shape.size(), shape.data(), owner);
 }
 
 template <typename T>
@@ -458,6 +469,19 @@ void bind_recorder(nb::module_& m) {
           nb::arg("window"), "float64 [num_layers]: (mean GPU load + 1e-5) / (max GPU load + 1e-5).")
       .def("utilization", &LoadRecorder::utilization, nb::arg("window"), "utilization_per_layer averaged over layers.")
       .def(
+          "step_utilizations",
+          [](const LoadRecorder& r, int window) {
+            auto v = r.step_utilizations(window);
+            return to_numpy(std::move(v), {v.size()});
+          },
+          nb::arg("window"),
+          "float64 [min(window, available)]: each of the last closed steps' own utilization, oldest first "
+          "(SGLang's per-pass balancedness; kept for the last max(1000, buffer_steps) steps).")
+      .def("mean_step_utilization", &LoadRecorder::mean_step_utilization, nb::arg("window"),
+           "The mean of step_utilizations(window) (SGLang's last_<window>_average_balancedness); 1 before any step.")
+      .def_prop_ro("last_step_count_sum", &LoadRecorder::last_step_count_sum,
+                   "The last closed step's counts summed (SGLang's gpu_physical_count_sum).")
+      .def(
           "passes",
           [](const LoadRecorder& r) {
             nb::list out;
@@ -484,6 +508,51 @@ void bind_recorder(nb::module_& m) {
 }
 
 void bind_manager(nb::module_& m) {
+  nb::enum_<GateStatistic>(m, "GateStatistic", "What a due rebalance compares with utilization_threshold.")
+      .value("mean_step", GateStatistic::kMeanStepUtilization,
+             "SGLang's: the mean of per-step utilizations since the last due rebalance (at most 1000 steps).")
+      .value("buffer", GateStatistic::kBufferUtilization,
+             "One ratio of the buffer's summed counts (epx's earlier gate; higher on noisy loads).");
+  m.def("gate_statistic_from_string", &gate_statistic_from_string, nb::arg("name"),
+        "'mean_step' or 'buffer' -> GateStatistic; raises InvalidArgumentError otherwise.");
+
+  nb::class_<RebalanceReport>(m, "RebalanceReport",
+                              "What a due rebalance saw and decided (SGLang's [Expert Balancedness] numbers and its "
+                              "skip message). Balancedness of counts = (mean GPU load + 1e-5) / (max GPU load + 1e-5) "
+                              "per layer, averaged over layers.")
+      .def_ro("step", &RebalanceReport::step, "Index of the step at which the rebalance was due.")
+      .def_ro("current_step_balancedness", &RebalanceReport::current_step_balancedness,
+              "SGLang's current_pass_balancedness: this step's utilization.")
+      .def_ro("last_10_average_balancedness", &RebalanceReport::last_10_average_balancedness)
+      .def_ro("last_100_average_balancedness", &RebalanceReport::last_100_average_balancedness)
+      .def_ro("last_1000_average_balancedness", &RebalanceReport::last_1000_average_balancedness,
+              "Means of the last 10/100/1000 steps' utilizations (fewer when fewer were recorded).")
+      .def_ro("gpu_physical_count_sum", &RebalanceReport::gpu_physical_count_sum, "This step's counts summed.")
+      .def_ro("gate_statistic", &RebalanceReport::gate_statistic)
+      .def_ro("gate_window_steps", &RebalanceReport::gate_window_steps, "Steps the gate statistic covered.")
+      .def_ro("gate_utilization", &RebalanceReport::gate_utilization, "The gate statistic.")
+      .def_ro("threshold", &RebalanceReport::threshold, "utilization_threshold of the manager.")
+      .def_ro("skipped", &RebalanceReport::skipped, "gate_utilization > threshold: nothing was computed.")
+      .def_ro("placement_balancedness_before", &RebalanceReport::placement_balancedness_before,
+              "Balancedness of the placement in force on the buffer's logical loads.")
+      .def_ro("placement_balancedness_after", &RebalanceReport::placement_balancedness_after,
+              "The same for the new placement (= before when skipped).")
+      .def_ro("moved_experts", &RebalanceReport::moved_experts, "Slots the new placement changes (0 when skipped).")
+      .def_ro("num_changed_layers", &RebalanceReport::num_changed_layers, "Layers the new placement changes.")
+      .def(
+          "to_json", [](const RebalanceReport& r) { return to_json(r); },
+          "A JSON object with the fields by name (gate_statistic as its name).")
+      .def(
+          "to_log_line", [](const RebalanceReport& r) { return to_log_line(r); },
+          "SGLang's wording in one line: '[Expert Balancedness] forward_pass_id=... [EPLBManager] ...' (the line the "
+          "manager logs at info level).")
+      .def("__repr__", [](const RebalanceReport& r) {
+        return "epx.eplb.RebalanceReport(step=" + std::to_string(r.step) +
+               ", gate_utilization=" + std::to_string(r.gate_utilization) +
+               ", threshold=" + std::to_string(r.threshold) + ", skipped=" + (r.skipped ? "True" : "False") +
+               ", moved_experts=" + std::to_string(r.moved_experts) + ")";
+      });
+
   nb::class_<LayerUpdate>(m, "LayerUpdate", "One layer switched to a new placement: relocate old -> new.")
       .def_ro("layer", &LayerUpdate::layer)
       .def_prop_ro(
@@ -496,7 +565,11 @@ void bind_manager(nb::module_& m) {
       .def_ro("step", &StepReport::step, "Index of the step just recorded.")
       .def_ro("utilization", &StepReport::utilization,
               "Over the whole buffer (one ratio of summed counts), at this step.")
+      .def_ro("step_utilization", &StepReport::step_utilization, "Utilization of this step's own counts.")
       .def_ro("rebalance_computed", &StepReport::rebalance_computed)
+      .def_ro("rebalance_due", &StepReport::rebalance_due,
+              "A rebalance was considered in this step (computed or skipped): `rebalance` is filled.")
+      .def_ro("rebalance", &StepReport::rebalance, "When rebalance_due: what the rebalance saw and decided.")
       .def_ro("rebalance_skipped", &StepReport::rebalance_skipped,
               "A rebalance was due but the gate statistic (SGLang's: mean per-step utilization since the last due "
               "rebalance) was strictly above the threshold.")
@@ -510,11 +583,12 @@ void bind_manager(nb::module_& m) {
           "__init__",
           [](RebalanceManager* self, const ExpertLocation& initial, int buffer_steps, RecordMode record_mode,
              int num_groups, int rebalance_every_steps, double utilization_threshold, int layers_per_step,
-             Policy policy, bool migration_aware, double max_balance_loss) {
+             Policy policy, bool migration_aware, double max_balance_loss, GateStatistic gate_statistic) {
             ManagerOptions options;
             options.num_groups = num_groups;
             options.rebalance_every_steps = rebalance_every_steps;
             options.utilization_threshold = utilization_threshold;
+            options.gate_statistic = gate_statistic;
             options.layers_per_step = layers_per_step;
             options.policy = policy;
             options.migration_aware = migration_aware;
@@ -524,7 +598,9 @@ void bind_manager(nb::module_& m) {
           nb::arg("initial"), nb::arg("buffer_steps") = 1000, nb::arg("record_mode") = RecordMode::kStat,
           nb::arg("num_groups") = 1, nb::arg("rebalance_every_steps") = 1000, nb::arg("utilization_threshold") = 1.0,
           nb::arg("layers_per_step") = 0, nb::arg("policy") = Policy::kDefault, nb::arg("migration_aware") = true,
-          nb::arg("max_balance_loss") = 0.01)
+          nb::arg("max_balance_loss") = 0.01, nb::arg("gate_statistic") = GateStatistic::kMeanStepUtilization,
+          "A due rebalance is skipped only when the gate statistic is strictly above utilization_threshold "
+          "(in [0, 1]; 1 = never skip, SGLang's default).")
       .def(
           "step",
           [](RebalanceManager& mgr, nb::handle physical_counts) {
@@ -544,6 +620,169 @@ void bind_manager(nb::module_& m) {
       .def_prop_ro("num_pending_layers", &RebalanceManager::num_pending_layers)
       .def_prop_ro("num_rebalances", &RebalanceManager::num_rebalances)
       .def_prop_ro("total_moved_experts", &RebalanceManager::total_moved_experts);
+}
+
+// ---- dispatch counts ----------------------------------------------------------------------------------
+
+// DispatchCounts plus the shape it was made with (the core class has no accessors for it).
+struct PyDispatchCounts : DispatchCounts {
+  PyDispatchCounts(int num_layers, int num_physical, int num_gpus, int rank, RecordMode mode)
+      : DispatchCounts(num_layers, num_physical, num_gpus, rank, mode),
+        num_layers(num_layers),
+        num_physical(num_physical),
+        num_gpus(num_gpus) {}
+  int num_layers, num_physical, num_gpus;
+};
+
+// A host copy of int32 cumulative counters: int32 values as they are, uint32 ones (or wider ints in
+// [2^31, 2^32)) as the same 32 bits, since only the increase modulo 2^32 counts.
+std::vector<int32_t> read_counters(nb::handle obj, const char* name) {
+  const auto wide = read_ints<int64_t>(obj, name, 1);
+  std::vector<int32_t> out(wide.size());
+  for (size_t i = 0; i < wide.size(); ++i) {
+    if (wide[i] < std::numeric_limits<int32_t>::min() || wide[i] > std::numeric_limits<uint32_t>::max()) {
+      bad(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(wide[i]) +
+          " is not a 32-bit counter value");
+    }
+    out[i] = static_cast<int32_t>(static_cast<uint32_t>(wide[i]));
+  }
+  return out;
+}
+
+void bind_dispatch_counts(nb::module_& m) {
+  nb::class_<PyDispatchCounts>(
+      m, "DispatchCounts",
+      "One rank's expert counts of a forward pass from what the dispatch reports, in global slot order "
+      "[num_layers, num_physical] (include/epx/eplb/dispatch_counts.h). Per pass: add_normal_dispatch or "
+      "add_low_latency_cumulative (what this rank received) or add_topk (what its tokens chose; never mixed with "
+      "the other two in one pass), then take(), all_reduce_counts over the EP group, RebalanceManager.step. Not "
+      "thread-safe; one per rank.")
+      .def(nb::init<int, int, int, int, RecordMode>(), nb::arg("num_layers"), nb::arg("num_physical"),
+           nb::arg("num_gpus"), nb::arg("rank"), nb::arg("mode") = RecordMode::kStat,
+           "Raises InvalidArgumentError for counts < 1, num_physical % num_gpus != 0, rank outside [0, num_gpus) "
+           "or mode per_token.")
+      .def(
+          "add_normal_dispatch",
+          [](PyDispatchCounts& c, int layer, nb::handle num_recv_tokens_per_expert, int expert_alignment) {
+            const auto counts = read_ints<int32_t>(num_recv_tokens_per_expert, "num_recv_tokens_per_expert", 1);
+            c.add_normal_dispatch(layer, counts, expert_alignment);
+          },
+          nb::arg("layer"), nb::arg("num_recv_tokens_per_expert"), nb::arg("expert_alignment") = 1,
+          "The normal dispatch's per-local-expert receive counts [num_physical // num_gpus] of `layer`. With "
+          "expert_alignment > 1 (rounded-up counts) only mode stat_approx accepts them, as in SGLang.")
+      .def(
+          "add_low_latency_cumulative",
+          [](PyDispatchCounts& c, int layer, nb::handle cumulative_recv_counts) {
+            const auto counts = read_counters(cumulative_recv_counts, "cumulative_recv_counts");
+            c.add_low_latency_cumulative(layer, counts);
+          },
+          nb::arg("layer"), nb::arg("cumulative_recv_counts"),
+          "A host copy of the low-latency dispatch's int32 cumulative receive counters [num_physical // num_gpus] "
+          "of `layer`: adds the increase since the last call for the layer, modulo 2^32.")
+      .def(
+          "reset_low_latency_baseline", [](PyDispatchCounts& c, int layer) { c.reset_low_latency_baseline(layer); },
+          nb::arg("layer"), "After zeroing a layer's counters: the next call adds the values themselves.")
+      .def(
+          "add_topk",
+          [](PyDispatchCounts& c, int layer, nb::handle topk_physical) {
+            c.add_topk(layer, read_ints<int64_t>(topk_physical, "topk_physical", -1));
+          },
+          nb::arg("layer"), nb::arg("topk_physical"),
+          "The physical slots this rank's tokens chose in `layer` ([num_tokens, num_topk], -1 ignored).")
+      .def(
+          "take",
+          [](PyDispatchCounts& c) {
+            return to_numpy(c.take(), {sz(c.num_layers), sz(c.num_physical)});
+          },
+          "int64 [num_layers, num_physical]: this rank's counts of the pass; starts the next pass.")
+      .def_prop_ro("rank", [](const PyDispatchCounts& c) { return c.rank(); })
+      .def_prop_ro("mode", [](const PyDispatchCounts& c) { return c.mode(); })
+      .def_ro("num_layers", &PyDispatchCounts::num_layers)
+      .def_ro("num_physical", &PyDispatchCounts::num_physical)
+      .def_ro("num_gpus", &PyDispatchCounts::num_gpus);
+
+  m.def(
+      "all_reduce_counts",
+      [](std::shared_ptr<Group> group, nb::handle counts) {
+        struct Args {
+          std::vector<int64_t> values;
+          std::vector<size_t> shape;
+        };
+        // NOTE: converted inside `collective`: a rank whose counts do not convert still joins with none, which
+        // every rank rejects as a size mismatch (so no peer pairs this call with the rank's next one).
+        Args out = collective<Args>(
+            [&](Args& a) {
+              const RoArray array = host_array(counts, "counts", -1);
+              a.values = values_of<int64_t>(array, "counts", false);
+              for (size_t d = 0; d < array.ndim(); ++d) a.shape.push_back(array.shape(d));
+            },
+            [&](Args a) {
+              all_reduce_counts(*group, a.values);
+              return a;
+            });
+        return to_numpy_shaped(std::move(out.values), out.shape);
+      },
+      nb::arg("group"), nb::arg("counts"),
+      "Collective over `group` (host or cuda): int64 counts of the same shape, summed element-wise over the ranks "
+      "in rank order, on every rank (the input is not modified). Every rank raises InvalidArgumentError for "
+      "counts of different sizes on different ranks, a negative count or a sum above INT64_MAX; a wrong-typed "
+      "`counts` raises on this rank after it joined with no counts (its peers then see the size mismatch). GIL "
+      "released.");
+}
+
+// ---- SGLang's EPLB files ------------------------------------------------------------------------------
+
+void bind_sglang_format(nb::module_& m) {
+  nb::class_<SglangLogicalCount>(m, "SglangLogicalCount",
+                                 "SGLang's logical_count summed over its passes (include/epx/eplb/sglang_format.h).")
+      .def_ro("num_passes", &SglangLogicalCount::num_passes, "First dimension of a 3-D logical_count; 1 for 2-D.")
+      .def_ro("num_layers", &SglangLogicalCount::num_layers)
+      .def_ro("num_logical", &SglangLogicalCount::num_logical)
+      .def_prop_ro(
+          "counts",
+          [](const SglangLogicalCount& c) {
+            return to_numpy(c.counts, {sz(c.num_layers), sz(c.num_logical)});
+          },
+          nb::rv_policy::automatic, "int64 [num_layers, num_logical]: the sum over passes (a copy).")
+      .def_ro("rank", &SglangLogicalCount::rank, "The dump's 'rank', or None.")
+      .def_ro("average_utilization_rate_over_window", &SglangLogicalCount::average_utilization_rate_over_window,
+              "The dump's value, or None (SGLang writes None unless its metrics and a threshold below 1 are on).");
+  m.def("parse_sglang_logical_count", &parse_sglang_logical_count, nb::arg("json_text"),
+        "Parses SGLang's {\"logical_count\": 2-D or 3-D, ...}; raises InvalidArgumentError naming the field.");
+  m.def(
+      "to_sglang_logical_count_json",
+      [](nb::handle logical_count) {
+        const RoArray array = host_array(logical_count, "logical_count", 2);
+        return to_sglang_logical_count_json(values_of<int64_t>(array, "logical_count", false),
+                                            static_cast<int>(array.shape(0)));
+      },
+      nb::arg("logical_count"),
+      "{\"logical_count\": [[...] per layer]} of integer counts [num_layers, num_logical] (>= 0): a file SGLang's "
+      "--init-expert-location accepts.");
+
+  nb::class_<SglangExpertLocation>(m, "SglangExpertLocation", "SGLang's physical_to_logical_map.")
+      .def_ro("num_layers", &SglangExpertLocation::num_layers)
+      .def_ro("num_physical", &SglangExpertLocation::num_physical)
+      .def_ro("num_logical_seen", &SglangExpertLocation::num_logical_seen,
+              "The largest id + 1 (the file does not say num_logical).")
+      .def_prop_ro(
+          "phy2log",
+          [](const SglangExpertLocation& l) {
+            return to_numpy(l.phy2log, {sz(l.num_layers), sz(l.num_physical)});
+          },
+          nb::rv_policy::automatic, "int32 [num_layers, num_physical] (a copy).");
+  m.def("parse_sglang_expert_location", &parse_sglang_expert_location, nb::arg("json_text"),
+        "Parses SGLang's {\"physical_to_logical_map\": [[...]]}; raises InvalidArgumentError naming the field.");
+  m.def(
+      "to_sglang_expert_location_json",
+      [](nb::handle phy2log) {
+        auto [flat, num_physical] = read_phy2log(phy2log, "phy2log");
+        const int num_layers = num_physical > 0 ? static_cast<int>(flat.size() / num_physical) : 0;
+        return to_sglang_expert_location_json(flat, num_layers);
+      },
+      nb::arg("phy2log"),
+      "{\"physical_to_logical_map\": [[...] per layer]} of phy2log [num_layers, num_physical], the only key (as "
+      "SGLang's --init-expert-location needs).");
 }
 
 // ---- relocation ---------------------------------------------------------------------------------------
@@ -703,6 +942,8 @@ void register_eplb(nb::module_& parent) {
   bind_location(m);
   bind_recorder(m);
   bind_manager(m);
+  bind_dispatch_counts(m);
+  bind_sglang_format(m);
   bind_relocation(m);
   bind_synthetic(m);
 }

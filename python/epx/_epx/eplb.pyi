@@ -274,6 +274,22 @@ class LoadRecorder:
     def utilization(self, window: int) -> float:
         """utilization_per_layer averaged over layers."""
 
+    def step_utilizations(self, window: int) -> NDArray[numpy.float64]:
+        """
+        float64 [min(window, available)]: each of the last closed steps' own utilization, oldest first (SGLang's per-pass balancedness; kept for the last max(1000, buffer_steps) steps).
+        """
+
+    def mean_step_utilization(self, window: int) -> float:
+        """
+        The mean of step_utilizations(window) (SGLang's last_<window>_average_balancedness); 1 before any step.
+        """
+
+    @property
+    def last_step_count_sum(self) -> int:
+        """
+        The last closed step's counts summed (SGLang's gpu_physical_count_sum).
+        """
+
     def passes(self) -> list:
         """
         per_pass mode: [(step, int32 [num_layers, num_physical])], oldest first.
@@ -286,6 +302,98 @@ class LoadRecorder:
 
     def clear(self) -> None:
         """Drops everything recorded (num_steps keeps counting)."""
+
+class GateStatistic(enum.Enum):
+    """What a due rebalance compares with utilization_threshold."""
+
+    mean_step = 0
+    """
+    SGLang's: the mean of per-step utilizations since the last due rebalance (at most 1000 steps).
+    """
+
+    buffer = 1
+    """
+    One ratio of the buffer's summed counts (epx's earlier gate; higher on noisy loads).
+    """
+
+def gate_statistic_from_string(name: str) -> GateStatistic:
+    """
+    'mean_step' or 'buffer' -> GateStatistic; raises InvalidArgumentError otherwise.
+    """
+
+class RebalanceReport:
+    """
+    What a due rebalance saw and decided (SGLang's [Expert Balancedness] numbers and its skip message). Balancedness of counts = (mean GPU load + 1e-5) / (max GPU load + 1e-5) per layer, averaged over layers.
+    """
+
+    @property
+    def step(self) -> int:
+        """Index of the step at which the rebalance was due."""
+
+    @property
+    def current_step_balancedness(self) -> float:
+        """SGLang's current_pass_balancedness: this step's utilization."""
+
+    @property
+    def last_10_average_balancedness(self) -> float: ...
+
+    @property
+    def last_100_average_balancedness(self) -> float: ...
+
+    @property
+    def last_1000_average_balancedness(self) -> float:
+        """
+        Means of the last 10/100/1000 steps' utilizations (fewer when fewer were recorded).
+        """
+
+    @property
+    def gpu_physical_count_sum(self) -> int:
+        """This step's counts summed."""
+
+    @property
+    def gate_statistic(self) -> GateStatistic: ...
+
+    @property
+    def gate_window_steps(self) -> int:
+        """Steps the gate statistic covered."""
+
+    @property
+    def gate_utilization(self) -> float:
+        """The gate statistic."""
+
+    @property
+    def threshold(self) -> float:
+        """utilization_threshold of the manager."""
+
+    @property
+    def skipped(self) -> bool:
+        """gate_utilization > threshold: nothing was computed."""
+
+    @property
+    def placement_balancedness_before(self) -> float:
+        """Balancedness of the placement in force on the buffer's logical loads."""
+
+    @property
+    def placement_balancedness_after(self) -> float:
+        """The same for the new placement (= before when skipped)."""
+
+    @property
+    def moved_experts(self) -> int:
+        """Slots the new placement changes (0 when skipped)."""
+
+    @property
+    def num_changed_layers(self) -> int:
+        """Layers the new placement changes."""
+
+    def to_json(self) -> str:
+        """A JSON object with the fields by name (gate_statistic as its name)."""
+
+    def to_log_line(self) -> str:
+        """
+        SGLang's wording in one line: '[Expert Balancedness] forward_pass_id=... [EPLBManager] ...' (the line the manager logs at info level).
+        """
+
+    def __repr__(self) -> str: ...
 
 class LayerUpdate:
     """One layer switched to a new placement: relocate old -> new."""
@@ -313,7 +421,21 @@ class StepReport:
         """Over the whole buffer (one ratio of summed counts), at this step."""
 
     @property
+    def step_utilization(self) -> float:
+        """Utilization of this step's own counts."""
+
+    @property
     def rebalance_computed(self) -> bool: ...
+
+    @property
+    def rebalance_due(self) -> bool:
+        """
+        A rebalance was considered in this step (computed or skipped): `rebalance` is filled.
+        """
+
+    @property
+    def rebalance(self) -> RebalanceReport:
+        """When rebalance_due: what the rebalance saw and decided."""
 
     @property
     def rebalance_skipped(self) -> bool:
@@ -334,7 +456,10 @@ class RebalanceManager:
     Records load every forward pass, periodically computes a new placement and applies it layers_per_step layers per step. Not thread-safe.
     """
 
-    def __init__(self, initial: ExpertLocation, buffer_steps: int = 1000, record_mode: RecordMode = RecordMode.stat, num_groups: int = 1, rebalance_every_steps: int = 1000, utilization_threshold: float = 1.0, layers_per_step: int = 0, policy: Policy = Policy.default, migration_aware: bool = True, max_balance_loss: float = 0.01) -> None: ...
+    def __init__(self, initial: ExpertLocation, buffer_steps: int = 1000, record_mode: RecordMode = RecordMode.stat, num_groups: int = 1, rebalance_every_steps: int = 1000, utilization_threshold: float = 1.0, layers_per_step: int = 0, policy: Policy = Policy.default, migration_aware: bool = True, max_balance_loss: float = 0.01, gate_statistic: GateStatistic = GateStatistic.mean_step) -> None:
+        """
+        A due rebalance is skipped only when the gate statistic is strictly above utilization_threshold (in [0, 1]; 1 = never skip, SGLang's default).
+        """
 
     def step(self, physical_counts: object) -> StepReport:
         """
@@ -357,6 +482,127 @@ class RebalanceManager:
 
     @property
     def total_moved_experts(self) -> int: ...
+
+class DispatchCounts:
+    """
+    One rank's expert counts of a forward pass from what the dispatch reports, in global slot order [num_layers, num_physical] (include/epx/eplb/dispatch_counts.h). Per pass: add_normal_dispatch or add_low_latency_cumulative (what this rank received) or add_topk (what its tokens chose; never mixed with the other two in one pass), then take(), all_reduce_counts over the EP group, RebalanceManager.step. Not thread-safe; one per rank.
+    """
+
+    def __init__(self, num_layers: int, num_physical: int, num_gpus: int, rank: int, mode: RecordMode = RecordMode.stat) -> None:
+        """
+        Raises InvalidArgumentError for counts < 1, num_physical % num_gpus != 0, rank outside [0, num_gpus) or mode per_token.
+        """
+
+    def add_normal_dispatch(self, layer: int, num_recv_tokens_per_expert: object, expert_alignment: int = 1) -> None:
+        """
+        The normal dispatch's per-local-expert receive counts [num_physical // num_gpus] of `layer`. With expert_alignment > 1 (rounded-up counts) only mode stat_approx accepts them, as in SGLang.
+        """
+
+    def add_low_latency_cumulative(self, layer: int, cumulative_recv_counts: object) -> None:
+        """
+        A host copy of the low-latency dispatch's int32 cumulative receive counters [num_physical // num_gpus] of `layer`: adds the increase since the last call for the layer, modulo 2^32.
+        """
+
+    def reset_low_latency_baseline(self, layer: int) -> None:
+        """
+        After zeroing a layer's counters: the next call adds the values themselves.
+        """
+
+    def add_topk(self, layer: int, topk_physical: object) -> None:
+        """
+        The physical slots this rank's tokens chose in `layer` ([num_tokens, num_topk], -1 ignored).
+        """
+
+    def take(self) -> NDArray[numpy.int64]:
+        """
+        int64 [num_layers, num_physical]: this rank's counts of the pass; starts the next pass.
+        """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def mode(self) -> RecordMode: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_physical(self) -> int: ...
+
+    @property
+    def num_gpus(self) -> int: ...
+
+def all_reduce_counts(group: epx._epx.Group, counts: object) -> NDArray[numpy.int64]:
+    """
+    Collective over `group` (host or cuda): int64 counts of the same shape, summed element-wise over the ranks in rank order, on every rank (the input is not modified). Every rank raises InvalidArgumentError for counts of different sizes on different ranks, a negative count or a sum above INT64_MAX; a wrong-typed `counts` raises on this rank after it joined with no counts (its peers then see the size mismatch). GIL released.
+    """
+
+class SglangLogicalCount:
+    """
+    SGLang's logical_count summed over its passes (include/epx/eplb/sglang_format.h).
+    """
+
+    @property
+    def num_passes(self) -> int:
+        """First dimension of a 3-D logical_count; 1 for 2-D."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_logical(self) -> int: ...
+
+    @property
+    def counts(self) -> NDArray[numpy.int64]:
+        """int64 [num_layers, num_logical]: the sum over passes (a copy)."""
+
+    @property
+    def rank(self) -> int | None:
+        """The dump's 'rank', or None."""
+
+    @property
+    def average_utilization_rate_over_window(self) -> float | None:
+        """
+        The dump's value, or None (SGLang writes None unless its metrics and a threshold below 1 are on).
+        """
+
+def parse_sglang_logical_count(json_text: str) -> SglangLogicalCount:
+    """
+    Parses SGLang's {"logical_count": 2-D or 3-D, ...}; raises InvalidArgumentError naming the field.
+    """
+
+def to_sglang_logical_count_json(logical_count: object) -> str:
+    """
+    {"logical_count": [[...] per layer]} of integer counts [num_layers, num_logical] (>= 0): a file SGLang's --init-expert-location accepts.
+    """
+
+class SglangExpertLocation:
+    """SGLang's physical_to_logical_map."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_physical(self) -> int: ...
+
+    @property
+    def num_logical_seen(self) -> int:
+        """The largest id + 1 (the file does not say num_logical)."""
+
+    @property
+    def phy2log(self) -> NDArray[numpy.int32]:
+        """int32 [num_layers, num_physical] (a copy)."""
+
+def parse_sglang_expert_location(json_text: str) -> SglangExpertLocation:
+    """
+    Parses SGLang's {"physical_to_logical_map": [[...]]}; raises InvalidArgumentError naming the field.
+    """
+
+def to_sglang_expert_location_json(phy2log: object) -> str:
+    """
+    {"physical_to_logical_map": [[...] per layer]} of phy2log [num_layers, num_physical], the only key (as SGLang's --init-expert-location needs).
+    """
 
 class SlotAction(enum.Enum):
     """How a destination slot gets its weights."""
