@@ -98,6 +98,7 @@ class CudaBuffer final : public Buffer {
                "cudaHostAlloc (receive counts)");
     check_cuda(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate (copies)");
     check_cuda(cudaStreamCreateWithFlags(&signal_stream_, cudaStreamNonBlocking), "cudaStreamCreate (signals)");
+    check_cuda(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking), "cudaStreamCreate (abort)");
     for (cudaEvent_t* e : all_events()) {
       check_cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
     }
@@ -134,6 +135,7 @@ class CudaBuffer final : public Buffer {
     comm_.off_notify = region.off_notify;
     comm_.off_copy_counter = region.off_copy_counter;
     comm_.off_ce_tail = region.off_ce_tail;
+    comm_.off_abort = region.off_abort;
     comm_.signal_bytes = kNormalSignalBytes;
     comm_.off_ring = region.off_ring;
     comm_.ring_bytes = region.ring_bytes;
@@ -156,6 +158,8 @@ class CudaBuffer final : public Buffer {
     for (cudaEvent_t* e : all_events()) cudaEventDestroy(*e);
     cudaStreamDestroy(copy_stream_);
     cudaStreamDestroy(signal_stream_);
+    cudaStreamSynchronize(abort_stream_);
+    cudaStreamDestroy(abort_stream_);
     cudaFree(region_);
     cudaFreeHost(errors_);
     cudaFreeHost(meta_host_);
@@ -172,8 +176,12 @@ class CudaBuffer final : public Buffer {
     return compute_layout(topk_idx, num_experts, stream);
   }
 
-  DispatchResult dispatch(const DispatchArgs& args) override;
-  CombineResult combine(const CombineArgs& args) override;
+  DispatchResult dispatch(const DispatchArgs& args) override {
+    return joined([&] { return run_dispatch(args); });
+  }
+  CombineResult combine(const CombineArgs& args) override {
+    return joined([&] { return run_combine(args); });
+  }
 
   LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args) override {
     return low_latency().dispatch(args);
@@ -229,6 +237,28 @@ class CudaBuffer final : public Buffer {
   void raise_recorded_errors(bool keep_invalid_topk = false);
   void begin_collective(Stream stream, bool keep_invalid_topk = false);
   void request_reset();
+  DispatchResult run_dispatch(const DispatchArgs& args);
+  CombineResult run_combine(const CombineArgs& args);
+  // Runs one collective call (numbered by call_seq_, alike on every rank). An error before the call enqueued
+  // its first protocol kernel (invalid arguments, an allocation, an error a previous call recorded) would leave
+  // the peers waiting for this rank until their timeout: abort_call tells them at once. Timeouts and peer
+  // failures are left alone (the peers are in the same state).
+  template <typename Call>
+  auto joined(Call&& call) -> decltype(call()) {
+    ++call_seq_;
+    enqueued_ = false;
+    try {
+      return call();
+    } catch (const Error& e) {
+      if (!enqueued_ && e.code() != ErrorCode::kTimeout && e.code() != ErrorCode::kPeerFailure) abort_call();
+      throw;
+    }
+  }
+  // Marks this call as left: every peer's abort word (their waits give up with kErrPeerAborted), the shared
+  // aborted_call (a peer that comes to the call later fails at once) and a reset for everyone's next call.
+  void abort_call() noexcept;
+  // Called right before the call's first protocol kernel is enqueued.
+  void mark_enqueued() { enqueued_ = true; }
   // Waits until every rank's reset_step reaches `step` (CudaWorld); kTimeout at the group's timeout.
   void wait_reset_step(uint64_t step, const char* what);
 
@@ -297,6 +327,9 @@ class CudaBuffer final : public Buffer {
   std::shared_ptr<CudaWorld> world_;
   uint64_t seen_generation_ = 0;
   Stream last_stream_ = nullptr;
+  uint64_t call_seq_ = 0;                // collective calls so far, failed ones included (joined); restarts at a reset
+  bool enqueued_ = false;                // the current call enqueued a protocol kernel
+  cudaStream_t abort_stream_ = nullptr;  // abort_call's writes (idle otherwise, so they never wait)
 };
 
 void CudaBuffer::open_peers() {
@@ -320,6 +353,16 @@ void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
   if (rec[0].code == kErrNone && rec[1].code == kErrNone) return;
   if (keep_invalid_topk && rec[0].code == kErrNone && rec[1].code == kErrInvalidTopk) return;
   std::memset(errors_, 0, sizeof(rec));
+  if (rec[0].code == kErrPeerAborted) {
+    request_reset();  // the leaving rank asked for it already; the same generation
+    detail::raise(ErrorCode::kPeerFailure,
+                  "cuda rank {}: peer rank {} left the call before it started (its own error says why; {} "
+                  "waited in {}); {}",
+                  rank_, rec[0].peer, rank_, wait_site_name(rec[0].where),
+                  world_ != nullptr ? "the buffer resets on the next call of every rank"
+                                    : "this buffer cannot reset (no memory shared with the other ranks' processes): "
+                                      "destroy it and make a new one on every rank");
+  }
   if (rec[0].code == kErrTimeout) {
     request_reset();
     const auto& e = rec[0];
@@ -347,16 +390,24 @@ void CudaBuffer::begin_collective(Stream stream, bool keep_invalid_topk) {
   last_stream_ = stream;
   CudaWorld* world = world_.get();
   if (world == nullptr) return;
+  // A peer left this very call before it started (abort_call): nothing of it will come.
+  if (world->aborted_call.load() == ((seen_generation_ << 32) | (call_seq_ & 0xffffffffu))) {
+    detail::raise(ErrorCode::kPeerFailure,
+                  "cuda rank {}: peer rank {} left the call before it started (its own error says why); the buffer "
+                  "resets on the next call of every rank",
+                  rank_, world->abort_rank.load());
+  }
   const uint64_t generation = world->reset_generation.load();
   if (generation == seen_generation_) return;
-  // A rank timed out. Step 1: no kernel of this rank runs on the old signals (its device waits end at the
-  // timeout at the latest); step 2: it zeroed its own signals. A rank passes each step once every rank
-  // reached it, so nobody writes new signals into a region that is still to be zeroed. A rank that does not
-  // come within the timeout makes this call fail with kTimeout; the reset stays pending and the next call
-  // waits again (a step already taken is not repeated).
+  // A rank timed out or left a call. Step 1: no kernel of this rank runs on the old signals (its device waits end at
+  // the timeout at the latest); step 2: it zeroed its own signals. A rank passes each step once every rank reached it,
+  // so nobody writes new signals into a region that is still to be zeroed. A rank that does not come within the timeout
+  // makes this call fail with kTimeout; the reset stays pending and the next call waits again (a step already taken is
+  // not repeated).
   std::atomic<uint64_t>& mine = world->reset_step[rank_];
   const uint64_t idle = 2 * generation - 1, zeroed = 2 * generation;
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
+  check_cuda(cudaStreamSynchronize(abort_stream_), "cudaStreamSynchronize (reset)");  // our abort writes landed
   if (mine.load() < idle) mine.store(idle);
   wait_reset_step(idle, "no kernel runs on the old signals");
   if (mine.load() < zeroed) {
@@ -368,6 +419,26 @@ void CudaBuffer::begin_collective(Stream stream, bool keep_invalid_topk) {
   }
   wait_reset_step(zeroed, "its signals are zeroed");
   seen_generation_ = generation;
+  call_seq_ = 1;  // every rank restarts its numbering with the call that completes the reset
+}
+
+void CudaBuffer::abort_call() noexcept {
+  // Peers' kernels of this call poll their abort word with their timeout checks; it is zeroed by the reset.
+  const uint8_t who = static_cast<uint8_t>(rank_ + 1);  // little-endian: the word reads rank + 1
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r != rank_) cudaMemsetAsync(comm_.peers[r] + comm_.off_abort, who, 1, abort_stream_);
+  }
+  CudaWorld* world = world_.get();
+  if (world != nullptr) {
+    world->abort_rank.store(rank_);
+    world->aborted_call.store((seen_generation_ << 32) | (call_seq_ & 0xffffffffu));
+    request_reset();
+  }
+  // Bounded: the stream has nothing else to do, so the writes finish in microseconds.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (cudaStreamQuery(abort_stream_) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
 }
 
 void CudaBuffer::wait_reset_step(uint64_t step, const char* what) {
@@ -556,7 +627,7 @@ Layout CudaBuffer::compute_layout(const TensorView& topk_idx, int64_t num_expert
   return layout;
 }
 
-DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
+DispatchResult CudaBuffer::run_dispatch(const DispatchArgs& args) {
   const ep::DispatchShape shape = ep::validate_dispatch(args, num_ranks_, group_->device());
   const int num_sms = ep::resolve_num_sms(args.num_sms, num_sms_);
   const int64_t T = shape.num_tokens, H = shape.hidden;
@@ -623,6 +694,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
     handle->recv_meta = empty(DType::kInt32, {m.size()}, stream);
     handle->recv_expert_counts = empty(DType::kInt32, {handle->num_local_experts}, stream);
     handle->rank_prefix = empty(DType::kInt32, {R, R}, stream);
+    mark_enqueued();
     launch_advance_epoch(comm_, stream);
     launch_notify(comm_, handle->chan_start.data_as<int32_t>(), per_expert, handle->num_local_experts,
                   args.expert_alignment, T, config_.whole_copies && config_.copy_engines,
@@ -641,7 +713,10 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
       handle->meta_host.assign(meta_host_, meta_host_ + m.size());
     }
   }
-  if (cached) launch_advance_epoch(comm_, stream);
+  if (cached) {
+    mark_enqueued();
+    launch_advance_epoch(comm_, stream);
+  }
   if (args.num_worst_tokens == 0 && handle->num_recv_ < 0) {
     // A cached dispatch without num_worst_tokens after a worst-token dispatch: learn the counts now.
     const RecvMetaLayout m{num_ranks_, num_channels_, handle->num_local_experts};
@@ -744,7 +819,7 @@ DispatchResult CudaBuffer::dispatch(const DispatchArgs& args) {
   return result;
 }
 
-CombineResult CudaBuffer::combine(const CombineArgs& args) {
+CombineResult CudaBuffer::run_combine(const CombineArgs& args) {
   auto handle = std::dynamic_pointer_cast<const CudaDispatchHandle>(args.handle);
   EPX_CHECK_ARG(handle != nullptr && handle->owner == this, "handle was not made by this buffer's dispatch");
   ep::validate_combine(args, handle->num_tokens_, handle->num_rows, group_->device());
@@ -774,6 +849,7 @@ CombineResult CudaBuffer::combine(const CombineArgs& args) {
   k.recv_meta = handle->recv_meta.data_as<const int32_t>();
   k.ring_rows = ring_rows;
   k.row_bytes = row_bytes;
+  mark_enqueued();
   launch_advance_epoch(comm_, stream);
   // Copy-engine staging per source: x rows, then the top-k weights rows from weights_offset.
   int64_t slot_bytes = 0, weights_offset = 0;

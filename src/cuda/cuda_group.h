@@ -24,6 +24,10 @@ struct CudaWorld {
   // Rank r's progress through the reset to generation g: 2g - 1 once no kernel of r runs on the old signals,
   // 2g once r zeroed its own signals. Only rank r writes reset_step[r]; it only grows.
   std::atomic<uint64_t> reset_step[kWorldMaxRanks] = {};
+  // The last call a rank left before it started (invalid arguments): (generation << 32) | (call number & 0xffffffff)
+  // in that rank's numbering, and the rank. A peer that comes to the same call later raises kPeerFailure at once.
+  std::atomic<uint64_t> aborted_call{0};
+  std::atomic<int32_t> abort_rank{-1};
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "CudaWorld must work across processes");
 

@@ -54,7 +54,7 @@ __device__ __forceinline__ bool aborted(const CommArgs& comm) {
 
 __device__ void record_error(const CommArgs& comm, int32_t code, int32_t where, int32_t peer, int32_t channel,
                              int64_t expected, int64_t observed) {
-  volatile ErrorRecord* e = comm.error + (code == kErrTimeout ? 0 : 1);
+  volatile ErrorRecord* e = comm.error + (code == kErrTimeout || code == kErrPeerAborted ? 0 : 1);
   if (e->code != kErrNone) return;  // first failure wins (a benign race between simultaneous failures)
   e->where = where;
   e->rank = comm.rank;
@@ -67,6 +67,15 @@ __device__ void record_error(const CommArgs& comm, int32_t code, int32_t where, 
   __threadfence_system();
 }
 
+// True (and recorded) when a peer left the current call before it started, writing its rank into this rank's
+// abort word (CudaBuffer::abort_call): nothing it owes will come. Polled with the timeout checks.
+__device__ bool peer_left(const CommArgs& comm, int32_t site, int32_t channel) {
+  const uint64_t abort = *reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_abort);
+  if (abort == 0) return false;
+  record_error(comm, kErrPeerAborted, site, static_cast<int32_t>(abort - 1), channel, 0, 0);
+  return true;
+}
+
 // Spins until *p >= target (acquire). On budget expiry or a recorded failure elsewhere it records (if
 // first) and returns false. One thread calls it.
 __device__ bool wait_geq(const CommArgs& comm, const uint64_t* p, uint64_t target, int32_t site, int32_t peer,
@@ -77,7 +86,7 @@ __device__ bool wait_geq(const CommArgs& comm, const uint64_t* p, uint64_t targe
     v = ld_acquire_sys(p);
     if (v >= target) return true;
     if ((i & 255) == 255) {
-      if (aborted(comm)) return false;
+      if (aborted(comm) || peer_left(comm, site, channel)) return false;
       if (global_ns() - start > comm.timeout_ns) {
         record_error(comm, kErrTimeout, site, peer, channel, static_cast<int64_t>(target), static_cast<int64_t>(v));
         return false;

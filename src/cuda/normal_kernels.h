@@ -32,7 +32,14 @@ struct ErrorRecord {
   int64_t expected;  // the counter value waited for (timeouts); num_worst_tokens (overflow)
   int64_t observed;  // the value seen last (timeouts); the bad value (topk_idx) or rows received (overflow)
 };
-enum ErrorKind : int32_t { kErrNone = 0, kErrTimeout = 1, kErrInvalidTopk = 2, kErrWorstOverflow = 3 };
+// kErrTimeout and kErrPeerAborted go to record [0] (they abort every other wait of the rank), the others to [1].
+enum ErrorKind : int32_t {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrInvalidTopk = 2,
+  kErrWorstOverflow = 3,
+  kErrPeerAborted = 4,  // a peer left the call before it started (its abort word); `peer` names it
+};
 enum WaitSite : int32_t {
   kSiteNotify = 1,
   kSiteDispatchSendDone = 2,
@@ -66,8 +73,9 @@ struct CommArgs {
   // uint64 [R src]: rows (or tokens) the source's copy engine delivered into my staging, tagged with the
   // copy-engine operation count (ce_tag: a host counter, so a stream can write it without a kernel).
   int64_t off_ce_tail;
-  int64_t off_ring;      // rings [R src][C][ring_slab_bytes] of ring_rows x row_bytes; or the copy-engine staging slots
-  int64_t ring_bytes;    // bytes available for rings
+  int64_t off_abort;   // uint64: 1 + a rank that left the call before it started (it writes every peer's word)
+  int64_t off_ring;    // rings [R src][C][ring_slab_bytes] of ring_rows x row_bytes; or the copy-engine staging slots
+  int64_t ring_bytes;  // bytes available for rings
   // NOTE: each (source, channel) ring owns a fixed slab of the ring area, whatever the row size of the
   // operation: a sender that only waited for its own channel's `done` must not write into bytes that
   // another channel or source of the previous operation (with other row sizes) may still be reading.

@@ -6,8 +6,8 @@ namespace epx::cuda {
 
 NormalRegionLayout NormalRegionLayout::make(int num_ranks, int num_channels, int64_t region_bytes) {
   EPX_CHECK(ErrorCode::kInternal,
-            num_ranks >= 1 && num_ranks <= kNormalMaxRanks && num_channels >= 1 &&
-                num_channels <= kNormalMaxChannels && region_bytes > kNormalSignalBytes,
+            num_ranks >= 1 && num_ranks <= kNormalMaxRanks && num_channels >= 1 && num_channels <= kNormalMaxChannels &&
+                region_bytes > kNormalSignalBytes,
             "normal region layout of {} ranks, {} channels, {} bytes is outside the checked bounds", num_ranks,
             num_channels, region_bytes);
   NormalRegionLayout l;
@@ -26,6 +26,7 @@ NormalRegionLayout NormalRegionLayout::make(int num_ranks, int num_channels, int
   l.off_notify = take(4 * 2 * int64_t{num_ranks} * kNotifyInts);
   l.off_copy_counter = take(8);
   l.off_ce_tail = take(8 * int64_t{num_ranks});
+  l.off_abort = take(8);
   l.signals_used = off;
   EPX_CHECK(ErrorCode::kInternal, off <= kNormalSignalBytes, "the normal signal area needs {} bytes, has {}", off,
             kNormalSignalBytes);

@@ -1029,6 +1029,137 @@ TEST_F(NormalGpuTest, InvalidTopkIsReported) {
   EXPECT_EQ(codes[1], static_cast<int>(ErrorCode::kPeerFailure));
 }
 
+// Invalid arguments on one rank of a call (issue 13): that rank raises kInvalidArgument before enqueuing
+// anything and writes its peers' abort words, so the peer's waits of the same call give up at once with
+// kPeerFailure naming it (not after the 20 s timeout); the next calls reset the signals and match. Once in a
+// dispatch (the peer learns it inside the call: notify's host wait), once in a combine (asynchronous: the peer
+// learns it in the call or the next one).
+TEST_F(NormalGpuTest, InvalidArgumentsOnOneRankFailThePeerAtOnce) {
+  const auto devices = two_ranks();
+  CudaGroupOptions options;
+  options.timeout_ms = 20'000;
+  auto groups = create_cuda_groups(devices, options);
+  const int64_t T = 128, H = 1024, K = 2, E = 16;
+  Case c;
+  c.devices = devices;
+  c.tokens = {T, T};
+  c.hidden = H;
+  c.num_topk = K;
+  c.num_experts = E;
+  const auto in = make_inputs(c, fresh_seed());
+  std::vector<int64_t> wait_ms(2, -1), bad(2, -1);
+  std::vector<std::string> peer_message(2);
+  run_host_ranks(groups, [&](int r, Group& g) {
+    cudaSetDevice(g.device().index);
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    auto buffer = Buffer::create(groups[r]);
+    Tensor x = upload(in[r].x.data(), in[r].x.size(), DType::kBFloat16, {T, H}, g.device(), stream);
+    Tensor topk = upload(in[r].topk64.data(), in[r].topk64.size() * 8, DType::kInt64, {T, K}, g.device(), stream);
+    DispatchArgs a;
+    a.x = x;
+    a.topk_idx = topk;
+    a.num_experts = E;
+    a.stream = stream;
+    // One round; the number of wrong elements of the identity-expert result.
+    auto round = [&] {
+      DispatchResult res = buffer->dispatch(a);
+      CombineArgs ca;
+      ca.x = res.recv_x;
+      ca.handle = res.handle;
+      ca.stream = stream;
+      const auto out = download<uint16_t>(buffer->combine(ca).x, stream);
+      const HostLayout l =
+          compute_layout_host(TensorView::of(const_cast<int64_t*>(in[r].topk64.data()), DType::kInt64, {T, K}), E, 2);
+      const auto* x0 = reinterpret_cast<const uint16_t*>(in[r].x.data());
+      int64_t wrong = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        const float visits = static_cast<float>(l.is_token_in_rank[t * 2] + l.is_token_in_rank[t * 2 + 1]);
+        for (int64_t h = 0; h < H; ++h) {
+          wrong += bf16_to_float(out[t * H + h]) != bf16_to_float(float_to_bf16(bf16_to_float(x0[t * H + h]) * visits));
+        }
+      }
+      return wrong;
+    };
+    // Retries until a round matches (each failed attempt is the other rank's reset still pending).
+    auto recover = [&] {
+      int64_t wrong = -1;
+      for (int attempt = 0; attempt < 4 && wrong != 0; ++attempt) {
+        try {
+          wrong = round();
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
+        }
+      }
+      return wrong;
+    };
+    const auto start = std::chrono::steady_clock::now();
+    auto elapsed_ms = [&] {
+      return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+    };
+    // 1. Dispatch: rank 1 asks for more SMs than the buffer has.
+    if (r == 1) {
+      DispatchArgs wrong = a;
+      wrong.num_sms = 1000;
+      EXPECT_THROW(buffer->dispatch(wrong), Error);
+    } else {
+      try {
+        buffer->dispatch(a);
+        ADD_FAILURE() << "expected kPeerFailure";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
+        wait_ms[0] = elapsed_ms();
+        peer_message[0] = e.what();
+      }
+    }
+    int64_t wrong = recover();
+    // 2. Combine: rank 0 passes fp32 x.
+    DispatchResult res = buffer->dispatch(a);
+    CombineArgs ca;
+    ca.x = res.recv_x;
+    ca.handle = res.handle;
+    ca.stream = stream;
+    Tensor narrow = Tensor::empty(DType::kFloat32, {res.recv_x.sizes()[0], H}, g.device());  // not bf16
+    const auto combine_start = std::chrono::steady_clock::now();
+    if (r == 0) {
+      CombineArgs bad_args = ca;
+      bad_args.x = narrow;
+      EXPECT_THROW(buffer->combine(bad_args), Error);
+    } else {
+      try {
+        (void)buffer->combine(ca);
+        cudaStreamSynchronize(stream);  // the combine's waits give up at the abort word
+        (void)buffer->dispatch(a);      // and the recorded failure is raised here at the latest
+        ADD_FAILURE() << "expected kPeerFailure";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
+        wait_ms[1] =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - combine_start)
+                .count();
+        peer_message[1] = e.what();
+      }
+    }
+    res = {};
+    ca = {};
+    narrow = {};
+    const int64_t wrong2 = recover();
+    bad[r] = wrong == 0 && wrong2 == 0 ? 0 : 1;
+    x = {};
+    topk = {};
+    buffer.reset();
+    cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+  });
+  EXPECT_GE(wait_ms[0], 0);
+  EXPECT_LT(wait_ms[0], 5'000) << "rank 0 learned of rank 1's invalid dispatch only after " << wait_ms[0] << " ms";
+  EXPECT_NE(peer_message[0].find("peer rank 1 left the call"), std::string::npos) << peer_message[0];
+  EXPECT_GE(wait_ms[1], 0);
+  EXPECT_LT(wait_ms[1], 5'000) << "rank 1 learned of rank 0's invalid combine only after " << wait_ms[1] << " ms";
+  EXPECT_NE(peer_message[1].find("peer rank 0 left the call"), std::string::npos) << peer_message[1];
+  EXPECT_EQ(bad[0], 0);
+  EXPECT_EQ(bad[1], 0);
+}
+
 TEST_F(NormalGpuTest, BadArgumentsThrowBeforeAnyCollective) {
   auto groups = create_cuda_groups({0});
   auto buffer = Buffer::create(groups[0]);
