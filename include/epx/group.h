@@ -24,6 +24,20 @@ const char* to_string(Backend backend) noexcept;
 // conversions to nanoseconds or clock cycles cannot overflow.
 inline constexpr int64_t kMaxTimeoutMs = int64_t{100} * 365 * 24 * 3600 * 1000;  // 3'153'600'000'000
 
+// Where a group's ranks sit: num_nodes machines of gpus_per_node ranks each, numbered node-major, so rank =
+// node * gpus_per_node + local_rank. Ranks of one node reach each other over NVLink (the host backend: shared
+// memory); ranks of different nodes only over the network. The hierarchical normal path (docs/multi-node.md)
+// routes by it; everything else sees one flat set of num_ranks() ranks.
+struct Topology {
+  int num_nodes = 1;
+  int gpus_per_node = 1;
+
+  int num_ranks() const { return num_nodes * gpus_per_node; }
+  int node_of(int rank) const { return rank / gpus_per_node; }
+  int local_rank_of(int rank) const { return rank % gpus_per_node; }
+  int rank_of(int node, int local_rank) const { return node * gpus_per_node + local_rank; }
+};
+
 class Group {
  public:
   virtual ~Group() = default;
@@ -34,6 +48,9 @@ class Group {
   virtual Device device() const = 0;
   // Budget for every wait on a peer, in milliseconds.
   virtual int64_t timeout_ms() const = 0;
+  // The ranks' placement on nodes; topology().num_ranks() == num_ranks(). Default: one node holding every rank
+  // (the cuda groups today; host groups take it from HostGroupOptions::gpus_per_node).
+  virtual Topology topology() const { return Topology{1, num_ranks()}; }
 
   // Blocks until every rank arrived. Throws Error(kTimeout) naming the ranks that did not arrive.
   virtual void barrier() = 0;
@@ -46,10 +63,14 @@ struct HostGroupOptions {
   // Budget for every wait on a peer (>= 1). Values above 100 years (e.g. INT64_MAX for "wait forever")
   // are clamped to 100 years; Group::timeout_ms() returns the clamped value.
   int64_t timeout_ms = 60'000;
+  // Ranks per node of the group's Topology: 0 puts every rank on one node; else in [1, num_ranks] and a divisor
+  // of num_ranks (num_nodes = num_ranks / gpus_per_node). The threads still share memory: the node boundary
+  // only decides which path the normal dispatch/combine take (BufferOptions::normal_routing).
+  int gpus_per_node = 0;
 };
 
 // Creates the groups of `num_ranks` thread ranks (1 <= num_ranks <= 1024). Hand groups[r] to the
-// thread that plays rank r.
+// thread that plays rank r. Throws kInvalidArgument naming the argument and the bound.
 std::vector<std::shared_ptr<Group>> create_host_groups(int num_ranks, const HostGroupOptions& options = {});
 
 // Runs fn(rank, group) on one thread per group, joins them all and rethrows the first exception

@@ -24,9 +24,10 @@ enum class PostState : uint8_t {
 
 class HostWorld {
  public:
-  HostWorld(int num_ranks, int64_t timeout_ms)
+  HostWorld(int num_ranks, int64_t timeout_ms, int gpus_per_node)
       : num_ranks(num_ranks),
         timeout_ms(timeout_ms),
+        gpus_per_node(gpus_per_node),
         arrive_seq(num_ranks, 0),
         release_seq(num_ranks, 0),
         taken_seq(num_ranks, 0),
@@ -36,6 +37,7 @@ class HostWorld {
 
   const int num_ranks;
   const int64_t timeout_ms;  // clamped by create_host_groups, so the deadline cannot overflow
+  const int gpus_per_node;   // divides num_ranks (checked by create_host_groups)
   std::mutex mutex;
   std::condition_variable cv;
   std::vector<uint64_t> arrive_seq;   // last collective each rank published
@@ -76,6 +78,9 @@ HostGroup::HostGroup(std::shared_ptr<HostWorld> world, int rank) : world_(std::m
 
 int HostGroup::num_ranks() const { return world_->num_ranks; }
 int64_t HostGroup::timeout_ms() const { return world_->timeout_ms; }
+Topology HostGroup::topology() const {
+  return Topology{world_->num_ranks / world_->gpus_per_node, world_->gpus_per_node};
+}
 
 namespace {
 
@@ -229,9 +234,14 @@ std::vector<std::shared_ptr<Group>> create_host_groups(int num_ranks, const Host
   EPX_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxHostGroupRanks, "num_ranks must be in [1, {}], got {}",
                 kMaxHostGroupRanks, num_ranks);
   EPX_CHECK_ARG(options.timeout_ms >= 1, "timeout_ms must be >= 1, got {}", options.timeout_ms);
+  EPX_CHECK_ARG(options.gpus_per_node >= 0 && options.gpus_per_node <= num_ranks,
+                "gpus_per_node must be in [0, num_ranks = {}] (0: one node), got {}", num_ranks, options.gpus_per_node);
+  EPX_CHECK_ARG(options.gpus_per_node == 0 || num_ranks % options.gpus_per_node == 0,
+                "gpus_per_node = {} must divide num_ranks = {}", options.gpus_per_node, num_ranks);
+  const int gpus_per_node = options.gpus_per_node == 0 ? num_ranks : options.gpus_per_node;
   // NOTE: "wait forever" (e.g. INT64_MAX) would overflow now() + timeout in nanoseconds.
   const int64_t timeout_ms = std::min(options.timeout_ms, kMaxTimeoutMs);
-  auto world = std::make_shared<host::HostWorld>(num_ranks, timeout_ms);
+  auto world = std::make_shared<host::HostWorld>(num_ranks, timeout_ms, gpus_per_node);
   std::vector<std::shared_ptr<Group>> groups;
   for (int r = 0; r < num_ranks; ++r) groups.push_back(std::make_shared<host::HostGroup>(world, r));
   return groups;

@@ -43,6 +43,7 @@ class HostGroup final : public Group {
   Backend backend() const override { return Backend::kHost; }
   Device device() const override { return Device::cpu(); }
   int64_t timeout_ms() const override;
+  Topology topology() const override;
   void barrier() override;
   void all_gather_bytes(const void* send, void* recv, size_t bytes) override;
 
