@@ -25,16 +25,27 @@ namespace epx {
 // and ignores the rest. Every rank must pass the same values (Buffer::create checks it), except
 // stage_timeline.
 struct NormalConfig {
-  bool copy_engines = true;    // copy engines carry the NVLink bytes when the staging fits (false: SM rings)
-  bool whole_copies = true;    // a destination that gets >= 15/16 of the tokens receives the whole x
-  bool stream_signals = true;  // copy completions are signalled by stream memory writes (false: a kernel)
-  int max_copy_chunks = 8;     // copies per destination and call, in [1, 8]
-  bool stage_timeline = false; // prints each copy-engine call's stage times to stderr (a debug aid)
+  bool copy_engines = true;     // copy engines carry the NVLink bytes when the staging fits (false: SM rings)
+  bool whole_copies = true;     // a destination that gets >= 15/16 of the tokens receives the whole x
+  bool stream_signals = true;   // copy completions are signalled by stream memory writes (false: a kernel)
+  int max_copy_chunks = 8;      // copies per destination and call, in [1, 8]
+  bool stage_timeline = false;  // prints each copy-engine call's stage times to stderr (a debug aid)
 };
 
 // Tuning of the cuda backend's low-latency kernels (docs/low-latency.md). Same on every rank.
 struct LowLatencyConfig {
   int combine_send_parts = 2;  // blocks per local expert in the combine send: 1, 2, 4 or 8
+};
+
+// Which way normal dispatch/combine move tokens (docs/multi-node.md). The same on every rank.
+enum class NormalRouting : uint8_t {
+  kAuto,  // kHierarchical when group.topology().num_nodes > 1, else kFlat
+  kFlat,  // each token goes from its rank straight to every destination rank (one node)
+  // A token crosses the network once per destination node, to the rank with its source's local index there, which
+  // forwards it to its destination ranks in that node; combine reduces inside the node before the network leg.
+  // Same results as kFlat (receive order, metadata, counts, data bytes); combine sums match within fp32
+  // reassociation (see CombineResult). Host backend only so far: the cuda backend raises kUnsupported for it.
+  kHierarchical,
 };
 
 struct BufferOptions {
@@ -49,6 +60,7 @@ struct BufferOptions {
   std::shared_ptr<Allocator> allocator;  // null: default_allocator()
   NormalConfig normal;
   LowLatencyConfig low_latency;
+  NormalRouting normal_routing = NormalRouting::kAuto;
 };
 
 // Peer memory the low-latency path needs for two buffer sets with these limits.
@@ -63,6 +75,11 @@ struct Layout {
   Tensor num_tokens_per_rank;    // int32 [num_ranks]
   Tensor num_tokens_per_expert;  // int32 [num_experts]
   Tensor is_token_in_rank;       // bool  [T, num_ranks]
+  // Tokens with at least one expert on a rank of each node of group.topology() (DeepEP's num_tokens_per_rdma_rank),
+  // the count the hierarchical path sends over the network per node. Optional: the host backend always fills it
+  // (one entry on one node); the cuda backend leaves it undefined until its multi-node path lands. dispatch ignores
+  // it when undefined and checks it against topk_idx when given.
+  Tensor num_tokens_per_node;  // int32 [num_nodes]
 };
 
 // Opaque record of one normal dispatch: where every token went. Pass it to combine, or to dispatch
@@ -146,6 +163,12 @@ struct CombineResult {
   // Host order (exact reference; other backends match it within fp32 reordering): start at 0, add the
   // rows by ascending r, then bias_0, then bias_1, then round once to bf16. topk_weights: the same
   // ascending-r fp32 sum, so each weight comes back exactly (it is non-zero on one rank only).
+  // Hierarchical routing (NormalRouting) on the host: per destination node n ascending, an fp32 partial
+  // p_n = 0 + the rows of n's ranks by ascending r; then acc = 0 + p_0 + p_1 + ..., the biases, one rounding.
+  // It equals the order above bit for bit with one node or one rank per node, and whenever the fp32 sums are
+  // exact; otherwise only by fp32 reassociation (the rounding errors of the fp32 adds, bounded as between
+  // backends), which can move the bf16 result where the sum lies near a rounding boundary. Weights still come
+  // back exactly.
   Tensor x;             // [T, H] bf16
   Tensor topk_weights;  // [T, K] fp32, the same sum of topk_weights rows; only if given
 };

@@ -167,10 +167,11 @@ LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args
                 "scale_format {} is not a ScaleFormat", static_cast<int>(args.scale_format));
   EPX_CHECK_ARG(args.scale_layout == ScaleLayout::kRowMajor || args.scale_layout == ScaleLayout::kColumnMajor,
                 "scale_layout {} is not a ScaleLayout", static_cast<int>(args.scale_layout));
-  EPX_CHECK_ARG(!args.use_fp8 || args.scale_format != ScaleFormat::kUE8M0 ||
-                    args.scale_layout != ScaleLayout::kColumnMajor || shape.hidden % (4 * kFp8BlockSize) == 0,
-                "column-major UE8M0 scales pack four exponents per int32: x hidden size must be a multiple of {}, got {}",
-                4 * kFp8BlockSize, shape.hidden);
+  EPX_CHECK_ARG(
+      !args.use_fp8 || args.scale_format != ScaleFormat::kUE8M0 || args.scale_layout != ScaleLayout::kColumnMajor ||
+          shape.hidden % (4 * kFp8BlockSize) == 0,
+      "column-major UE8M0 scales pack four exponents per int32: x hidden size must be a multiple of {}, got {}",
+      4 * kFp8BlockSize, shape.hidden);
   shape.num_local_experts = args.num_experts / num_ranks;
   check_optional(args.cumulative_recv_counts, "cumulative_recv_counts", DType::kInt32, {shape.num_local_experts},
                  device);
@@ -202,6 +203,10 @@ void validate_options(const BufferOptions& options) {
   EPX_CHECK_ARG(options.normal.max_copy_chunks >= 1 && options.normal.max_copy_chunks <= kNormalMaxCopyChunks,
                 "normal.max_copy_chunks must be in [1, {}], got {}", kNormalMaxCopyChunks,
                 options.normal.max_copy_chunks);
+  const auto routing = static_cast<int>(options.normal_routing);
+  EPX_CHECK_ARG(
+      routing >= static_cast<int>(NormalRouting::kAuto) && routing <= static_cast<int>(NormalRouting::kHierarchical),
+      "normal_routing must be kAuto, kFlat or kHierarchical, got {}", routing);
   const int parts = options.low_latency.combine_send_parts;
   EPX_CHECK_ARG(parts == 1 || parts == 2 || parts == 4 || parts == 8,
                 "low_latency.combine_send_parts must be 1, 2, 4 or 8, got {}", parts);
@@ -223,7 +228,9 @@ constexpr AgreedOption kAgreed[] = {
     {"normal.whole_copies", [](const BufferOptions& o) { return int64_t{o.normal.whole_copies}; }},
     {"normal.stream_signals", [](const BufferOptions& o) { return int64_t{o.normal.stream_signals}; }},
     {"normal.max_copy_chunks", [](const BufferOptions& o) { return int64_t{o.normal.max_copy_chunks}; }},
-    {"low_latency.combine_send_parts", [](const BufferOptions& o) { return int64_t{o.low_latency.combine_send_parts}; }},
+    {"low_latency.combine_send_parts",
+     [](const BufferOptions& o) { return int64_t{o.low_latency.combine_send_parts}; }},
+    {"normal_routing", [](const BufferOptions& o) { return static_cast<int64_t>(o.normal_routing); }},
 };
 constexpr size_t kWords = 1 + std::size(kAgreed);  // word 0: this rank's options are valid
 

@@ -11,12 +11,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "ep/validate.h"
 #include "epx/buffer.h"
 #include "host/host_group.h"
 #include "host/host_low_latency.h"
+#include "host/host_normal.h"
 
 namespace epx::host {
 
@@ -48,8 +50,18 @@ class HostBuffer final : public Buffer {
   void clear_rank_mask() override;
   void clean_low_latency_buffer() override;
 
- private:
   Tensor alloc(DType dtype, const std::vector<int64_t>& shape) const;
+
+ private:
+  // Sets the outputs every normal dispatch shares (prefix matrix, expert counts, handle) from its routes.
+  void finish_dispatch(DispatchResult& result, std::shared_ptr<const Routes> routes, int64_t num_rows,
+                       int64_t num_worst_tokens) const;
+  // The hierarchical routing (host_hierarchical.cpp), after dispatch()/combine() validated their arguments and
+  // built this rank's post.
+  DispatchResult dispatch_hierarchical(const DispatchArgs& args, std::shared_ptr<const Routes> cached,
+                                       const std::optional<HostLayout>& layout, DispatchPost& mine);
+  CombineResult combine_hierarchical(const CombineArgs& args, const HostDispatchHandle& handle,
+                                     const CombinePost& mine);
   // Post this rank's message of low-latency call `seq` (never blocks).
   void post(std::shared_ptr<const LowLatencyPost> message);
   // Waits until every rank not masked has posted call `seq` of `kind`, or the group timeout. Ranks that
@@ -69,6 +81,8 @@ class HostBuffer final : public Buffer {
   BufferOptions options_;
   int rank_;
   int num_ranks_;
+  Topology topology_;
+  bool hierarchical_;  // normal dispatch/combine take the hierarchical routing (BufferOptions::normal_routing)
   std::vector<bool> mask_;
   std::shared_ptr<LowLatencyMailbox> mailbox_;
   uint64_t ll_seq_ = 0;             // low-latency calls since creation or clean (the same on every rank)
