@@ -35,6 +35,7 @@ import numpy as np
 
 from . import _epx
 from ._epx.eplb import (  # noqa: F401
+    DeviceReplicaTable,
     DispatchCounts,
     DriftingZipf,
     ExpertLocation,
@@ -73,7 +74,7 @@ UTILIZATION_WINDOWS = (10, 100, 1000)
 MAX_INPUT_FILE_BYTES = 1 << 30
 
 __all__ = [
-    "DispatchCounts", "DriftingZipf", "ExpertLocation", "GateStatistic", "LayerUpdate", "LoadRecorder",
+    "DeviceReplicaTable", "DispatchCounts", "DriftingZipf", "ExpertLocation", "GateStatistic", "LayerUpdate", "LoadRecorder",
     "MAX_INPUT_FILE_BYTES", "MigrationResult", "Placement", "Policy", "RebalanceManager", "RebalanceReport",
     "RecordMode", "RelocationPlan", "RelocationStats", "ReplicaChoice", "SglangExpertLocation", "SglangLogicalCount",
     "SimulationResult", "SlotAction", "SlotPlan", "StepReport", "UTILIZATION_WINDOWS", "all_reduce_counts",
@@ -166,22 +167,34 @@ def gpu_loads(weight: Any, phy2log: Any, num_gpus: int) -> np.ndarray:
     return per_slot.reshape(num_layers, num_gpus, num_physical // num_gpus).sum(axis=2)
 
 
-def choose_replicas(location: ExpertLocation, layer: int, topk_logical: Any, gpu: int,
+def choose_replicas(location: Union[ExpertLocation, DeviceReplicaTable], layer: int, topk_logical: Any, gpu: int,
                     mode: Union[ReplicaChoice, str] = "static", seed: int = 0, rank_invariant: bool = False,
-                    first_token: int = 0) -> Any:
+                    first_token: int = 0, out: Any = None, stream: Any = None) -> Any:
     """Maps logical top-k ids [num_tokens, num_topk] of one layer to physical slots (-1 stays -1).
 
     ``gpu``: the caller's GPU (rank). ``mode="static"`` prefers a replica on the token's own GPU;
-    ``"dynamic"`` picks uniformly by a hash of (seed, layer, token, k). Returns int64 [num_tokens, num_topk]:
-    a torch CPU tensor for torch input, else numpy.
+    ``"dynamic"`` picks uniformly by a hash of (seed, layer, token, k). With an ExpertLocation: host arrays,
+    returns int64 [num_tokens, num_topk] (a torch CPU tensor for torch input, else numpy). With a
+    ``DeviceReplicaTable`` (``DeviceReplicaTable.upload(location, device)``): CUDA tensors (int32 or int64) stay
+    on the device, the kernel picks the same slots on ``stream`` (default: torch's current stream) with no host
+    sync; the result (``out``, or a new tensor like ``topk_logical``) is returned. Ids outside [-1, num_logical)
+    give -1 there (they are not checked on the host).
     """
-    out = _native.choose_replicas(location, layer, _host(topk_logical), gpu, enum_arg(ReplicaChoice, mode, "mode"),
-                                  seed, rank_invariant, first_token)
+    mode = enum_arg(ReplicaChoice, mode, "mode")
+    if isinstance(location, DeviceReplicaTable):
+        from ._tensors import cuda_stream_of
+
+        result = out if out is not None else topk_logical.new_empty(topk_logical.shape)
+        _native.choose_replicas_device(location, layer, topk_logical, result, gpu, mode, seed, rank_invariant,
+                                       first_token, cuda_stream_of(stream, topk_logical))
+        return result
+    out_host = _native.choose_replicas(location, layer, _host(topk_logical), gpu, mode, seed, rank_invariant,
+                                       first_token)
     if is_torch(topk_logical):
         import torch
 
-        return torch.from_numpy(out).to(topk_logical.device)
-    return out
+        return torch.from_numpy(out_host).to(topk_logical.device)
+    return out_host
 
 
 def make_recorder(num_layers: int, num_logical: int, num_physical: int, num_gpus: int, buffer_steps: int = 1000,

@@ -21,6 +21,7 @@
 
 #include "bind.h"
 #include "collective.h"
+#include "epx/eplb/device_replicas.h"
 #include "epx/eplb/dispatch_counts.h"
 #include "epx/eplb/expert_location.h"
 #include "epx/eplb/manager.h"
@@ -396,6 +397,35 @@ void bind_location(nb::module_& m) {
       nb::arg("first_token") = 0,
       "int64 [num_tokens, num_topk]: the physical slot of each logical id of topk_logical [num_tokens, num_topk] "
       "(-1 stays -1) for a token on `gpu`.");
+
+  nb::class_<DeviceReplicaTable>(m, "DeviceReplicaTable",
+                                 "An ExpertLocation's replica lists on one CUDA device, for choose_replicas on device "
+                                 "tensors. Immutable: upload a new one after a rebalance.")
+      .def_static(
+          "upload",
+          [](const ExpertLocation& location, int device, nb::handle stream) {
+            nb::gil_scoped_release release;  // the upload waits for its copy
+            return std::const_pointer_cast<DeviceReplicaTable>(
+                DeviceReplicaTable::upload(location, Device::cuda(device), to_stream(stream)));
+          },
+          nb::arg("location"), nb::arg("device"), nb::arg("stream") = nb::none())
+      .def_prop_ro("num_layers", &DeviceReplicaTable::num_layers)
+      .def_prop_ro("num_logical", &DeviceReplicaTable::num_logical)
+      .def_prop_ro("num_physical", &DeviceReplicaTable::num_physical)
+      .def_prop_ro("num_gpus", &DeviceReplicaTable::num_gpus)
+      .def_prop_ro("device", [](const DeviceReplicaTable& t) { return t.device().index; });
+  m.def(
+      "choose_replicas_device",
+      [](const DeviceReplicaTable& table, int layer, nb::handle topk_logical, nb::handle topk_physical, int gpu,
+         ReplicaChoice mode, uint64_t seed, bool rank_invariant, int64_t first_token, nb::handle stream) {
+        choose_replicas(table, layer, to_view(topk_logical, "topk_logical"), to_view(topk_physical, "topk_physical"),
+                        gpu, {mode, seed, rank_invariant}, first_token, to_stream(stream));
+      },
+      nb::arg("table"), nb::arg("layer"), nb::arg("topk_logical"), nb::arg("topk_physical"), nb::arg("gpu"),
+      nb::arg("mode") = ReplicaChoice::kStatic, nb::arg("seed") = 0, nb::arg("rank_invariant") = false,
+      nb::arg("first_token") = 0, nb::arg("stream") = nb::none(),
+      "Writes topk_physical (the dtype and shape of topk_logical, int32 or int64, on the table's device; may be "
+      "topk_logical itself) on `stream`, choosing as choose_replicas does; ids outside [-1, num_logical) give -1.");
 }
 
 // ---- recorder and manager -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "eplb/replica_rule.h"
 
 namespace epx::eplb {
 
@@ -18,14 +19,6 @@ void check_layout(int num_layers, int num_logical, int num_physical, int num_gpu
                 "num_physical ({}) must be divisible by num_gpus ({}) for equal slots per GPU", num_physical, num_gpus);
   EPX_CHECK_ARG(num_nodes >= 1 && num_gpus % num_nodes == 0, "num_gpus ({}) must be divisible by num_nodes ({})",
                 num_gpus, num_nodes);
-}
-
-// splitmix64: a counter-based hash, so choices need no shared RNG state.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
 }
 
 }  // namespace
@@ -199,7 +192,7 @@ void choose_replicas(const ExpertLocation& location, int layer, std::span<const 
                   "topk_logical[{}] must be in [-1, {}), got {}", i, num_logical, topk_logical[i]);
   }
   const int spg = location.slots_per_gpu();
-  const uint64_t layer_key = mix(options.seed ^ mix(static_cast<uint64_t>(layer)));
+  const uint64_t key = rule::layer_key(options.seed, layer);
   for (size_t i = 0; i < topk_logical.size(); ++i) {
     const int64_t e = topk_logical[i];
     if (e < 0) {
@@ -207,38 +200,10 @@ void choose_replicas(const ExpertLocation& location, int layer, std::span<const 
       continue;
     }
     const auto reps = location.replicas(layer, static_cast<int>(e));
-    const uint64_t n = reps.size();
     const uint64_t token = static_cast<uint64_t>(first_token) + i / num_topk;
-    const uint64_t k = i % num_topk;
-    const uint64_t expert_key = mix(layer_key ^ static_cast<uint64_t>(e));
-    int64_t chosen = -1;
-    if (options.mode == ReplicaChoice::kStatic) {
-      if (options.rank_invariant) {
-        chosen = reps[(expert_key + token) % n];
-      } else {
-        for (int32_t s : reps) {
-          if (s / spg == gpu) {
-            chosen = s;
-            break;
-          }
-        }
-        if (chosen < 0) {
-          // Number the GPUs without a replica 0, 1, ... so that they divide evenly over the replicas.
-          uint64_t ordinal = static_cast<uint64_t>(gpu);
-          int last_gpu = -1;
-          for (int32_t s : reps) {
-            if (s / spg < gpu && s / spg != last_gpu) --ordinal;
-            last_gpu = s / spg;
-          }
-          chosen = reps[(expert_key + ordinal) % n];
-        }
-      }
-    } else {
-      uint64_t key = mix(expert_key ^ mix(token * 64 + k));
-      if (!options.rank_invariant) key = mix(key ^ static_cast<uint64_t>(gpu + 1));
-      chosen = reps[key % n];
-    }
-    topk_physical[i] = chosen;
+    topk_physical[i] = rule::pick_replica(reps.data(), static_cast<int>(reps.size()), spg, gpu, key, e, token,
+                                          i % num_topk, options.mode == ReplicaChoice::kDynamic,
+                                          options.rank_invariant);
   }
 }
 

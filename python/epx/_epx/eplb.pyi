@@ -212,6 +212,34 @@ def choose_replicas(location: ExpertLocation, layer: int, topk_logical: object, 
     int64 [num_tokens, num_topk]: the physical slot of each logical id of topk_logical [num_tokens, num_topk] (-1 stays -1) for a token on `gpu`.
     """
 
+class DeviceReplicaTable:
+    """
+    An ExpertLocation's replica lists on one CUDA device, for choose_replicas on device tensors. Immutable: upload a new one after a rebalance.
+    """
+
+    @staticmethod
+    def upload(location: ExpertLocation, device: int, stream: object | None = None) -> DeviceReplicaTable: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_logical(self) -> int: ...
+
+    @property
+    def num_physical(self) -> int: ...
+
+    @property
+    def num_gpus(self) -> int: ...
+
+    @property
+    def device(self) -> int: ...
+
+def choose_replicas_device(table: DeviceReplicaTable, layer: int, topk_logical: object, topk_physical: object, gpu: int, mode: ReplicaChoice = ReplicaChoice.static, seed: int = 0, rank_invariant: bool = False, first_token: int = 0, stream: object | None = None) -> None:
+    """
+    Writes topk_physical (the dtype and shape of topk_logical, int32 or int64, on the table's device; may be topk_logical itself) on `stream`, choosing as choose_replicas does; ids outside [-1, num_logical) give -1.
+    """
+
 class RecordMode(enum.Enum):
     """What the load recorder keeps besides per-step counts."""
 
