@@ -906,6 +906,24 @@ TEST_F(NormalGpuTest, CachedDispatchCapturesInGraph) {
   }
 }
 
+// Elements of an EP2 dispatch + combine round with identity experts that differ from the expected result: each
+// token comes back times the number of ranks it visited.
+template <typename RankIn>
+int64_t identity_round_mismatches(const RankIn& in, int64_t T, int64_t H, int64_t K, int64_t E,
+                                  const std::vector<uint16_t>& out) {
+  const HostLayout l =
+      compute_layout_host(TensorView::of(const_cast<int64_t*>(in.topk64.data()), DType::kInt64, {T, K}), E, 2);
+  const auto* x0 = reinterpret_cast<const uint16_t*>(in.x.data());
+  int64_t wrong = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const float visits = static_cast<float>(l.is_token_in_rank[t * 2] + l.is_token_in_rank[t * 2 + 1]);
+    for (int64_t h = 0; h < H; ++h) {
+      wrong += bf16_to_float(out[t * H + h]) != bf16_to_float(float_to_bf16(bf16_to_float(x0[t * H + h]) * visits));
+    }
+  }
+  return wrong;
+}
+
 // A peer that never arrives: rank 0 gets Error(kTimeout) naming the wait; afterwards both ranks use
 // the same buffers again and get correct results.
 TEST_F(NormalGpuTest, TimeoutThenRecover) {
@@ -956,19 +974,7 @@ TEST_F(NormalGpuTest, TimeoutThenRecover) {
     CombineResult comb = buffer->combine(ca);
     const auto out = download<uint16_t>(comb.x, stream);
     cudaStreamSynchronize(stream);
-    // Identity experts: each token comes back times the number of ranks it visited.
-    const HostLayout l =
-        compute_layout_host(TensorView::of(const_cast<int64_t*>(in[r].topk64.data()), DType::kInt64, {T, K}), E, 2);
-    int64_t mismatches = 0;
-    const auto* x0 = reinterpret_cast<const uint16_t*>(in[r].x.data());
-    for (int64_t t = 0; t < T; ++t) {
-      const float visits = static_cast<float>(l.is_token_in_rank[t * 2] + l.is_token_in_rank[t * 2 + 1]);
-      for (int64_t h = 0; h < H; ++h) {
-        mismatches +=
-            bf16_to_float(out[t * H + h]) != bf16_to_float(float_to_bf16(bf16_to_float(x0[t * H + h]) * visits));
-      }
-    }
-    bad[r] = mismatches;
+    bad[r] = identity_round_mismatches(in[r], T, H, K, E, out);
     res = {};
     comb = {};
     ca = {};  // holds the handle, whose tensors free on `stream`
@@ -1068,18 +1074,7 @@ TEST_F(NormalGpuTest, InvalidArgumentsOnOneRankFailThePeerAtOnce) {
       ca.x = res.recv_x;
       ca.handle = res.handle;
       ca.stream = stream;
-      const auto out = download<uint16_t>(buffer->combine(ca).x, stream);
-      const HostLayout l =
-          compute_layout_host(TensorView::of(const_cast<int64_t*>(in[r].topk64.data()), DType::kInt64, {T, K}), E, 2);
-      const auto* x0 = reinterpret_cast<const uint16_t*>(in[r].x.data());
-      int64_t wrong = 0;
-      for (int64_t t = 0; t < T; ++t) {
-        const float visits = static_cast<float>(l.is_token_in_rank[t * 2] + l.is_token_in_rank[t * 2 + 1]);
-        for (int64_t h = 0; h < H; ++h) {
-          wrong += bf16_to_float(out[t * H + h]) != bf16_to_float(float_to_bf16(bf16_to_float(x0[t * H + h]) * visits));
-        }
-      }
-      return wrong;
+      return identity_round_mismatches(in[r], T, H, K, E, download<uint16_t>(buffer->combine(ca).x, stream));
     };
     // Retries until a round matches (each failed attempt is the other rank's reset still pending).
     auto recover = [&] {

@@ -118,15 +118,7 @@ TEST(ParallelLayout, EveryFactorizationPartitionsTheRanks) {
   EXPECT_GT(num_layouts, 100);
 }
 
-void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using epx::testing::expect_invalid;
 
 TEST(ParallelLayout, RejectsBadSizes) {
   expect_invalid([] { ParallelLayout::create({.world_size = 0}); }, "world_size must be in [1, 1024]");

@@ -17,21 +17,14 @@
 #include "epx/eplb/manager.h"
 #include "epx/error.h"
 #include "epx/group.h"
+#include "test_util.h"
 
 namespace epx::eplb {
 namespace {
 
 constexpr int kRanks = 4, kLayers = 2, kSlots = 16, kSlotsPerRank = kSlots / kRanks, kTopk = 4;
 
-void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    FAIL() << "expected an error containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using epx::testing::expect_invalid;
 
 // topk[rank][layer]: [tokens * kTopk] physical slots, -1 for none.
 using Routing = std::vector<std::vector<std::vector<int64_t>>>;

@@ -17,19 +17,12 @@
 #include "epx/eplb/recorder.h"
 #include "epx/eplb/synthetic.h"
 #include "epx/error.h"
+#include "test_util.h"
 
 namespace epx::eplb {
 namespace {
 
-void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    FAIL() << "expected an error containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using epx::testing::expect_invalid;
 
 TEST(EplbLocation, TrivialJsonAndValidation) {
   const auto loc = ExpertLocation::trivial(2, 4, 6, 3, 1);

@@ -11,19 +11,12 @@
 #include "epx/eplb/expert_location.h"
 #include "epx/eplb/sglang_format.h"
 #include "epx/error.h"
+#include "test_util.h"
 
 namespace epx::eplb {
 namespace {
 
-void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error, expected '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using epx::testing::expect_invalid;
 
 TEST(SglangFormat, LogicalCountTwoDimensional) {
   const auto c = parse_sglang_logical_count(R"({"logical_count": [[1, 2, 3], [40, 0, 6]]})");

@@ -436,15 +436,7 @@ TEST(HostBuffer, Fp8DispatchMovesDataAndScalesExactly) {
 }
 
 // Expects fn to throw Error(kInvalidArgument) whose message contains `needle`.
-void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected kInvalidArgument mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using epx::testing::expect_invalid;
 
 TEST(HostBuffer, RejectsBadInput) {
   auto groups = create_host_groups(1, {.timeout_ms = 1'000});

@@ -358,15 +358,7 @@ TEST(HostLowLatency, Fp8Dispatch) {
   }
 }
 
-void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected kInvalidArgument mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using epx::testing::expect_invalid;
 
 // DeepEP/DeepGEMM scale options: round_scale gives the UE8M0 quantization with fp32 powers of two; column-major
 // is the transpose of the row-major scales; column-major UE8M0 packs four exponents per int32.

@@ -19,10 +19,22 @@
 #include <thread>
 #include <vector>
 
+#include "epx/error.h"
 #include "epx/quant.h"
 #include "epx/tensor.h"
 
 namespace epx::testing {
+
+// fn() must throw Error(kInvalidArgument) whose message contains `needle`.
+inline void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected kInvalidArgument mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
 
 // Random bf16 values in [-range, range].
 inline std::vector<uint16_t> random_bf16(std::mt19937& rng, size_t n, float range = 4.f) {
