@@ -105,48 +105,87 @@ def _numpy_view(a: np.ndarray, dtype) -> np.ndarray:
 class Allocations:
     """The Python side of a Buffer's allocator: per thread, either torch allocations or the default.
 
-    While a call with torch inputs runs (``with allocations.torch():``), epx's output allocations come
-    from ``torch.empty(nbytes, dtype=uint8)`` on the call's stream; outputs are then returned as views
-    of them. Otherwise the callback returns None and epx uses its default allocator.
+    While a call with torch inputs runs (``with allocations.torch(cuda, stream, device):``), epx's output
+    allocations come from ``torch.empty(nbytes, dtype=uint8)`` with the call's stream current; outputs are then
+    returned as views of them. Otherwise the callback returns None and epx uses its default allocator. The
+    stream is made current at the first allocation of a call, only when it is not current already, and put
+    back when the call ends (calls that allocate nothing pay nothing). The callback hands epx (data pointer,
+    bytes, tensor), so no DLPack import happens per allocation.
     """
 
     def __init__(self):
         self._local = threading.local()
+        self._devices = {}
+        self._streams = {}  # raw handle -> torch.cuda.ExternalStream (a wrapper of the handle, safe to keep)
 
     def __call__(self, nbytes: int, device_index: int, stream: int):
-        state = getattr(self._local, "state", None)
-        if state is None:
+        scope = getattr(self._local, "scope", None)
+        if scope is None:
             return None
         torch = _torch()
-        if state["cuda"]:
-            device = torch.device("cuda", device_index)
-            if stream:
-                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
-                    t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-            else:
-                t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        if scope.cuda:
+            device = self._devices.get(device_index)
+            if device is None:
+                device = self._devices[device_index] = torch.device("cuda", device_index)
+            if scope.stream is not None and scope.restore is None:
+                current = torch.cuda.current_stream(device_index)
+                target = self._torch_stream(scope.stream, device)
+                scope.restore = current
+                if target is not None and current.cuda_stream != target.cuda_stream:
+                    torch.cuda.set_stream(target)
+                    scope.switched = True
         else:
-            t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        state["made"].append(t)
-        return t
+            device = "cpu"
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        ptr = t.data_ptr()
+        scope.made.append((ptr, t.numel(), t))
+        return (ptr, t.numel(), t)
 
-    def torch(self, cuda: bool):
-        allocations = self
+    def _torch_stream(self, stream: Any, device: Any):
+        """The call's stream (a torch stream or a raw handle) as a torch stream; None when it is neither."""
+        torch = _torch()
+        if isinstance(stream, torch.cuda.Stream):
+            return stream
+        if not isinstance(stream, int):
+            stream = getattr(stream, "cuda_stream", None)
+            if not isinstance(stream, int):
+                return None  # not a stream: the native call has rejected it, naming stream
+        key = (stream, device.index)
+        wrapped = self._streams.get(key)
+        if wrapped is None:
+            wrapped = torch.cuda.ExternalStream(stream, device=device) if stream else torch.cuda.default_stream(device)
+            if len(self._streams) > 4096:  # handles of destroyed streams: start over rather than grow
+                self._streams.clear()
+            self._streams[key] = wrapped
+        return wrapped
 
-        class _Scope:
-            def __enter__(self_scope):
-                allocations._local.state = {"cuda": cuda, "made": []}
-                return allocations._local.state
+    def torch(self, cuda: bool, stream: Any = None):
+        return _TorchScope(self, cuda, stream if cuda else None)
 
-            def __exit__(self_scope, *exc):
-                allocations._local.state = None
-                return False
 
-        return _Scope()
+class _TorchScope:
+    """One native call's torch allocations (see Allocations.torch)."""
+
+    __slots__ = ("allocations", "cuda", "stream", "made", "restore", "switched")
+
+    def __init__(self, allocations: Allocations, cuda: bool, stream: Any):
+        self.allocations, self.cuda, self.stream, self.made = allocations, cuda, stream, []
+        self.restore, self.switched = None, False
+
+    def __enter__(self):
+        self.allocations._local.scope = self
+        return self
+
+    def __exit__(self, *exc):
+        self.allocations._local.scope = None
+        if self.switched:
+            _torch().cuda.set_stream(self.restore)
+        return False
 
 
 class Outputs:
-    """Converts the native module's (array, DType) outputs into the caller's framework."""
+    """Converts the native module's (array, DType, data pointer, bytes, shape) outputs into the caller's
+    framework. ``made``: the (pointer, bytes, tensor) torch allocations of the call."""
 
     def __init__(self, use_torch: bool, made=None):
         self.use_torch = use_torch
@@ -155,19 +194,16 @@ class Outputs:
     def __call__(self, out):
         if out is None:
             return None
-        array, dtype = out
+        array, dtype, ptr, nbytes, shape = out
         if not self.use_torch:
             return _numpy_view(array, dtype)
-        torch = _torch()
-        t = torch.from_dlpack(array)  # CPU: a numpy array; CUDA: a DLPack capsule
-        shape = tuple(t.shape)
-        ptr = t.data_ptr()
-        nbytes = t.numel() * t.element_size()
-        for base in self.made:  # a view of the torch allocation it lives in, so torch owns the memory
-            start = base.data_ptr()
-            if start <= ptr and ptr + nbytes <= start + base.numel():
+        for start, size, base in self.made:  # a view of the torch allocation it lives in: torch owns the memory
+            if start <= ptr and ptr + nbytes <= start + size:
                 off = ptr - start
-                return base[off:off + nbytes].view(_torch_dtype(dtype)).view(shape)
+                if off or nbytes != size:
+                    base = base[off:off + nbytes]
+                return base.view(_torch_dtype(dtype)).view(shape)
+        t = _torch().from_dlpack(array)  # memory epx owns (the buffer's): CPU: a numpy array; CUDA: a capsule
         if dtype in (_epx.DType.bfloat16, _epx.DType.float8_e4m3):
             return t.view(_torch_dtype(dtype))
         return t

@@ -105,9 +105,9 @@ class Buffer:
         if not use_torch:
             return method(**kwargs), Outputs(False)
         cuda = any(is_torch(t) and t.is_cuda for t in inputs)
-        with self._allocations.torch(cuda) as state:
+        with self._allocations.torch(cuda, kwargs.get("stream")) as scope:
             out = method(**kwargs)
-            return out, Outputs(True, state["made"])
+            return out, Outputs(True, scope.made)
 
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, stream: Any = None) -> Layout:
         """Per-rank and per-expert token counts and is_token_in_rank of topk_idx [T, K] (not collective)."""

@@ -74,17 +74,29 @@ class PythonAllocator final : public Allocator {
         nb::gil_scoped_release release;
         return default_allocator()->allocate(bytes, device, stream);
       }
-      auto array = nb::cast<nb::ndarray<>>(out);
-      if (array.nbytes() < bytes) {
-        throw Error(ErrorCode::kOutOfMemory, "allocator returned " + std::to_string(array.nbytes()) + " bytes, " +
-                                                 std::to_string(bytes) + " were asked for");
+      void* data = nullptr;
+      size_t got = 0;
+      if (nb::isinstance<nb::tuple>(out)) {  // (data pointer, bytes, owner): no DLPack round trip per allocation
+        auto t = nb::borrow<nb::tuple>(out);
+        if (t.size() != 3) throw nb::cast_error();
+        data = reinterpret_cast<void*>(nb::cast<uintptr_t>(t[0]));
+        got = nb::cast<size_t>(t[1]);
+      } else {
+        auto array = nb::cast<nb::ndarray<>>(out);
+        data = array.data();
+        got = array.nbytes();
+      }
+      if (got < bytes) {
+        throw Error(ErrorCode::kOutOfMemory,
+                    "allocator returned " + std::to_string(got) + " bytes, " + std::to_string(bytes) + " were asked for");
       }
       PyObject* held = out.release().ptr();
-      return {array.data(), [held](void*) { release(held); }};
+      return {data, [held](void*) { release(held); }};
     } catch (const nb::python_error& e) {
       throw Error(ErrorCode::kOutOfMemory, std::string("allocator callback failed: ") + e.what());
     } catch (const nb::cast_error&) {
-      throw Error(ErrorCode::kInvalidArgument, "allocator callback must return an array (DLPack)");
+      throw Error(ErrorCode::kInvalidArgument,
+                  "allocator callback must return an array (DLPack) or a tuple (data pointer, bytes, owner)");
     }
   }
 
@@ -184,7 +196,12 @@ nb::object from_tensor(const Tensor& tensor) {
                       cuda ? nb::device::cuda::value : nb::device::cpu::value, cuda ? v.device.index : 0);
   // CPU: a numpy array (no copy); CUDA: a DLPack capsule (torch.from_dlpack and cupy take it).
   nb::object exported = cuda ? nb::cast(array) : nb::cast(nb::ndarray<nb::numpy>(array));
-  return nb::make_tuple(exported, v.dtype);
+  nb::tuple dims = nb::steal<nb::tuple>(PyTuple_New(v.ndim));
+  for (int d = 0; d < v.ndim; ++d) PyTuple_SET_ITEM(dims.ptr(), d, PyLong_FromLongLong(v.shape[d]));
+  // The pointer, bytes and shape let the Python side view an output inside the torch allocation it came
+  // from without a DLPack import per output.
+  return nb::make_tuple(exported, v.dtype, reinterpret_cast<uintptr_t>(v.data), static_cast<size_t>(v.nbytes()),
+                        dims);
 }
 
 Stream to_stream(nb::handle obj) {
