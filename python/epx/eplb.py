@@ -358,16 +358,18 @@ def plan_relocation(old_phy2log: Any, new_phy2log: Any, num_ranks: int, num_node
 
 
 def relocate_weights(plan: RelocationPlan, group: _epx.Group, old_slots: Sequence[Any], new_slots: Sequence[Any],
-                     max_slots_per_round: int = 8,
-                     failed_ranks: Optional[Sequence[bool]] = None) -> RelocationStats:
-    """Executes ``plan`` for ``group.rank`` over the host transport (groups of ``epx.host_groups``).
+                     max_slots_per_round: int = 8, failed_ranks: Optional[Sequence[bool]] = None,
+                     staging_bytes: int = 64 << 20) -> RelocationStats:
+    """Executes ``plan`` for ``group.rank``: over the host transport for host groups (``epx.host_groups``; host
+    arrays), over the cuda transport for cuda groups (CUDA tensors of the rank's GPU; copy engines between the
+    GPUs of one host, through a staging region of ``staging_bytes`` per rank; no ``failed_ranks``).
 
     Collective: every live rank calls it with the same plan. ``old_slots[i]`` [old_slots_per_rank, ...] and
-    ``new_slots[i]`` [new_slots_per_rank, ...] are this rank's i-th weight tensor (any dtype, C-contiguous,
-    host memory), disjoint or identical (in place). ``new_slots`` are written. The GIL is released.
+    ``new_slots[i]`` [new_slots_per_rank, ...] are this rank's i-th weight tensor (any dtype, C-contiguous),
+    disjoint or identical (in place). ``new_slots`` are written. The GIL is released.
     """
-    return _native.relocate_weights_host(plan, group, list(old_slots), list(new_slots), max_slots_per_round,
-                                         list(failed_ranks or []))
+    return _native.relocate_weights(plan, group, list(old_slots), list(new_slots), max_slots_per_round,
+                                    list(failed_ranks or []), staging_bytes)
 
 
 # ---- simulation --------------------------------------------------------------------------------------

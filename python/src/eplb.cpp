@@ -823,16 +823,27 @@ struct SlotArray {
   size_t bytes_per_slot = 0;
 };
 
-SlotArray slot_array(nb::handle obj, const std::string& name, int num_slots) {
-  nb::ndarray<nb::device::cpu, nb::c_contig> array;
-  if (!nb::try_cast(obj, array, /*convert=*/false) || array.ndim() < 1) {  // no silent copy of an output
-    bad(name + ": expected a writable, C-contiguous host array [slots, ...], got " +
+SlotArray slot_array(nb::handle obj, const std::string& name, int num_slots, bool cuda) {
+  void* data = nullptr;
+  size_t nbytes = 0, slots = 0;
+  bool ok = false;
+  if (cuda) {
+    nb::ndarray<nb::device::cuda, nb::c_contig> array;
+    ok = nb::try_cast(obj, array, /*convert=*/false) && array.ndim() >= 1;  // no silent copy of an output
+    if (ok) data = array.data(), nbytes = array.nbytes(), slots = array.shape(0);
+  } else {
+    nb::ndarray<nb::device::cpu, nb::c_contig> array;
+    ok = nb::try_cast(obj, array, /*convert=*/false) && array.ndim() >= 1;
+    if (ok) data = array.data(), nbytes = array.nbytes(), slots = array.shape(0);
+  }
+  if (!ok) {
+    bad(name + ": expected a writable, C-contiguous " + (cuda ? "CUDA" : "host") + " array [slots, ...], got " +
         nb::cast<std::string>(nb::type_name(obj.type())));
   }
-  if (array.shape(0) != static_cast<size_t>(num_slots)) {
-    bad(name + ": " + std::to_string(array.shape(0)) + " slots, the plan has " + std::to_string(num_slots));
+  if (slots != static_cast<size_t>(num_slots)) {
+    bad(name + ": " + std::to_string(slots) + " slots, the plan has " + std::to_string(num_slots));
   }
-  return {array.data(), num_slots > 0 ? array.nbytes() / static_cast<size_t>(num_slots) : 0};
+  return {data, num_slots > 0 ? nbytes / static_cast<size_t>(num_slots) : 0};
 }
 
 void bind_relocation(nb::module_& m) {
@@ -889,19 +900,22 @@ void bind_relocation(nb::module_& m) {
       .def_ro("bytes_sent", &RelocationStats::bytes_sent);
 
   m.def(
-      "relocate_weights_host",
+      "relocate_weights",
       [](const RelocationPlan& plan, std::shared_ptr<Group> group, const std::vector<nb::handle>& old_slots,
-         const std::vector<nb::handle>& new_slots, int max_slots_per_round, const std::vector<bool>& failed_ranks) {
+         const std::vector<nb::handle>& new_slots, int max_slots_per_round, const std::vector<bool>& failed_ranks,
+         size_t staging_bytes) {
         if (old_slots.size() != new_slots.size()) {
           bad("old_slots and new_slots: " + std::to_string(old_slots.size()) + " and " +
               std::to_string(new_slots.size()) + " tensors, must be equal");
         }
+        const bool cuda = group->backend() == Backend::kCuda;
+        if (cuda && !failed_ranks.empty()) bad("failed_ranks: the cuda transport has no failed-rank mode (host only)");
         ExpertWeights weights;
         for (size_t i = 0; i < old_slots.size(); ++i) {
           const std::string old_name = "old_slots[" + std::to_string(i) + "]";
           const std::string new_name = "new_slots[" + std::to_string(i) + "]";
-          const SlotArray old_array = slot_array(old_slots[i], old_name, plan.old_slots_per_rank);
-          const SlotArray new_array = slot_array(new_slots[i], new_name, plan.new_slots_per_rank);
+          const SlotArray old_array = slot_array(old_slots[i], old_name, plan.old_slots_per_rank, cuda);
+          const SlotArray new_array = slot_array(new_slots[i], new_name, plan.new_slots_per_rank, cuda);
           if (old_array.bytes_per_slot != new_array.bytes_per_slot) {
             bad(new_name + ": " + std::to_string(new_array.bytes_per_slot) + " bytes per slot, " + old_name + " has " +
                 std::to_string(old_array.bytes_per_slot));
@@ -911,16 +925,17 @@ void bind_relocation(nb::module_& m) {
           weights.bytes_per_slot.push_back(old_array.bytes_per_slot);
         }
         nb::gil_scoped_release release;
-        auto transport = make_host_transport(*group, failed_ranks);
+        auto transport = cuda ? make_cuda_transport(*group, staging_bytes) : make_host_transport(*group, failed_ranks);
         RelocationOptions options;
         options.max_slots_per_round = max_slots_per_round;
         return relocate_weights(plan, weights, *transport, options);
       },
       nb::arg("plan"), nb::arg("group"), nb::arg("old_slots"), nb::arg("new_slots"), nb::arg("max_slots_per_round") = 8,
-      nb::arg("failed_ranks") = std::vector<bool>{},
-      "Executes `plan` for group.rank over the host transport (host groups; collective over live ranks). "
-      "old_slots[i] [old_slots_per_rank, ...] and new_slots[i] [new_slots_per_rank, ...]: contiguous host arrays, "
-      "disjoint or identical (in place). GIL released.");
+      nb::arg("failed_ranks") = std::vector<bool>{}, nb::arg("staging_bytes") = size_t{64} << 20,
+      "Executes `plan` for group.rank: host groups over the host transport (host arrays; collective over live "
+      "ranks), cuda groups over the cuda transport (CUDA arrays of the rank's GPU; copy engines through a staging "
+      "region of staging_bytes per rank). old_slots[i] [old_slots_per_rank, ...] and new_slots[i] "
+      "[new_slots_per_rank, ...]: contiguous, disjoint or identical (in place). GIL released.");
 }
 
 // ---- synthetic loads ----------------------------------------------------------------------------------

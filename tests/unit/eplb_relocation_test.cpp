@@ -78,6 +78,17 @@ TEST(EplbRelocation, RejectsBadInput) {
   }
 }
 
+TEST(EplbRelocation, CudaTransportNeedsACudaGroup) {
+  auto groups = create_host_groups(1);
+  try {
+    make_cuda_transport(*groups[0]);
+    FAIL() << "a host group was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("needs a cuda group, got a host group"), std::string::npos) << e.what();
+  }
+}
+
 // The byte pattern of one slot of expert `e` in tensor t.
 uint8_t pattern(int e, size_t t, size_t i) { return static_cast<uint8_t>(e * 31 + t * 7 + i * 13 + 1); }
 

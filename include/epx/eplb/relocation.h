@@ -2,7 +2,8 @@
 // new placement says, while serving.
 //
 // Plan, then run: plan_relocation() is pure host work on two phy2log rows of one layer; relocate_weights()
-// executes a plan on one rank over a WeightTransport (host threads now; CUDA peer copies / NCCL later).
+// executes a plan on one rank over a WeightTransport (host threads, or CUDA copy engines between the GPUs of
+// one host; NCCL send/recv across hosts is not written yet).
 #pragma once
 
 #include <cstddef>
@@ -90,6 +91,15 @@ class WeightTransport {
 // The host transport: ranks are threads (create_host_groups); group must be a host Group. failed_ranks
 // (empty or [num_ranks]) are neither waited for nor read from. The transport keeps a reference to group.
 std::unique_ptr<WeightTransport> make_host_transport(Group& group, std::vector<bool> failed_ranks = {});
+
+// The CUDA transport: ranks of a cuda Group on one host whose GPUs have peer access (create_cuda_groups or
+// one process per GPU). Buffers are device memory of the rank's GPU. Each rank holds a staging region of
+// staging_bytes that its peers map; senders push with copy-engine copies (no SMs) and receivers copy out of
+// the staging, a round larger than it moving in several passes (so staging_bytes bounds the extra memory,
+// not the round). Collective (all ranks create it together). Throws Error(kInvalidArgument) for a group of
+// another backend or staging_bytes 0, kOutOfMemory on every rank when one rank cannot allocate the staging,
+// kUnsupported without a CUDA backend or between GPUs without peer access (e.g. on different hosts).
+std::unique_ptr<WeightTransport> make_cuda_transport(Group& group, size_t staging_bytes = size_t{64} << 20);
 
 // This rank's expert weights: one entry per weight tensor (e.g. w13, w2, scales).
 struct ExpertWeights {

@@ -56,3 +56,34 @@ def test_device_choice_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         np.testing.assert_array_equal(out.cpu().numpy(), eplb.choose_replicas(loc, 0, host, 2, mode="dynamic"))
+
+
+def test_relocation_over_the_cuda_transport():
+    """256 -> 288 physical experts on 2 ranks (sharing the GPU when there is one): torch CUDA weights whose bytes
+    encode their logical expert land slot by slot; a staging smaller than a slot forces many passes."""
+    ranks = 2
+    devs = [r % torch.cuda.device_count() for r in range(ranks)]
+    rng = np.random.default_rng(3)
+    old = np.arange(256, dtype=np.int32)
+    rng.shuffle(old)
+    new = np.concatenate([np.arange(256), rng.integers(0, 256, 32)]).astype(np.int32)
+    rng.shuffle(new)
+    plan = eplb.plan_relocation(old, new, ranks, 1)
+    cols = 96  # int32 words per slot: word i of expert e is e * 1000 + i
+
+    def slots(p2l, rank, per_rank, device):
+        ids = torch.from_numpy(p2l[rank * per_rank:(rank + 1) * per_rank].astype(np.int64))
+        return (ids[:, None] * 1000 + torch.arange(cols)[None, :]).to(torch.int32).to(device)
+
+    def body(rank, group):
+        device = f"cuda:{devs[rank]}"
+        torch.cuda.set_device(devs[rank])
+        src = slots(old, rank, 128, device)
+        dst = torch.full((144, cols), -7, dtype=torch.int32, device=device)
+        stats = eplb.relocate_weights(plan, group, [src], [dst], max_slots_per_round=5, staging_bytes=1000)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), slots(new, rank, 144, "cpu"))
+        return stats.bytes_received
+
+    received = epx.run_host_ranks(epx.cuda_groups(devs, timeout_ms=15_000), body)
+    assert sum(received) == plan.num_transfers * cols * 4
