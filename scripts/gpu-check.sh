@@ -99,7 +99,8 @@ fi
 
 if want bench; then
   timed "epx bench --sms $SMS" 400 sh -c "'$BUILD/epx' bench --sms $SMS --json '$OUT/bench.json' >'$OUT/bench.txt'"
-  # The same phases driven from Python (the binding's cost: within 5% of the CLI's numbers).
+  # The same phases driven from Python, one process per GPU: per phase the ratio to the CLI and the microseconds
+  # Python adds (eager phases: the host cost of a call; back to back and graph phases: what the GPU sets).
   timed "python -m epx.bench" 300 env PYTHONPATH="$BUILD/python" sh -c \
     "'$PY' -m epx.bench --sms 24 --compare '$OUT/bench.json' --json '$OUT/python_bench.json' >'$OUT/python_bench.txt'"
   for extra in dp tbo; do
