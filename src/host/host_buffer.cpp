@@ -414,16 +414,10 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
     std::vector<const CombinePost*> peers(num_ranks_);
     for (int r = 0; r < num_ranks_; ++r) peers[r] = static_cast<const CombinePost*>(ptrs[r]);
     check_combine_posts(peers, mine, rank_);
-    result.x = alloc(DType::kBFloat16, {num_tokens, hidden});
-    auto* out = result.x.data_as<uint16_t>();
-    const auto* bias_0 = args.bias_0.defined() ? args.bias_0.data_as<const uint16_t>() : nullptr;
-    const auto* bias_1 = args.bias_1.defined() ? args.bias_1.data_as<const uint16_t>() : nullptr;
     const int64_t num_topk = mine.num_topk;
-    float* out_w = nullptr;
-    if (mine.has_weights) {
-      result.topk_weights = alloc(DType::kFloat32, {num_tokens, num_topk});
-      out_w = result.topk_weights.data_as<float>();
-    }
+    CombineOutput output(alloc(DType::kBFloat16, {num_tokens, hidden}),
+                         mine.has_weights ? alloc(DType::kFloat32, {num_tokens, num_topk}) : Tensor(), args);
+    float* out_w = output.out_w;
     std::vector<float> acc(hidden);
     for (int64_t t = 0; t < num_tokens; ++t) {
       // NOTE: fixed fp32 order: ranks ascending, then bias_0, then bias_1 (see docs/host-backend.md).
@@ -434,9 +428,7 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
         const uint16_t* src = peers[r]->x + static_cast<int64_t>(rows[r]) * hidden;
         for (int64_t h = 0; h < hidden; ++h) acc[h] += detail::bf16_to_float(src[h]);
       }
-      for (int64_t h = 0; h < hidden && bias_0 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_0[t * hidden + h]);
-      for (int64_t h = 0; h < hidden && bias_1 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_1[t * hidden + h]);
-      for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
+      output.finish(t, acc);
       for (int64_t k = 0; out_w != nullptr && k < num_topk; ++k) {
         float w = 0.f;
         for (int r = 0; r < num_ranks_; ++r) {
@@ -445,6 +437,7 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
         out_w[t * num_topk + k] = w;
       }
     }
+    result = std::move(output).result();
   });
   return result;
 }

@@ -255,15 +255,9 @@ CombineResult HostBuffer::combine_hierarchical(const CombineArgs& args, const Ho
   with_release(*host_group_, [&] {
     check_peers_present(ptrs, rank_, "combine (network leg)");
     const int64_t num_tokens = routes.num_tokens;
-    result.x = alloc(DType::kBFloat16, {num_tokens, hidden});
-    auto* out = result.x.data_as<uint16_t>();
-    const auto* bias_0 = args.bias_0.defined() ? args.bias_0.data_as<const uint16_t>() : nullptr;
-    const auto* bias_1 = args.bias_1.defined() ? args.bias_1.data_as<const uint16_t>() : nullptr;
-    float* out_w = nullptr;
-    if (mine.has_weights) {
-      result.topk_weights = alloc(DType::kFloat32, {num_tokens, num_topk});
-      out_w = result.topk_weights.data_as<float>();
-    }
+    CombineOutput output(alloc(DType::kBFloat16, {num_tokens, hidden}),
+                         mine.has_weights ? alloc(DType::kFloat32, {num_tokens, num_topk}) : Tensor(), args);
+    float* out_w = output.out_w;
     std::vector<float> acc(hidden);
     for (int64_t t = 0; t < num_tokens; ++t) {
       // NOTE: fixed fp32 order: nodes ascending (each partial summed by local rank ascending), then bias_0, then
@@ -280,10 +274,9 @@ CombineResult HostBuffer::combine_hierarchical(const CombineArgs& args, const Ho
           out_w[t * num_topk + k] += (*post->weights)[node][static_cast<int64_t>(slot) * num_topk + k];
         }
       }
-      for (int64_t h = 0; h < hidden && bias_0 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_0[t * hidden + h]);
-      for (int64_t h = 0; h < hidden && bias_1 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_1[t * hidden + h]);
-      for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
+      output.finish(t, acc);
     }
+    result = std::move(output).result();
   });
   return result;
 }

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "core/bf16.h"
 #include "ep/validate.h"
 #include "epx/buffer.h"
 #include "epx/routing.h"
@@ -177,5 +178,31 @@ std::vector<int32_t> count_tokens_per_node(const uint8_t* is_token_in_rank, int6
 
 // Checks that every peer's combine arguments agree with this rank's and reverse the same dispatch.
 void check_combine_posts(const std::vector<const CombinePost*>& peers, const CombinePost& mine, int rank);
+
+// A combine's outputs on this rank: x [T, H] bf16 and, when the ranks passed weights, topk_weights [T, K] float32
+// (zeroed). finish(t, acc) adds the biases to token t's fp32 sum in the contract's fixed order (bias_0, then
+// bias_1) and writes it as bf16; the flat and the hierarchical combine sum their partials, then call it.
+struct CombineOutput {
+  CombineOutput(Tensor x, Tensor topk_weights, const CombineArgs& args)
+      : x(std::move(x)), topk_weights(std::move(topk_weights)), hidden(this->x.view().shape[1]) {
+    out = this->x.data_as<uint16_t>();
+    bias_0 = args.bias_0.defined() ? args.bias_0.data_as<const uint16_t>() : nullptr;
+    bias_1 = args.bias_1.defined() ? args.bias_1.data_as<const uint16_t>() : nullptr;
+    out_w = this->topk_weights.defined() ? this->topk_weights.data_as<float>() : nullptr;
+  }
+  void finish(int64_t t, std::vector<float>& acc) const {
+    for (int64_t h = 0; h < hidden && bias_0 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_0[t * hidden + h]);
+    for (int64_t h = 0; h < hidden && bias_1 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_1[t * hidden + h]);
+    for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = detail::float_to_bf16(acc[h]);
+  }
+  CombineResult result() && { return CombineResult{std::move(x), std::move(topk_weights)}; }
+
+  Tensor x, topk_weights;
+  int64_t hidden;
+  uint16_t* out = nullptr;
+  const uint16_t* bias_0 = nullptr;
+  const uint16_t* bias_1 = nullptr;
+  float* out_w = nullptr;  // null without weights
+};
 
 }  // namespace epx::host
