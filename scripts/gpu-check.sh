@@ -3,7 +3,7 @@
 # extension for that machine's Python 3.12 + torch), runs every GPU test, the Python tests (host backend
 # with numpy and torch CPU tensors, then CUDA), DeepEP's own public suites unchanged against the
 # epx.deep_ep shim (when a DeepEP checkout's tests/ are carried in .carry/DeepEP; nothing of it is built),
-# `epx bench` (normal SM sweep, low-latency, DP, TBO), `python -m epx.bench` beside it, and
+# `epx bench` (normal SM sweep, low-latency, DP, TBO, EPLB live), `python -m epx.bench` beside it, and
 # compute-sanitizer memcheck/racecheck on small cases; prints a short table last.
 #
 # The machine has no -dev packages: GoogleTest, fmt, spdlog, CLI11, nlohmann-json headers and CMake configs
@@ -106,6 +106,10 @@ if want bench; then
   for extra in dp tbo; do
     timed "epx bench --$extra" 200 sh -c "'$BUILD/epx' bench --$extra --json '$OUT/bench_$extra.json' >'$OUT/bench_$extra.txt'"
   done
+  # EPLB live needs two ranks to balance: on one GPU both share it.
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  timed "epx bench --eplb" 200 sh -c "'$BUILD/epx' bench --eplb --ranks $((gpus < 2 ? 2 : gpus)) \
+    --json '$OUT/bench_eplb.json' >'$OUT/bench_eplb.txt'"
 fi
 
 # NOTE: the sanitizer serialises kernels, so only cases whose ranks sit on distinct GPUs (or whose sends
@@ -122,5 +126,6 @@ fi
 echo
 echo "gpu-check summary (log: $LOG)"
 for i in "${!NAMES[@]}"; do printf '  %-44s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
-cat "$OUT/bench.txt" "$OUT/python_bench.txt" "$OUT/bench_dp.txt" "$OUT/bench_tbo.txt" 2>/dev/null | tail -120
+cat "$OUT/bench.txt" "$OUT/python_bench.txt" "$OUT/bench_dp.txt" "$OUT/bench_tbo.txt" "$OUT/bench_eplb.txt" 2>/dev/null |
+  tail -130
 exit $status

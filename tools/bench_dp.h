@@ -1,4 +1,5 @@
-// `epx bench --dp` and `epx bench --tbo` (CUDA builds only; bench_dp_cuda.cpp, bench_tbo_cuda.cpp).
+// `epx bench --dp`, `--tbo` and `--eplb` (CUDA builds only; bench_dp_cuda.cpp, bench_tbo_cuda.cpp,
+// bench_eplb_cuda.cpp).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -18,6 +19,12 @@ nlohmann::json run_cuda_dp_bench(const BenchConfig& config);
 // micro-batches), hidden, num_topk, num_experts, num_sms[0] (SMs of the communication kernels),
 // num_warmup, num_iters, progress, seed.
 nlohmann::json run_cuda_tbo_bench(const BenchConfig& config);
+// EPLB live (bench_eplb_cuda.cpp): low-latency decode steps on Zipf routing with device replica choice, one
+// rebalance from the recorded counts and the relocation of one layer's DeepSeek-V3-sized expert weights over the
+// cuda transport, then the steps again. num_ranks ranks (0: one per visible GPU; more ranks than GPUs share
+// them). Uses config.num_ranks, num_ll_tokens, hidden, num_topk, num_experts, seed. Report adds "eplb":
+// {"utilization_before", "utilization_after", "slots_moved", "bytes_moved", "relocation_ms"}.
+nlohmann::json run_cuda_eplb_bench(const BenchConfig& config);
 #endif
 
 }  // namespace epx::cli

@@ -383,6 +383,10 @@ void add_bench(CLI::App& app) {
   auto* tbo = cmd->add_flag("--tbo")->description(
       "Instead: an MoE step (dispatch, cuBLAS expert GEMMs, combine) on two micro-batches with and without "
       "two-batch overlap (GPUs only; --tokens, --sms[0] = SMs of the communication kernels)");
+  auto* eplb = cmd->add_flag("--eplb")->description(
+      "Instead: EPLB live: low-latency decode steps on Zipf routing, one rebalance from the recorded counts, the "
+      "relocation of one layer's expert weights between the GPUs, the steps again (GPUs only; --ranks may exceed "
+      "the GPUs, --ll-tokens, --experts, --topk, --hidden)");
   cmd->callback([=] {
     BenchConfig c = *config;
     c.progress = quiet->count() == 0;
@@ -414,12 +418,14 @@ void add_bench(CLI::App& app) {
       if (hidden->count() == 0) c.hidden = 2048;
     }
     nlohmann::json report;
-    if (dp->count() > 0 && tbo->count() > 0) throw BadInput("--dp and --tbo are separate runs: pass one of them");
-    const bool extra = dp->count() > 0 || tbo->count() > 0;
+    if (dp->count() + tbo->count() + eplb->count() > 1) {
+      throw BadInput("--dp, --tbo and --eplb are separate runs: pass one of them");
+    }
+    const bool extra = dp->count() > 0 || tbo->count() > 0 || eplb->count() > 0;
+    const char* extra_name = dp->count() > 0 ? "--dp" : tbo->count() > 0 ? "--tbo" : "--eplb";
     if (extra && !use_cuda) {
       throw Error(ErrorCode::kUnsupported,
-                  fmt::format("{} needs a CUDA build and visible GPUs (--host has no such run)",
-                              dp->count() > 0 ? "--dp" : "--tbo"));
+                  fmt::format("{} needs a CUDA build and visible GPUs (--host has no such run)", extra_name));
     }
     const int num_ranks = c.num_ranks > 0 ? c.num_ranks : (use_cuda ? 0 : 4);
     if (num_ranks > 0 && c.num_experts % num_ranks != 0) {
@@ -436,7 +442,7 @@ void add_bench(CLI::App& app) {
     }
 #ifdef EPX_WITH_CUDA
     if (extra) {
-      report = dp->count() > 0 ? run_cuda_dp_bench(c) : run_cuda_tbo_bench(c);
+      report = dp->count() > 0 ? run_cuda_dp_bench(c) : tbo->count() > 0 ? run_cuda_tbo_bench(c) : run_cuda_eplb_bench(c);
     } else if (use_cuda) {
       report = run_cuda_bench(c);
     }
