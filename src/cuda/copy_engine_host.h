@@ -1,5 +1,5 @@
-// Host-side pieces of the normal path's copy-engine transfers (CudaBuffer::send_with_copy_engines and
-// send_combine_with_copy_engines): batched copies, stream-written signals, chunking, the staging slot's fields
+// Host-side pieces of the normal path's copy-engine transfers (NormalCopyEngines::send_dispatch and
+// send_combine): batched copies, stream-written signals, chunking, the staging slot's fields
 // and the stage timeline (a debug aid). Protocol: docs/normal-kernels.md, "copy engines".
 #pragma once
 

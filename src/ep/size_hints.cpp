@@ -51,8 +51,8 @@ int64_t normal_buffer_size_hint(int64_t hidden, int num_ranks, int num_sms, int6
   const int64_t rings = checked_mul(
       checked_mul(int64_t{num_ranks} * num_channels, kNormalHintRingRows, "num_ranks * num_sms / 2 * 256 ring rows"),
       row_bytes, "num_ranks * num_sms / 2 * ring rows * row bytes");
-  // Copy-engine staging (stage_fields in src/cuda/copy_engine_host.h, CudaBuffer::copy_slot_bytes): the ring area,
-  // rounded down to KiB, split into one 256-byte aligned slot per peer, each holding the fields of up to T
+  // Copy-engine staging (stage_fields in src/cuda/copy_engine_host.h, DispatchPlan in src/cuda/normal_plan.h): the
+  // ring area, rounded down to KiB, split into one 256-byte aligned slot per peer, each holding the fields of up to T
   // rows in separate 256-byte aligned parts: data, scales, int64 top-k ids, weights, source index (the five
   // alignments and the rounding take at most 3 KiB).
   const int64_t staged_row = checked_add(data_bytes, ceil_div(hidden, 128) * 4 + 12 * kNormalMaxTopk + 4, kRow);

@@ -11,7 +11,7 @@
 namespace epx {
 namespace {
 
-// The copy-engine path (src/cuda/cuda_buffer_cuda.cpp, copy_slot_bytes) takes the region past the 1 MiB signal
+// The copy-engine path (src/cuda/normal_plan.h, DispatchPlan::copy_slot_bytes) takes the region past the 1 MiB signal
 // area, rounds it down to KiB, splits it into one 256-byte aligned slot per peer, and needs the fields of T rows
 // in a slot, each field 256-byte aligned (stage_fields, copy_engine_host.h): bf16 data, fp32 scales, top-16 int64 ids, fp32 weights,
 // int32 source index.
