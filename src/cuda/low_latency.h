@@ -26,27 +26,20 @@
 
 #include <cstdint>
 
+#include "cuda/device/error_record.h"
 #include "cuda/low_latency_layout.h"
 
 namespace epx::cuda {
-
-// A wait that expired, recorded by the kernel (host-mapped memory); the host reports it and masks the peer.
-struct LowLatencyDiag {
-  int flag;    // != 0: a timeout happened
-  int peer;    // the rank waited for
-  int expert;  // the expert whose signal was awaited
-  int phase;   // 0 dispatch, 1 combine
-  long long expected_tag;
-  long long observed;
-};
 
 // What the kernels need about the peers. Trivially copyable; passed by value.
 struct LowLatencyPeers {
   char* bases[kLowLatencyMaxRanks];  // each rank's region, addressable from this rank's device
   int rank = 0;
   int num_ranks = 0;
-  LowLatencyDiag* diag = nullptr;  // host-mapped
-  long long timeout_cycles = 0;
+  // Host-mapped: a wait that expired (kErrTimeout, the peer is masked) or an expert that overflowed its slots
+  // (kErrExpertOverflow); the host reports it after the call and zeroes `code`.
+  ErrorRecord* error = nullptr;
+  uint64_t timeout_ns = 0;  // the budget of every wait (%globaltimer)
 };
 
 struct LowLatencyDispatchLaunch {

@@ -22,7 +22,7 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
   const int64_t H = layout.hidden;
   char* base = peers.bases[peers.rank];
   LowLatencyControl* ctrl = control_of(peers, layout);
-  const unsigned long long tag = ctrl->combine_seq[set] + 1;
+  const uint64_t tag = ctrl->combine_seq[set] + 1;
   const LowLatencySet& d = layout.sets[args.dispatch_set];
   const LowLatencySet& c = layout.sets[set];
   if (threadIdx.x == 0) {
@@ -31,7 +31,7 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
     for (int r = 0; r < R; ++r) {
       row_start[r] = rows;
       row_begin[r] = static_cast<int>(ranges[r] >> 32);
-      if (ld_volatile(&ctrl->mask[r]) == 0) rows += static_cast<int>(ranges[r] & 0xffffffff);
+      if (ld_volatile_global(&ctrl->mask[r]) == 0) rows += static_cast<int>(ranges[r] & 0xffffffff);
     }
     row_start[R] = rows;
   }
@@ -75,11 +75,10 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
     if (last_part) __threadfence();  // acquire: the other parts' stores, fenced before their increments
   }
   __syncthreads();
-  if (last_part && threadIdx.x < R && ld_volatile(&ctrl->mask[threadIdx.x]) == 0) {
+  if (last_part && threadIdx.x < R && ld_volatile_global(&ctrl->mask[threadIdx.x]) == 0) {
     const int r = threadIdx.x;
-    st_release_sys(
-        at<unsigned long long>(peers.bases[r], c.combine_signals) + peers.rank * layout.num_local_experts + e_local,
-        tag);
+    st_release_sys(at<uint64_t>(peers.bases[r], c.combine_signals) + peers.rank * layout.num_local_experts + e_local,
+                   tag);
   }
 }
 
@@ -94,7 +93,7 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
   const int K = args.num_topk;
   char* base = peers.bases[peers.rank];
   LowLatencyControl* ctrl = control_of(peers, layout);
-  const unsigned long long tag = ctrl->combine_seq[set] + 1;
+  const uint64_t tag = ctrl->combine_seq[set] + 1;
   const LowLatencySet& c = layout.sets[set];
   const auto* topk = static_cast<const TopkT*>(args.topk);
   auto* out = static_cast<uint4*>(args.out);
@@ -114,10 +113,10 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
       // instead of indexing the mask and the signals out of bounds.
       if (e >= 0 && e < layout.num_experts) {
         const int r = static_cast<int>(e / layout.num_local_experts);
-        unsigned long long v = 0;
-        if (ld_volatile(&ctrl->mask[r]) == 0 &&
-            wait_tag(peers, ctrl, at<unsigned long long>(base, c.combine_signals) + e, tag, 0, r, static_cast<int>(e),
-                     1, &v)) {
+        uint64_t v = 0;
+        if (ld_volatile_global(&ctrl->mask[r]) == 0 &&
+            wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, 0, r, static_cast<int>(e),
+                     kSiteLowLatencyCombineRecv, &v)) {
           ok = true;
         }
       }

@@ -1,6 +1,7 @@
-// Device helpers shared by the low-latency kernel files (low_latency_dispatch.cu, low_latency_combine.cu):
-// launch constants, memory ordering, the bounded tag wait and its diagnostic, the grid finisher, fp8
-// quantization and the combine's receive split; the kernels' phase. Protocol: docs/low-latency.md.
+// Device helpers of the low-latency kernel files (low_latency_dispatch.cu, low_latency_combine.cu) over the device
+// layer (src/cuda/device/: memory ordering, the bounded wait, the error record, the last-block finisher): launch
+// constants, the tag wait and the grid finisher of this path, fp8 quantization and the combine's receive split;
+// the kernels' phase. Protocol: docs/low-latency.md.
 // NOTE: inline, in an anonymous namespace, so that each kernel compiles as it did in one file.
 #pragma once
 
@@ -10,6 +11,10 @@
 
 #include "core/bf16.h"
 #include "core/check.h"
+#include "cuda/device/error.cuh"
+#include "cuda/device/grid.cuh"
+#include "cuda/device/ordering.cuh"
+#include "cuda/device/wait.cuh"
 #include "cuda/low_latency.h"
 
 namespace epx::cuda {
@@ -25,23 +30,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kBlock = 128;  // fp8 channels per scale
 constexpr int kUnroll = 8;   // loads in flight per thread in the copy loops
 
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-// Masks change under a running kernel (another block's timeout): read them past the L1.
-__device__ __forceinline__ int ld_volatile(const int* p) {
-  int v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 template <typename T>
 __device__ __forceinline__ T* at(char* base, int64_t offset) {
   return reinterpret_cast<T*>(base + offset);
@@ -51,50 +39,39 @@ __device__ __forceinline__ LowLatencyControl* control_of(const LowLatencyPeers& 
   return at<LowLatencyControl>(peers.bases[peers.rank], layout.control_offset);
 }
 
-__device__ void record_timeout(const LowLatencyPeers& peers, int peer, int expert, int phase, unsigned long long tag,
-                               unsigned long long observed) {
-  if (peers.diag == nullptr) return;
-  peers.diag->peer = peer;
-  peers.diag->expert = expert;
-  peers.diag->phase = phase;
-  peers.diag->expected_tag = static_cast<long long>(tag);
-  peers.diag->observed = static_cast<long long>(observed);
-  __threadfence_system();
-  atomicExch(&peers.diag->flag, 1);
+// Records a failure in the buffer's error record (host-mapped; null in tests that pass none). `expert` goes to
+// ErrorRecord::channel.
+__device__ __forceinline__ void record_failure(const LowLatencyPeers& peers, int32_t code, int32_t site, int peer,
+                                               int expert, int64_t expected, int64_t observed) {
+  if (peers.error != nullptr) record_error(peers.error, code, site, peers.rank, peer, expert, expected, observed);
 }
 
-// Waits until the tag in the upper 32 bits (or the whole word, tag_shift = 0) equals `tag`. On timeout the peer
-// is masked locally and a diagnostic recorded; returns false.
-__device__ bool wait_tag(const LowLatencyPeers& peers, LowLatencyControl* ctrl, const unsigned long long* signal,
-                         unsigned long long tag, int tag_shift, int peer, int expert, int phase,
-                         unsigned long long* value) {
-  const long long start = clock64();
-  while (true) {
-    const unsigned long long v = ld_acquire_sys(signal);
-    if ((v >> tag_shift) == tag) {
-      *value = v;
-      return true;
-    }
-    if (ld_volatile(&ctrl->mask[peer]) != 0) return false;  // masked meanwhile by another block's timeout
-    if (clock64() - start > peers.timeout_cycles) {
-      atomicExch(&ctrl->mask[peer], 1);
-      record_timeout(peers, peer, expert, phase, tag, v);
-      return false;
-    }
-  }
+// Waits until the tag in the upper 32 bits (or the whole word, tag_shift = 0) equals `tag` (acquire: the sender's
+// rows, written before its release of the signal, are visible after a true return). Gives up when another block
+// masked the peer meanwhile (its timeout); on its own timeout it masks the peer locally and records the wait;
+// returns false either way.
+__device__ bool wait_tag(const LowLatencyPeers& peers, LowLatencyControl* ctrl, const uint64_t* signal, uint64_t tag,
+                         int tag_shift, int peer, int expert, int32_t site, uint64_t* value) {
+  return bounded_wait<1>(
+      signal, peers.timeout_ns,
+      [&](uint64_t v) {
+        if ((v >> tag_shift) != tag) return false;
+        *value = v;
+        return true;
+      },
+      [&] { return ld_volatile_global(&ctrl->mask[peer]) != 0; },
+      [&](uint64_t v) {
+        atomicExch(&ctrl->mask[peer], 1);
+        record_failure(peers, kErrTimeout, site, peer, expert, static_cast<int64_t>(tag), static_cast<int64_t>(v));
+      });
 }
 
 // The last block of a grid to finish advances the set's sequence number (all blocks read it at start).
-__device__ void finish_grid(unsigned int* ticket, unsigned long long* seq) {
+__device__ void finish_grid(unsigned int* ticket, uint64_t* seq) {
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && last_block_arrives(ticket)) {
+    *seq += 1;
     __threadfence();
-    const unsigned int prev = atomicAdd(ticket, 1u);
-    if (prev == gridDim.x - 1) {
-      *ticket = 0;
-      *seq += 1;
-      __threadfence();
-    }
   }
 }
 

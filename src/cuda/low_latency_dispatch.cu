@@ -21,8 +21,8 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
   const int64_t H = layout.hidden;
   const int R = peers.num_ranks;
   LowLatencyControl* ctrl = control_of(peers, layout);
-  if (ld_volatile(&ctrl->mask[dst]) != 0) return;
-  const unsigned long long tag = ctrl->dispatch_seq[set] + 1;
+  if (ld_volatile_global(&ctrl->mask[dst]) != 0) return;
+  const uint64_t tag = ctrl->dispatch_seq[set] + 1;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
 
@@ -54,7 +54,7 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
     if (static_cast<int64_t>(topk[j]) == expert) pair_list[pos++] = static_cast<int>(j);
   }
   __syncthreads();
-  if (total > M && threadIdx.x == 0) record_timeout(peers, dst, expert, /*phase=*/2, M, total);  // overflow
+  if (total > M && threadIdx.x == 0) record_failure(peers, kErrExpertOverflow, 0, dst, expert, M, total);
   const int count = total < M ? total : static_cast<int>(M);
 
   const LowLatencySet& s = layout.sets[set];
@@ -156,8 +156,8 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
   // fence.sys, which would cost one more NVLink round trip per block.
   __syncthreads();
   if (threadIdx.x == 0) {
-    st_release_sys(at<unsigned long long>(dst_base, s.dispatch_signals) + e_local * R + peers.rank,
-                   (tag << 32) | static_cast<unsigned long long>(count));
+    st_release_sys(at<uint64_t>(dst_base, s.dispatch_signals) + e_local * R + peers.rank,
+                   (tag << 32) | static_cast<uint64_t>(count));
   }
 }
 
@@ -181,14 +181,14 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   char* base = peers.bases[peers.rank];
   const LowLatencySet& s = layout.sets[set];
   LowLatencyControl* ctrl = control_of(peers, layout);
-  const unsigned long long tag = ctrl->dispatch_seq[set] + 1;
+  const uint64_t tag = ctrl->dispatch_seq[set] + 1;
   if (threadIdx.x < R) {
     const int src = threadIdx.x;
     int c = 0;
-    unsigned long long v = 0;
-    if (ld_volatile(&ctrl->mask[src]) == 0 &&
-        wait_tag(peers, ctrl, at<unsigned long long>(base, s.dispatch_signals) + e_local * R + src, tag, 32, src,
-                 static_cast<int>(src * layout.num_local_experts + e_local), 0, &v)) {
+    uint64_t v = 0;
+    if (ld_volatile_global(&ctrl->mask[src]) == 0 &&
+        wait_tag(peers, ctrl, at<uint64_t>(base, s.dispatch_signals) + e_local * R + src, tag, 32, src,
+                 static_cast<int>(src * layout.num_local_experts + e_local), kSiteLowLatencyDispatchRecv, &v)) {
       c = static_cast<int>(v & 0xffffffffu);
     }
     counts[src] = c;

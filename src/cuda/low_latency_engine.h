@@ -45,7 +45,7 @@ class LowLatencyEngine {
   int64_t region_bytes_;
   std::shared_ptr<char> region_;  // outputs are views into it and keep it alive
   PeerRegions peers_map_;
-  LowLatencyDiag* diag_ = nullptr;  // host-mapped
+  ErrorRecord* error_ = nullptr;  // host-mapped: the kernels' failures (LowLatencyPeers::error)
   LowLatencyPeers peers_{};
   LowLatencyLayout layout_{};
   bool has_layout_ = false;

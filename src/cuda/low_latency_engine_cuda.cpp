@@ -1,10 +1,9 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <cstring>
-#include <limits>
 
+#include "core/timeout.h"
 #include "cuda/cuda_util.h"
 #include "cuda/low_latency_engine.h"
 #include "ep/low_latency_scales.h"
@@ -31,15 +30,6 @@ std::function<void()> once(std::function<void()> fn) {
   };
 }
 
-long long cycles_for(int64_t timeout_ms, int device) {
-  int khz = 0;
-  cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
-  if (khz <= 0) khz = 2'000'000;
-  // NOTE: saturates: 100 years (kMaxTimeoutMs) at a 3 GHz clock would pass 2^63 cycles, and a budget that
-  // large means "wait forever" anyway.
-  return std::min<long long>(timeout_ms, std::numeric_limits<long long>::max() / khz) * khz;
-}
-
 }  // namespace
 
 LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device, int64_t bytes,
@@ -62,19 +52,19 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
   });
   // NOTE: signals are compared against tags >= 1, so a zeroed region holds no valid signal.
   check_cuda(cudaMemset(raw, 0, region_bytes_), "cudaMemset (low-latency region)");
-  check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&diag_), sizeof(LowLatencyDiag),
+  check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_), sizeof(ErrorRecord),
                            cudaHostAllocMapped | cudaHostAllocPortable),
-             "cudaHostAlloc (low-latency diagnostics)");
-  std::memset(diag_, 0, sizeof(LowLatencyDiag));
+             "cudaHostAlloc (low-latency error record)");
+  std::memset(error_, 0, sizeof(ErrorRecord));
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   peers_map_ = open_peer_regions(group_, single_process, raw, device_);
   peers_.rank = rank_;
   peers_.num_ranks = num_ranks_;
   for (int r = 0; r < num_ranks_; ++r) peers_.bases[r] = peers_map_.ptrs[r];
-  LowLatencyDiag* diag_device = nullptr;
-  check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&diag_device), diag_, 0), "cudaHostGetDevicePointer");
-  peers_.diag = diag_device;
-  peers_.timeout_cycles = cycles_for(group_.timeout_ms(), device_);
+  ErrorRecord* error_device = nullptr;
+  check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device), error_, 0), "cudaHostGetDevicePointer");
+  peers_.error = error_device;
+  peers_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_.timeout_ms()));
   group_.barrier();
 }
 
@@ -86,7 +76,7 @@ LowLatencyEngine::~LowLatencyEngine() {
   } catch (...) {
   }
   close_peer_regions(peers_map_);
-  cudaFreeHost(diag_);
+  cudaFreeHost(error_);
 }
 
 void LowLatencyEngine::ensure_layout(int64_t max_tokens, int64_t hidden, int64_t num_experts) {
@@ -110,20 +100,20 @@ void LowLatencyEngine::ensure_layout(int64_t max_tokens, int64_t hidden, int64_t
 }
 
 void LowLatencyEngine::report_device_events() {
-  if (diag_->flag == 0) return;
-  LowLatencyDiag d;
-  std::memcpy(&d, diag_, sizeof(d));
-  diag_->flag = 0;
-  if (d.phase == 2) {
+  if (error_->code == kErrNone) return;
+  ErrorRecord e;
+  std::memcpy(&e, error_, sizeof(e));
+  error_->code = kErrNone;
+  if (e.code == kErrExpertOverflow) {
     detail::raise(ErrorCode::kInvalidArgument,
                   "low-latency dispatch on rank {}: {} pairs chose expert {}, more than max_tokens_per_rank = {} "
                   "(a token chose the same expert twice); the excess pairs were dropped",
-                  rank_, d.observed, d.expert, d.expected_tag);
+                  rank_, e.observed, e.channel, e.expected);
   }
   log(LogLevel::kWarn, fmt::format("epx cuda rank {}: low-latency {} waited past the timeout for rank {} (expert {}, "
                                    "expected tag {}, observed {:#x}); rank {} is now masked",
-                                   rank_, d.phase == 0 ? "dispatch" : "combine", d.peer, d.expert, d.expected_tag,
-                                   static_cast<unsigned long long>(d.observed), d.peer));
+                                   rank_, e.where == kSiteLowLatencyDispatchRecv ? "dispatch" : "combine", e.peer,
+                                   e.channel, e.expected, static_cast<uint64_t>(e.observed), e.peer));
 }
 
 int* LowLatencyEngine::device_mask() const {
@@ -257,7 +247,7 @@ void LowLatencyEngine::clean() {
   group_.barrier();
   check_cuda(cudaMemset(region_.get(), 0, region_bytes_), "cudaMemset (clean_low_latency_buffer)");
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (clean_low_latency_buffer)");
-  diag_->flag = 0;
+  error_->code = kErrNone;
   has_layout_ = false;
   num_dispatches_ = num_combines_ = 0;
   group_.barrier();

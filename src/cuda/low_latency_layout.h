@@ -41,8 +41,8 @@ struct LowLatencyLayout {
 
 // Device-side state of one rank, at control_offset in its region (zeroed once at allocation).
 struct LowLatencyControl {
-  unsigned long long dispatch_seq[2];
-  unsigned long long combine_seq[2];
+  uint64_t dispatch_seq[2];
+  uint64_t combine_seq[2];
   unsigned int dispatch_ticket[2];
   unsigned int combine_ticket[2];
   int mask[kLowLatencyMaxRanks];                           // 1 = masked

@@ -21,12 +21,9 @@ namespace {
 __device__ void finish_copy_receive(const CommArgs& comm, uint64_t epoch) {
   __shared__ bool s_last;
   __syncthreads();
+  // NOTE: the finisher's fences order every block's reads of staging before the last block's release of done.
   if (threadIdx.x == 0) {
-    auto* counter = reinterpret_cast<unsigned*>(comm.peers[comm.rank] + comm.off_copy_counter);
-    __threadfence();  // NOTE: this block's reads of staging are complete before the count
-    const unsigned prev = atomicAdd(counter, 1u);
-    s_last = prev == gridDim.x - 1;
-    if (s_last) *reinterpret_cast<volatile unsigned*>(counter) = 0;  // the next launch follows in stream order
+    s_last = last_block_arrives(reinterpret_cast<unsigned*>(comm.peers[comm.rank] + comm.off_copy_counter));
   }
   __syncthreads();
   if (!s_last) return;

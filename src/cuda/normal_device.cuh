@@ -1,6 +1,7 @@
-// Device helpers shared by the normal path's kernel files (normal_layout.cu, normal_notify.cu, normal_ring.cu,
-// normal_copy.cu): memory ordering, bounded waits and the error record, signal addressing, warp copies, the
-// top-k fields of a dispatch row and the combine reduction of one token. Protocol: docs/normal-kernels.md.
+// Device helpers of the normal path's kernel files (normal_layout.cu, normal_notify.cu, normal_ring.cu,
+// normal_copy.cu) over the device layer (src/cuda/device/: memory ordering, the bounded wait, the error record,
+// the last-block finisher): the path's abort checks and its wait, signal addressing, warp copies, the top-k fields
+// of a dispatch row and the combine reduction of one token. Protocol: docs/normal-kernels.md.
 // NOTE: everything here is in an anonymous namespace and inline: each kernel file gets its own copy, so the
 // kernels compile exactly as they did in one file.
 #pragma once
@@ -10,6 +11,10 @@
 #include <cstdint>
 
 #include "core/bf16.h"
+#include "cuda/device/error.cuh"
+#include "cuda/device/grid.cuh"
+#include "cuda/device/ordering.cuh"
+#include "cuda/device/wait.cuh"
 #include "cuda/normal_kernels.h"
 
 namespace epx::cuda {
@@ -23,48 +28,15 @@ cudaError_t preload_copy_kernels();
 
 namespace {
 
-// ---- memory-ordering primitives --------------------------------------------------------------
-// Signals cross GPUs over NVLink (or stay on one GPU when ranks share it): system scope throughout.
-
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// NOTE: the caller reached this store after a (named) barrier with the threads whose writes it
-// publishes; the release at system scope is cumulative over what the barrier ordered before it.
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("fence.acq_rel.sys;\n\tst.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ void named_barrier(int id, int num_threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
-}
-
 __device__ __forceinline__ bool aborted(const CommArgs& comm) {
   return *reinterpret_cast<volatile int32_t*>(&comm.error[0].code) != kErrNone;
 }
 
+// Record [0] for the failures that abort every other wait of this rank, [1] for the others (normal_kernels.h).
 __device__ void record_error(const CommArgs& comm, int32_t code, int32_t where, int32_t peer, int32_t channel,
                              int64_t expected, int64_t observed) {
-  volatile ErrorRecord* e = comm.error + (code == kErrTimeout || code == kErrPeerAborted ? 0 : 1);
-  if (e->code != kErrNone) return;  // first failure wins (a benign race between simultaneous failures)
-  e->where = where;
-  e->rank = comm.rank;
-  e->peer = peer;
-  e->channel = channel;
-  e->expected = expected;
-  e->observed = observed;
-  __threadfence_system();
-  e->code = code;
-  __threadfence_system();
+  record_error(comm.error + (code == kErrTimeout || code == kErrPeerAborted ? 0 : 1), code, where, comm.rank, peer,
+               channel, expected, observed);
 }
 
 // True (and recorded) when a peer left the current call before it started, writing its rank into this rank's
@@ -80,19 +52,12 @@ __device__ bool peer_left(const CommArgs& comm, int32_t site, int32_t channel) {
 // first) and returns false. One thread calls it.
 __device__ bool wait_geq(const CommArgs& comm, const uint64_t* p, uint64_t target, int32_t site, int32_t peer,
                          int32_t channel) {
-  const uint64_t start = global_ns();
-  uint64_t v = 0;
-  for (uint32_t i = 0;; ++i) {
-    v = ld_acquire_sys(p);
-    if (v >= target) return true;
-    if ((i & 255) == 255) {
-      if (aborted(comm) || peer_left(comm, site, channel)) return false;
-      if (global_ns() - start > comm.timeout_ns) {
+  return bounded_wait<256>(
+      p, comm.timeout_ns, [&](uint64_t v) { return v >= target; },
+      [&] { return aborted(comm) || peer_left(comm, site, channel); },
+      [&](uint64_t v) {
         record_error(comm, kErrTimeout, site, peer, channel, static_cast<int64_t>(target), static_cast<int64_t>(v));
-        return false;
-      }
-    }
-  }
+      });
 }
 
 __device__ __forceinline__ uint64_t* sig(const CommArgs& comm, int rank, int64_t off, int idx) {

@@ -30,6 +30,10 @@ const char* wait_site_name(int32_t site) {
       return "combine copy (peer finishing its previous receive)";
     case kSiteCopyCombineRows:
       return "combine receive (copy-engine rows from the peer)";
+    case kSiteLowLatencyDispatchRecv:
+      return "low-latency dispatch receive (counts from the peer)";
+    case kSiteLowLatencyCombineRecv:
+      return "low-latency combine receive (rows from the peer)";
     default:
       return "unknown";
   }

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/limits.h"
+#include "cuda/device/error_record.h"
 #include "cuda/normal_region.h"
 
 namespace epx::cuda {
@@ -20,40 +21,8 @@ inline constexpr int64_t kCopyChunkRows = 1024;                     // target ro
 inline constexpr int kNormalThreads = 768;                          // 24 warps: split evenly over 2, 4 or 8 peers
 inline constexpr int kReduceThreads = 512;  // copy-engine combine's reduction: registers for two rows in flight
 
-// Written by the device into mapped pinned host memory: the first failure of an operation. code != 0
-// also tells every other wait of the buffer to give up (abort).
-struct ErrorRecord {
-  int32_t code;     // ErrorKind
-  int32_t where;    // WaitSite for timeouts
-  int32_t rank;     // the rank that recorded it
-  int32_t peer;     // the peer waited for (timeouts); the token (invalid topk_idx)
-  int32_t channel;  // the channel (timeouts); the slot (invalid topk_idx)
-  int32_t reserved;
-  int64_t expected;  // the counter value waited for (timeouts); num_worst_tokens (overflow)
-  int64_t observed;  // the value seen last (timeouts); the bad value (topk_idx) or rows received (overflow)
-};
-// kErrTimeout and kErrPeerAborted go to record [0] (they abort every other wait of the rank), the others to [1].
-enum ErrorKind : int32_t {
-  kErrNone = 0,
-  kErrTimeout = 1,
-  kErrInvalidTopk = 2,
-  kErrWorstOverflow = 3,
-  kErrPeerAborted = 4,  // a peer left the call before it started (its abort word); `peer` names it
-};
-enum WaitSite : int32_t {
-  kSiteNotify = 1,
-  kSiteDispatchSendDone = 2,
-  kSiteDispatchSendHead = 3,
-  kSiteDispatchRecvTail = 4,
-  kSiteCombineSendDone = 5,
-  kSiteCombineSendHead = 6,
-  kSiteCombineRecvTail = 7,
-  kSiteCopyDispatchReleased = 8,
-  kSiteCopyDispatchRows = 9,
-  kSiteCopyCombineReleased = 10,
-  kSiteCopyCombineRows = 11,
-};
-const char* wait_site_name(int32_t site);
+// The error record (ErrorRecord, ErrorKind, WaitSite) is the device layer's: cuda/device/error_record.h. The
+// normal path keeps two per rank (CommArgs::error).
 
 // Byte offsets inside every rank's peer-visible region (NormalRegionLayout, identical on all ranks), and what
 // each rank needs to reach its peers. Signals are uint64: (epoch << 32) | rows for ring counters, epoch for

@@ -41,16 +41,7 @@ __device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64,
 #pragma unroll
     for (int k = 0; k < kNormalMaxTopk; ++k) {
       if (e[k] < -1 || e[k] >= num_experts) {
-        volatile ErrorRecord* rec = error;
-        if (rec->code == kErrNone) {
-          rec->rank = rank;
-          rec->peer = static_cast<int32_t>(t);
-          rec->channel = k;
-          rec->observed = e[k];
-          rec->expected = num_experts;
-          __threadfence_system();
-          rec->code = kErrInvalidTopk;
-        }
+        record_error(error, kErrInvalidTopk, 0, rank, static_cast<int32_t>(t), k, num_experts, e[k]);
         continue;
       }
       if (e[k] < 0) continue;
