@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <random>
 
 #include "bench_cuda_util.h"
@@ -91,11 +92,16 @@ nlohmann::json run_cuda_eplb_bench(const BenchConfig& config) {
   std::vector<int64_t> reloc_bytes(R), bad_slots(R);
   const int slots = P / R;
 
+  auto note = [&](int r, const char* what) {
+    if (config.progress && r == 0) std::fprintf(stderr, "[epx bench --eplb] %d ranks: %s\n", R, what);
+  };
   auto groups = create_cuda_groups(devices);
   run_host_ranks(groups, [&](int r, Group& g) {
     cuda_ok(cudaSetDevice(g.device().index), "cudaSetDevice");
     cudaStream_t stream;
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    // NOTE: the tensors below free their memory on `stream` (cudaFreeAsync), so it is destroyed after them.
+    std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream_owner(stream, cudaStreamDestroy);
     BufferOptions options;
     options.num_low_latency_bytes = low_latency_buffer_size_hint(M, H, R, P);
     auto buffer = Buffer::create(groups[r], tuned_from_env(options));
@@ -133,11 +139,9 @@ nlohmann::json run_cuda_eplb_bench(const BenchConfig& config) {
       cuda_ok(cudaMemsetAsync(counts.data(), 0, counts.nbytes(), stream), "zero counts");
       std::vector<double> samples;
       for (int step = 0; step < kSteps; ++step) {
-        TensorView ids = logical.view();
-        ids.data = logical.data_as<int64_t>() + (static_cast<int64_t>(which) * kSteps + step) * T * K;
-        ids.ndim = 2;
-        ids.shape[0] = T, ids.shape[1] = K;
-        ids.strides[0] = K, ids.strides[1] = 1;
+        const TensorView ids = TensorView::of(
+            logical.data_as<int64_t>() + (static_cast<int64_t>(which) * kSteps + step) * T * K, DType::kInt64, {T, K},
+            g.device());
         g.barrier();
         cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
         eplb::choose_replicas(*table, 0, ids, physical, r, {}, static_cast<int64_t>(step) * T, stream);
@@ -172,7 +176,9 @@ nlohmann::json run_cuda_eplb_bench(const BenchConfig& config) {
       if (r == 0) phase[which].slot_counts = all;
     };
 
+    note(r, "decode steps before the rebalance");
     run_phase(0, before);
+    note(r, "rebalance");
     g.barrier();
     if (r == 0) {  // the rebalance: logical loads from the recorded slot counts, a new placement, the plan
       std::vector<std::vector<double>> load(1, std::vector<double>(E, 0));
@@ -185,6 +191,7 @@ nlohmann::json run_cuda_eplb_bench(const BenchConfig& config) {
       plan = eplb::plan_relocation(before.phy2log(0), new_p2l, R, 1);
     }
     g.barrier();
+    note(r, "relocation");
     auto transport = eplb::make_cuda_transport(g);
     eplb::ExpertWeights weights;
     for (size_t i = 0; i < old_w.size(); ++i) {
@@ -210,10 +217,10 @@ nlohmann::json run_cuda_eplb_bench(const BenchConfig& config) {
       }
     }
     const ExpertLocation after(1, E, P, R, 1, new_p2l);
+    note(r, "decode steps after the rebalance");
     run_phase(1, after);
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
-    cudaStreamDestroy(stream);
   });
 
   auto utilization = [&](const std::vector<int64_t>& slot_counts) {
