@@ -141,8 +141,18 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 // copied bit-exactly; with attn_tp_size > 1 the cuda backend takes slot row i from attention-TP rank
 // i / (slot_len / attn_tp_size), the same row as the leader's since those ranks hold the same batch.
 // `local` and `global` must not overlap.
+//
+// source kPartialSums (attention-TP partial sums, e.g. a row-parallel o_proj before its all-reduce): every rank of a
+// DP rank's attention-TP group holds a partial sum of the same rows, and global receives their sum: the TP
+// reduction and the DP gather in one collective. SUM_LEN plans only (a MAX_LEN gather cannot sum; kUnsupported
+// names the mode). Floats summed in fp32 in attention-TP rank order, then rounded once (host); the cuda backend sums
+// in NCCL's order and may round bf16 partial sums with more than 2 ranks; integers sum exactly (wrapping).
+enum class DpGatherSource : uint8_t {
+  kLeader,       // the DP rank's rows as its leader holds them (every attention-TP rank holds the same batch)
+  kPartialSums,  // the sum over the DP rank's attention-TP ranks
+};
 void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-               const TensorView& global, Stream stream = nullptr);
+               const TensorView& global, Stream stream = nullptr, DpGatherSource source = DpGatherSource::kLeader);
 
 enum class DpScatterKind : uint8_t {
   kSlice,          // every rank holds the same global buffer: local = its DP rank's rows (no communication)

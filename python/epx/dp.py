@@ -28,6 +28,7 @@ from ._epx.dp import (  # noqa: F401
     BatchMetadataSync,
     BatchSyncResult,
     DpGatherPlan,
+    DpGatherSource,
     DpPaddingMode,
     DpScatterKind,
     ForwardMode,
@@ -45,7 +46,7 @@ _native = _epx.dp
 
 __all__ = [
     "BATCH_METADATA_FIELDS", "BatchMetadata", "BatchMetadataSync", "BatchSyncResult", "DpGatherPlan",
-    "DpPaddingMode", "DpScatterKind", "ForwardMode", "GlobalBatchInfo", "ParallelGroupKind", "ParallelLayout",
+    "DpGatherSource", "DpPaddingMode", "DpScatterKind", "ForwardMode", "GlobalBatchInfo", "ParallelGroupKind", "ParallelLayout",
     "ParallelSizes", "RankCoords", "choose_padding_mode", "dp_gather", "dp_scatter", "plan_dp_gather",
     "reduce_batch_metadata",
 ]
@@ -85,16 +86,22 @@ def _empty_like(t: Any, rows: int) -> Any:
 
 
 def dp_gather(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: Any, out: Any = None,
-              stream: Any = None) -> Any:
+              stream: Any = None, partial_sums: bool = False) -> Any:
     """Collective: the global batch [plan.buffer_len, hidden] on every rank.
 
     Row block ``[offsets[d], offsets[d] + num_tokens[d])`` holds the first ``num_tokens[d]`` rows of DP rank
-    d's leader's ``local``; every other row is zero. ``local`` may have more rows than this rank's count
+    d's leader's ``local``; every other row is zero. ``partial_sums=True`` (SUM_LEN plans; SGLang's
+    ``dp_gather_partial``): every attention-TP rank's ``local`` is a partial sum and the block holds their sum
+    (the TP reduction and the gather in one collective). ``local`` may have more rows than this rank's count
     (only the first count are read). ``out`` (allocated like ``local`` when None) is written and returned.
     """
     if out is None:
         out = _empty_like(local, plan.buffer_len)
-    _native.dp_gather(group, layout, plan, to_arg(local), to_arg(out), cuda_stream_of(stream, local, out))
+    try:
+        source = DpGatherSource.partial_sums if partial_sums else DpGatherSource.leader
+    except Exception:  # no truth value: the native call rejects it, naming source, and still takes part
+        source = partial_sums
+    _native.dp_gather(group, layout, plan, to_arg(local), to_arg(out), cuda_stream_of(stream, local, out), source)
     return out
 
 

@@ -156,20 +156,26 @@ void bind_gather(nb::module_& m) {
       "MAX_LEN: slot_len = max count rounded up to attn_tp_size, offsets[d] = d * slot_len. SUM_LEN: offsets are "
       "the exclusive prefix sums. Raises InvalidArgumentError for negative counts or sizes out of range.");
 
+  nb::enum_<DpGatherSource>(m, "DpGatherSource", "What dp_gather takes from a DP rank's attention-TP ranks.")
+      .value("leader", DpGatherSource::kLeader, "The leader's rows (every TP rank holds the same batch).")
+      .value("partial_sums", DpGatherSource::kPartialSums,
+             "The sum of the TP ranks' rows (partial sums, e.g. before the o_proj all-reduce); SUM_LEN plans only.");
+
   m.def(
       "dp_gather",
       [](Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, nb::handle local,
-         nb::handle global_buffer, nb::handle stream) {
+         nb::handle global_buffer, nb::handle stream, DpGatherSource source) {
         const TensorView local_view = to_view(local, "local");
         const TensorView global_view = to_view(global_buffer, "global_buffer");
         const Stream s = to_stream(stream);
         nb::gil_scoped_release release;
-        dp_gather(group, layout, plan, local_view, global_view, s);
+        dp_gather(group, layout, plan, local_view, global_view, s, source);
       },
       nb::arg("group"), nb::arg("layout"), nb::arg("plan"), nb::arg("local"), nb::arg("global_buffer"),
-      nb::arg("stream") = nb::none(),
+      nb::arg("stream") = nb::none(), nb::arg("source") = DpGatherSource::kLeader,
       "Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] "
-      "rows of its leader's local at offsets[d]; other rows are zeroed. bf16 or fp32, contiguous. GIL released.");
+      "rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source "
+      "partial_sums, SUM_LEN only) at offsets[d]; other rows are zeroed. Contiguous. GIL released.");
 
   nb::enum_<DpScatterKind>(m, "DpScatterKind", "What dp_scatter's global buffer holds.")
       .value("slice", DpScatterKind::kSlice, "The same buffer on every rank: take this DP rank's rows.")

@@ -129,6 +129,30 @@ def test_gather_with_attention_tp_takes_the_leaders_rows():
         np.testing.assert_array_equal(out, expected_global(plan, np.float32))
 
 
+def test_gather_partial_sums_reduces_over_attention_tp():
+    layout = dp.ParallelLayout(4, attn_dp_size=2)  # DP rank 0 = ranks {0, 1}, DP rank 1 = {2, 3}
+    counts = [2, 3]
+    plan = dp.plan_dp_gather(counts, "SUM_LEN", attn_tp_size=layout.attn_tp_size)
+
+    def partial(rank):  # small integers: the fp32 sums are exact
+        d = layout.coords(rank).attn_dp_rank
+        return (np.arange(counts[d] * 4, dtype=np.float32).reshape(counts[d], 4) + 100 * rank)
+
+    def body(rank, group):
+        return dp.dp_gather(group, layout, plan, partial(rank), partial_sums=True)
+
+    want = np.concatenate([partial(0) + partial(1), partial(2) + partial(3)])
+    for out in epx.run_host_ranks(epx.host_groups(4), body):
+        np.testing.assert_array_equal(out, want)
+
+    def max_len(rank, group):
+        local = partial(rank)
+        with pytest.raises(NotImplementedError, match="SUM_LEN"):
+            dp.dp_gather(group, layout, dp.plan_dp_gather(counts, "MAX_LEN", 2), local, partial_sums=True)
+
+    epx.run_host_ranks(epx.host_groups(4), max_len)
+
+
 def test_reduce_batch_metadata():
     F = dp.ForwardMode
     records = [dp.BatchMetadata(num_tokens=5, forward_mode=F.DECODE, num_tokens_for_logprob=2, attention_pairs=7),

@@ -18,7 +18,7 @@ inline int64_t dp_row_elems(const TensorView& t) { return t.ndim == 2 ? t.shape[
 namespace epx::host {
 // Defined in src/dp/gather_host.cpp. Arguments already validated on this rank.
 void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                    const TensorView& global);
+                    const TensorView& global, DpGatherSource source);
 void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                      const TensorView& local, DpScatterKind kind);
 }  // namespace epx::host
@@ -28,7 +28,7 @@ void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherP
 // communicator (collective, see dp/comm_cuda.h).
 namespace epx::cuda {
 void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                    const TensorView& global, Stream stream);
+                    const TensorView& global, Stream stream, DpGatherSource source);
 void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                      const TensorView& local, DpScatterKind kind, Stream stream);
 // The batch-metadata all-gather: `bytes` from host `send` on every rank into host `recv`

@@ -65,7 +65,7 @@ void zero_tail(const TensorView& local, int64_t count, cudaStream_t stream) {
 }  // namespace
 
 void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                    const TensorView& global, Stream stream) {
+                    const TensorView& global, Stream stream, DpGatherSource source) {
   const int64_t hidden = detail::dp_row_elems(global);
   if (plan.buffer_len == 0 || hidden == 0) return;  // the same plan everywhere: every rank skips
   DpComm& dp = dp_comm(group);
@@ -100,7 +100,9 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
   }
   check_cuda(cudaMemsetAsync(global.data, 0, static_cast<size_t>(plan.buffer_len) * row_bytes, stream),
              "cudaMemsetAsync (dp_gather)");
-  if (layout.is_dp_leader(group.rank()) && count > 0) {
+  // Partial sums: every attention-TP rank writes its rows, so the all-reduce sums them (reduce + gather at once).
+  const bool contributes = source == DpGatherSource::kPartialSums || layout.is_dp_leader(group.rank());
+  if (contributes && count > 0) {
     char* dst = row_ptr(global, plan.offsets[me.attn_dp_rank]);
     if (global.dtype == DType::kInt32 || global.dtype == DType::kInt64) {
       // 0 + x == x for integers: a plain copy.

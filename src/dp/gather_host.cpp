@@ -21,6 +21,7 @@ struct Contribution {
   const void* data;  // local (gather) or global (reduce-scatter)
   DType dtype;
   int64_t hidden;
+  DpGatherSource source = DpGatherSource::kLeader;  // gather only
 };
 
 HostGroup& as_host(Group& group) {
@@ -40,6 +41,10 @@ std::string find_mismatch(const std::vector<const void*>& ptrs) {
   for (size_t r = 1; r < ptrs.size(); ++r) {
     const auto& c = *static_cast<const Contribution*>(ptrs[r]);
     if (!same_plan(*c.plan, *first.plan)) return fmt::format("rank {} passed a different plan than rank 0", r);
+    if (c.source != first.source) {
+      auto name = [](DpGatherSource s) { return s == DpGatherSource::kPartialSums ? "partial sums" : "the leader's rows"; };
+      return fmt::format("rank {} passed source {}, rank 0 {}", r, name(c.source), name(first.source));
+    }
     if (c.dtype != first.dtype || c.hidden != first.hidden) {
       return fmt::format("rank {} passed {} hidden {}, rank 0 {} hidden {}", r, to_string(c.dtype), c.hidden,
                          to_string(first.dtype), first.hidden);
@@ -61,10 +66,22 @@ inline void from_float(float x, float& out) { out = x; }
 inline void from_float(float x, uint16_t& out) { out = float_to_bf16(x); }
 
 template <typename T>
+void reduce_rows(const std::vector<const void*>& ptrs, int64_t first_row, int64_t num_rows, T* local, int64_t hidden);
+
+template <typename T>
 void gather_rows(const ParallelLayout& layout, const DpGatherPlan& plan, const std::vector<const void*>& ptrs,
                  T* global, int64_t hidden) {
   if (plan.buffer_len == 0 || hidden == 0) return;  // nothing to write; global may be a null empty view
   std::memset(global, 0, static_cast<size_t>(plan.buffer_len * hidden) * sizeof(T));
+  if (static_cast<const Contribution*>(ptrs[0])->source == DpGatherSource::kPartialSums) {
+    // The DP rank's attention-TP ranks in TP-rank order (the documented summation order), summed as reduce_rows does.
+    for (int d = 0; d < layout.attn_dp_size(); ++d) {
+      std::vector<const void*> group_ptrs;
+      for (int t = 0; t < layout.attn_tp_size(); ++t) group_ptrs.push_back(ptrs[layout.attn_rank(d, 0, t)]);
+      reduce_rows(group_ptrs, 0, plan.num_tokens[d], global + plan.offsets[d] * hidden, hidden);
+    }
+    return;
+  }
   for (int d = 0; d < layout.attn_dp_size(); ++d) {
     const auto& c = *static_cast<const Contribution*>(ptrs[layout.dp_leader(d)]);
     const T* src = static_cast<const T*>(c.data);
@@ -120,10 +137,10 @@ void visit_dtype(DType dtype, Fn&& fn) {
 }  // namespace
 
 void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                    const TensorView& global) {
+                    const TensorView& global, DpGatherSource source) {
   HostGroup& host_group = as_host(group);
   const int64_t hidden = detail::dp_row_elems(global);
-  const Contribution mine{&plan, local.data, local.dtype, hidden};
+  const Contribution mine{&plan, local.data, local.dtype, hidden, source};
   const auto ptrs = host_group.exchange(&mine);
   const std::string mismatch = find_mismatch(ptrs);
   if (mismatch.empty()) {

@@ -200,9 +200,20 @@ def plan_dp_gather(num_tokens_per_dp_rank: Sequence[int], mode: DpPaddingMode, a
     MAX_LEN: slot_len = max count rounded up to attn_tp_size, offsets[d] = d * slot_len. SUM_LEN: offsets are the exclusive prefix sums. Raises InvalidArgumentError for negative counts or sizes out of range.
     """
 
-def dp_gather(group: epx._epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: object, global_buffer: object, stream: object | None = None) -> None:
+class DpGatherSource(enum.Enum):
+    """What dp_gather takes from a DP rank's attention-TP ranks."""
+
+    leader = 0
+    """The leader's rows (every TP rank holds the same batch)."""
+
+    partial_sums = 1
     """
-    Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] rows of its leader's local at offsets[d]; other rows are zeroed. bf16 or fp32, contiguous. GIL released.
+    The sum of the TP ranks' rows (partial sums, e.g. before the o_proj all-reduce); SUM_LEN plans only.
+    """
+
+def dp_gather(group: epx._epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: object, global_buffer: object, stream: object | None = None, source: DpGatherSource = DpGatherSource.leader) -> None:
+    """
+    Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source partial_sums, SUM_LEN only) at offsets[d]; other rows are zeroed. Contiguous. GIL released.
     """
 
 class DpScatterKind(enum.Enum):
