@@ -24,23 +24,17 @@
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "epx/quant.h"
+#include "gpu_test_util.h"
 
 namespace epx {
 namespace {
 
+using testing::fresh_seed;
+using testing::num_gpus;
+
 constexpr int kNumRanks = 2;
 constexpr int64_t kPadRows = 3;
 
-int num_gpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
-  return n;
-}
-
-uint64_t fresh_seed() {
-  static std::atomic<uint64_t> counter{0};
-  return std::random_device{}() * 1000003ull + counter++;
-}
 
 // One set of groups per process: the DP communicator is created once per group.
 std::vector<std::shared_ptr<Group>>& cuda_groups() {

@@ -26,6 +26,7 @@
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "epx/quant.h"
+#include "gpu_test_util.h"
 
 namespace epx::cuda {
 namespace {
@@ -42,11 +43,6 @@ namespace {
     if (err_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(err_)); \
   } while (0)
 
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
-  return n;
-}
 
 struct Case {
   int num_ranks;
@@ -432,7 +428,7 @@ class Rig {
 class LowLatencyKernels : public ::testing::Test {
  protected:
   void SetUp() override {
-    num_gpus_ = device_count();
+    num_gpus_ = testing::num_gpus();
     if (num_gpus_ == 0) GTEST_SKIP() << "no GPU";
   }
   // NOTE: more than two ranks per GPU are left out: each rank's kernel spins until its peers' kernels have

@@ -8,7 +8,6 @@
 // x holds small integers, so both round trips are exact (normal: x * ranks visited; low-latency with
 // weights 1/8: x * valid slots / 8).
 #include <cuda_runtime.h>
-#include <execinfo.h>
 #include <gtest/gtest.h>
 #include <nccl.h>
 #include <poll.h>
@@ -29,27 +28,17 @@
 #include "epx/error.h"
 #include "epx/quant.h"
 #include "epx/tensor.h"
+#include "gpu_test_util.h"
 
 namespace epx {
 namespace {
 
+using testing::download;
+using testing::upload;
+
 constexpr int kRanks = 2;
 constexpr int kExitSkip = 77;
 
-template <typename T>
-Tensor upload(const std::vector<T>& v, DType dtype, std::vector<int64_t> shape, Device dev, cudaStream_t stream) {
-  Tensor t = Tensor::empty(dtype, shape, dev, nullptr, stream);
-  if (!v.empty()) cudaMemcpyAsync(t.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, stream);
-  return t;
-}
-
-template <typename T>
-std::vector<T> download(const Tensor& t, cudaStream_t stream) {
-  std::vector<T> v(t.nbytes() / sizeof(T));
-  if (!v.empty()) cudaMemcpyAsync(v.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost, stream);
-  cudaStreamSynchronize(stream);
-  return v;
-}
 
 // One rank's whole run; returns the number of mismatching elements.
 int64_t run_rank(int rank, const ncclUniqueId& id) {
@@ -164,24 +153,6 @@ ncclUniqueId share_id(int rank, int pipe_fds[2]) {
 
 // Forks kRanks children that run body(rank, pipe) (exit codes: 0 pass, 1 mismatch, 2 error, 77 skip) and
 // returns their codes; children that outlive limit are killed (code -1). Every child skips when fewer than
-// A crashing rank prints its stack (function names need -rdynamic; addresses otherwise) before it dies.
-void print_backtrace_on_crash(int rank) {
-  static int crash_rank = 0;
-  crash_rank = rank;
-  for (int sig : {SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL}) {
-    std::signal(sig, [](int s) {
-      void* frames[64];
-      const int n = backtrace(frames, 64);
-      char line[64];
-      const int len = std::snprintf(line, sizeof(line), "rank %d: signal %d, stack:\n", crash_rank, s);
-      if (len > 0) (void)!write(2, line, static_cast<size_t>(len));
-      backtrace_symbols_fd(frames, n, 2);
-      std::signal(s, SIG_DFL);
-      std::raise(s);
-    });
-  }
-}
-
 // min_gpus GPUs are visible; rank r runs on GPU r % count (a test whose peer never touches a GPU needs one).
 std::vector<int> fork_ranks(const std::function<int(int, int*)>& body, std::chrono::seconds limit,
                             int min_gpus = kRanks) {
@@ -192,7 +163,7 @@ std::vector<int> fork_ranks(const std::function<int(int, int*)>& body, std::chro
     const pid_t pid = fork();
     if (pid < 0) return std::vector<int>(kRanks, -2);
     if (pid == 0) {
-      print_backtrace_on_crash(rank);
+      testing::print_stack_on_crash(rank);
       int code = 0;
       try {
         int count = 0;

@@ -6,7 +6,6 @@
 // GPU), with every cuda output allocation poisoned first, and compares every element: data movement
 // bit-exact, combine sums within fp32-ordering tolerance. The random seed is printed.
 #include <cuda_runtime.h>
-#include <execinfo.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -27,30 +26,19 @@
 #include "epx/error.h"
 #include "epx/quant.h"
 #include "epx/routing.h"
+#include "gpu_test_util.h"
 
 namespace epx {
 namespace {
 
-// A crash prints its stack (addresses resolve with addr2line on the unstripped binary).
-void print_stack_and_die(int sig) {
-  void* frames[64];
-  const int n = backtrace(frames, 64);
-  backtrace_symbols_fd(frames, n, STDERR_FILENO);
-  std::signal(sig, SIG_DFL);
-  std::raise(sig);
-}
-const bool kCrashHandler = [] {
-  std::signal(SIGSEGV, print_stack_and_die);
-  std::signal(SIGABRT, print_stack_and_die);
-  return true;
-}();
+using testing::download;
+using testing::fresh_seed;
+using testing::num_gpus;
+using testing::upload;
+
+const bool kCrashHandler = (testing::print_stack_on_crash(), true);
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
-uint64_t fresh_seed() {
-  static std::atomic<uint64_t> counter{0};
-  return std::random_device{}() * 1000003ull + counter++;
-}
 
 // Short enough that a broken protocol fails the test quickly, long enough for compute-sanitizer.
 CudaGroupOptions test_options() {
@@ -59,11 +47,6 @@ CudaGroupOptions test_options() {
   return o;
 }
 
-int num_gpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
-  return n;
-}
 
 // Fills every allocation with 0xAB bytes so that an element the kernels forget to write shows up.
 // Poisons every CUDA allocation; an empty one is null, as torch's allocator gives it (a kernel that touches an
@@ -197,20 +180,6 @@ struct DeviceInput {
   Tensor x, scales, topk, weights, bias_0, bias_1;
 };
 
-// An empty input is a null view, as torch passes it.
-Tensor upload(const void* data, size_t bytes, DType dtype, std::vector<int64_t> shape, Device device, Stream stream) {
-  if (bytes == 0) return Tensor::wrap(TensorView::of(nullptr, dtype, shape, device), nullptr);
-  Tensor t = Tensor::empty(dtype, shape, device, nullptr, stream);
-  if (bytes > 0) cudaMemcpyAsync(t.data(), data, bytes, cudaMemcpyHostToDevice, stream);
-  return t;
-}
-
-template <typename T>
-std::vector<T> download(const Tensor& t, Stream stream) {
-  std::vector<T> out(t.defined() ? t.nbytes() / sizeof(T) : 0);
-  if (!out.empty()) cudaMemcpyAsync(out.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost, stream);
-  return out;
-}
 
 std::vector<int64_t> widen_topk(const Tensor& t, const std::vector<uint8_t>& bytes) {
   std::vector<int64_t> out;

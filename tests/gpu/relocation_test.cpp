@@ -16,14 +16,13 @@
 #include "epx/cuda.h"
 #include "epx/eplb/relocation.h"
 #include "epx/error.h"
+#include "gpu_test_util.h"
 
 namespace epx::eplb {
 namespace {
 
-int num_gpus() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
+using testing::num_gpus;
+
 
 // Every logical expert at least once, the other slots random replicas, shuffled.
 std::vector<int32_t> random_phy2log(std::mt19937& rng, int logical, int physical) {

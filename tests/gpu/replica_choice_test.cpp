@@ -13,14 +13,13 @@
 #include "epx/eplb/device_replicas.h"
 #include "epx/eplb/expert_location.h"
 #include "epx/error.h"
+#include "gpu_test_util.h"
 
 namespace epx::eplb {
 namespace {
 
-int num_gpus() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
+using testing::num_gpus;
+
 
 // Every logical expert at least once per layer, the other slots random replicas, shuffled.
 ExpertLocation random_location(std::mt19937& rng, int layers, int logical, int physical, int gpus) {
