@@ -1,6 +1,6 @@
 // Normal path on copy engines: the SM kernels around the copies (fields into the peers' staging, packing,
 // unpacking, release waits, signals) and the combine reduction of copied rows. Host side:
-// CudaBuffer::send_with_copy_engines / send_combine_with_copy_engines; protocol: docs/normal-kernels.md.
+// NormalCopyEngines::send_dispatch / send_combine (normal_copy_engines_cuda.cpp); protocol: docs/normal-kernels.md.
 #include "cuda/cuda_util.h"
 #include "cuda/normal_device.cuh"
 
@@ -8,7 +8,7 @@ namespace epx::cuda {
 namespace {
 
 // ---- copy-engine dispatch ----------------------------------------------------------------------
-// Host side in cuda_buffer_cuda.cpp (CudaBuffer::send_with_copy_engines); docs/normal-kernels.md.
+// Host side in normal_copy_engines_cuda.cpp (NormalCopyEngines::send_dispatch); docs/normal-kernels.md.
 // Copy engines carry every NVLink byte: a source's whole x (token-indexed) to a destination that gets
 // at least 15/16 of its tokens, else SM-packed chunks (row-indexed); each field has its own part of the
 // slot. Kernels here wait, write the small per-row fields, pack, and move rows out of the staging. No

@@ -174,7 +174,8 @@ void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ra
 // context lock and waits for the whole device to drain. Ranks that share a process and a GPU (thread
 // groups) share that context: rank 0's first combine_kernel launch then waits for its own dispatch_kernel,
 // which spins until rank 1's dispatch_kernel runs, which rank 1 cannot launch behind the lock -> both
-// time out. CudaBuffer calls this (and preload_low_latency_kernels) before the constructor's barrier.
+// time out. The NormalEngine calls this (CudaBuffer calls preload_low_latency_kernels) before the buffer's
+// creation barrier.
 cudaError_t preload_normal_kernels();
 void launch_advance_epoch(const CommArgs& comm, cudaStream_t stream);
 // Notify also tells each destination whether this rank sends it whole x (whole_copy with `whole`), and
