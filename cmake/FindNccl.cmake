@@ -1,6 +1,6 @@
 # Finds NCCL: the CUDA toolkit's copy, or pip's nvidia-nccl package, or EPX_NCCL_ROOT / NCCL_ROOT.
 # Defines two INTERFACE targets: epx_nccl_headers (nccl.h only: the epx library loads libnccl.so.2 on first
-# use, src/cuda/nccl_loader.h) and epx_nccl (headers + the library, for executables that call NCCL
+# use, src/comm/cuda/nccl_loader.h) and epx_nccl (headers + the library, for executables that call NCCL
 # themselves). The library found here is only linked by those executables.
 set(_epx_nccl_hints ${EPX_NCCL_ROOT} $ENV{EPX_NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_LIBRARY_ROOT})
 execute_process(COMMAND python3 -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))"

@@ -1,5 +1,5 @@
 // `epx bench`: the main job. Shared between the host path (cmd_bench.cpp) and the CUDA path
-// (bench_cuda.cpp, CUDA builds only).
+// (tools/cuda/bench_normal.cpp, CUDA builds only).
 #pragma once
 
 #include <cstdint>

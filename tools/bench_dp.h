@@ -1,5 +1,5 @@
-// `epx bench --dp`, `--tbo` and `--eplb` (CUDA builds only; bench_dp_cuda.cpp, bench_tbo_cuda.cpp,
-// bench_eplb_cuda.cpp).
+// `epx bench --dp`, `--tbo` and `--eplb` (CUDA builds only; tools/cuda/bench_dp.cpp, tools/cuda/bench_tbo.cpp,
+// tools/cuda/bench_eplb.cpp).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -19,7 +19,7 @@ nlohmann::json run_cuda_dp_bench(const BenchConfig& config);
 // micro-batches), hidden, num_topk, num_experts, num_sms[0] (SMs of the communication kernels),
 // num_warmup, num_iters, progress, seed.
 nlohmann::json run_cuda_tbo_bench(const BenchConfig& config);
-// EPLB live (bench_eplb_cuda.cpp): low-latency decode steps on Zipf routing with device replica choice, one
+// EPLB live (tools/cuda/bench_eplb.cpp): low-latency decode steps on Zipf routing with device replica choice, one
 // rebalance from the recorded counts and the relocation of one layer's DeepSeek-V3-sized expert weights over the
 // cuda transport, then the steps again. num_ranks ranks (0: one per visible GPU; more ranks than GPUs share
 // them). Uses config.num_ranks, num_ll_tokens, hidden, num_topk, num_experts, seed. Report adds "eplb":

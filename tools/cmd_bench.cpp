@@ -1,5 +1,5 @@
 // `epx bench`: dispatch + combine of a DeepSeek-V3-shaped MoE step: normal and low-latency on the host
-// backend, or on GPUs (bench_cuda.cpp: normal kernels, bench_ll_cuda.cpp: low-latency kernels).
+// backend, or on GPUs (tools/cuda/bench_normal.cpp: normal kernels, tools/cuda/bench_low_latency.cpp: low-latency kernels).
 // On all visible GPUs with the CUDA backend; without a GPU (or with --host) on the host backend.
 #include <fmt/format.h>
 

@@ -30,7 +30,7 @@ inline constexpr int kLowLatencyMaxHidden = 16384;  // the contract's bound; the
 inline constexpr int kLowLatencyMaxTopk = 16;       // combine staging holds this many rows per token
 inline constexpr int kLowLatencyMaxExperts = 1024;  // LowLatencyControl keeps one counter per local expert
 
-// ---- CUDA backend, normal path (src/cuda/normal_kernels.*) --------------------------------------------
+// ---- CUDA backend, normal path (src/ep/cuda/normal_kernels.*) --------------------------------------------
 
 // Ranks: the dispatch and combine blocks split their 24 warps into one group per peer (3 warps each at 8), and
 // CommArgs carries one peer pointer per rank by value; 8 is the GPUs of one NVLink host. It is lower than
@@ -56,7 +56,7 @@ inline constexpr int64_t kNormalHintRingRows = 256;
 // Copy-engine path: copies per destination and call (NormalConfig::max_copy_chunks; one event pair each).
 inline constexpr int kNormalMaxCopyChunks = 8;
 
-// ---- CUDA backend, low-latency path (src/cuda/low_latency.*) --------------------------------------------
+// ---- CUDA backend, low-latency path (src/ep/cuda/low_latency.*) --------------------------------------------
 
 // Ranks: sizes the rank mask in LowLatencyControl and the kernels' per-source shared arrays.
 inline constexpr int kLowLatencyMaxRanks = 16;

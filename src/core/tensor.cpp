@@ -6,7 +6,7 @@
 #include <new>
 
 #include "core/check.h"
-#include "core/cuda_alloc.h"
+#include "core/cuda/alloc.h"
 
 namespace epx {
 

@@ -2,7 +2,7 @@
 //
 // The public calls validate their arguments, then dispatch on group.backend(): the host backend here,
 // the CUDA backend (NCCL all-gather / all-reduce / reduce-scatter, plus a slice copy) in
-// src/dp/gather_cuda.cpp. Declarations only: this header needs no CUDA toolkit.
+// src/dp/cuda/gather.cpp. Declarations only: this header needs no CUDA toolkit.
 #pragma once
 
 #include <cstddef>
@@ -23,7 +23,7 @@ void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherP
                      const TensorView& local, DpScatterKind kind);
 }  // namespace epx::host
 
-// Defined in src/dp/gather_cuda.cpp (CUDA builds only; call under #ifdef EPX_WITH_CUDA). Arguments
+// Defined in src/dp/cuda/gather.cpp (CUDA builds only; call under #ifdef EPX_WITH_CUDA). Arguments
 // already validated on this rank. Enqueued on `stream`; the first call on a group creates its DP
 // communicator (collective, see dp/comm_cuda.h).
 namespace epx::cuda {

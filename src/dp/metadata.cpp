@@ -8,7 +8,7 @@
 #include "core/check.h"
 #include "dp/backends.h"
 #include "epx/dp.h"
-#include "host/host_group.h"
+#include "comm/host/host_group.h"
 
 namespace epx {
 

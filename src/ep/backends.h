@@ -6,11 +6,11 @@
 #include "epx/buffer.h"
 
 namespace epx::host {
-// Defined in src/host/host_buffer.cpp.
+// Defined in src/ep/host/host_buffer.cpp.
 std::unique_ptr<Buffer> create_host_buffer(std::shared_ptr<Group> group, const BufferOptions& options);
 }  // namespace epx::host
 
 namespace epx::cuda {
-// Defined in src/cuda/ (CUDA builds only).
+// Defined in src/ep/cuda/ (CUDA builds only).
 std::unique_ptr<Buffer> create_cuda_buffer(std::shared_ptr<Group> group, const BufferOptions& options);
 }  // namespace epx::cuda

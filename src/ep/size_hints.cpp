@@ -1,10 +1,10 @@
 // Peer-memory size hints of the normal and low-latency paths (declared in epx/buffer.h). Plain host
-// code: the formulas follow the cuda backend's layouts (src/cuda/), the host backend ignores them.
+// code: the formulas follow the cuda backend's layouts (src/ep/normal_region.h, src/ep/low_latency_layout.h), the host backend ignores them.
 #include <cstdint>
 
 #include "core/check.h"
 #include "core/limits.h"
-#include "cuda/low_latency_layout.h"
+#include "ep/low_latency_layout.h"
 #include "epx/buffer.h"
 
 namespace epx {
@@ -17,7 +17,7 @@ int64_t align_up(int64_t v, int64_t a, const char* what) { return detail::checke
 using detail::checked_add;
 using detail::checked_mul;
 
-// An upper bound of LowLatencyLayout::make's total (src/cuda/low_latency_layout.cpp), computed with checked
+// An upper bound of LowLatencyLayout::make's total (src/ep/low_latency_layout.cpp), computed with checked
 // arithmetic, so that make() itself (plain int64 arithmetic, shared with the kernels' launcher) cannot wrap.
 // Each of the 2 sets holds 12 parts, each rounded up to 256 bytes, behind a control block.
 void check_low_latency_bytes(int64_t max_tokens_per_rank, int64_t hidden, int64_t num_experts) {
@@ -51,7 +51,7 @@ int64_t normal_buffer_size_hint(int64_t hidden, int num_ranks, int num_sms, int6
   const int64_t rings = checked_mul(
       checked_mul(int64_t{num_ranks} * num_channels, kNormalHintRingRows, "num_ranks * num_sms / 2 * 256 ring rows"),
       row_bytes, "num_ranks * num_sms / 2 * ring rows * row bytes");
-  // Copy-engine staging (stage_fields in src/cuda/copy_engine_host.h, DispatchPlan in src/cuda/normal_plan.h): the
+  // Copy-engine staging (stage_fields in src/ep/cuda/copy_engine_host.h, DispatchPlan in src/ep/cuda/normal_plan.h): the
   // ring area, rounded down to KiB, split into one 256-byte aligned slot per peer, each holding the fields of up to T
   // rows in separate 256-byte aligned parts: data, scales, int64 top-k ids, weights, source index (the five
   // alignments and the rounding take at most 3 KiB).

@@ -1,8 +1,8 @@
-// make_cuda_transport: argument checks for every build; the transport itself is in cuda_transport_cuda.cpp.
+// make_cuda_transport: argument checks for every build; the transport itself is in src/eplb/cuda/transport.cpp.
 #include "core/check.h"
 #include "epx/eplb/relocation.h"
 #ifdef EPX_WITH_CUDA
-#include "eplb/cuda_transport.h"
+#include "eplb/cuda/transport.h"
 #endif
 
 namespace epx::eplb {

@@ -5,7 +5,7 @@
 #include "core/check.h"
 #include "eplb/replica_rule.h"
 #ifdef EPX_WITH_CUDA
-#include "eplb/device_replicas_kernels.h"
+#include "eplb/cuda/device_replicas_kernels.h"
 #endif
 
 namespace epx::eplb {

@@ -6,7 +6,7 @@
 
 #include "core/check.h"
 #include "epx/eplb/relocation.h"
-#include "host/host_group.h"
+#include "comm/host/host_group.h"
 
 namespace epx::eplb {
 

@@ -1,4 +1,4 @@
-// Low-latency kernels (src/cuda/low_latency.*) against the host backend, in one process.
+// Low-latency kernels (src/ep/cuda/low_latency.*) against the host backend, in one process.
 //
 // Routing: every rank draws T tokens with K distinct experts of E uniformly, then sets ~5% of the
 // top-k slots to -1. Ranks map to GPUs round-robin (2 ranks on 2 GPUs, 4 ranks on 2 GPUs). Each rank's
@@ -21,7 +21,7 @@
 #include <string>
 #include <thread>
 
-#include "cuda/low_latency.h"
+#include "ep/cuda/low_latency.h"
 #include "epx/buffer.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -345,7 +345,8 @@ class Rig {
   }
   LowLatencyCombineLaunch combine_args(int r, int dispatch_set) const {
     return {ranks_[r].y, ranks_[r].topk, true,         static_cast<const float*>(ranks_[r].weights), num_tokens_[r],
-            c_.num_topk, ranks_[r].out,  dispatch_set, LowLatencyConfig{}.combine_send_parts};
+            c_.num_topk, ranks_[r].out,  dispatch_set, LowLatencyConfig{}.combine_send_parts,
+            /*dispatch_id=*/0};
   }
 
   // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive
@@ -720,6 +721,94 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
       buffer.reset();
       cudaStreamDestroy(stream);
     });
+  }
+}
+
+// Handles of different dispatches in a low-latency combine (issue 13, defect 3, cuda side): rank 0 reverses its first
+// dispatch, rank 1 its second. Every combine signal carries the sender's dispatch id, so each rank leaves the other's
+// rows out and its next call raises kInvalidArgument naming the peer (not silently wrong data); after
+// clean_low_latency_buffer a round matches the host backend again.
+TEST_F(LowLatencyKernels, MismatchedHandlesAreReported) {
+  std::mt19937 rng(77);
+  const Case c{2, 64, 64, 2048, 8, 16, false, false};
+  if (!runs_here(c)) GTEST_SKIP() << "needs " << c.num_ranks << " ranks";
+  const std::vector<bool> all(c.num_ranks, true);
+  auto in = make_inputs(c, rng);
+  auto in2 = make_inputs(c, rng);
+  const auto expected = host_reference(c, in, all);
+  std::vector<int> devices;
+  for (int r = 0; r < c.num_ranks; ++r) devices.push_back(r % num_gpus_);
+  auto groups = create_cuda_groups(devices);
+  const int64_t e_local = c.num_experts / c.num_ranks;
+  std::vector<std::string> messages(c.num_ranks);
+  std::vector<int> codes(c.num_ranks, -1);
+  std::vector<int64_t> bad(c.num_ranks, -1);
+  run_host_ranks(groups, [&](int r, Group& group) {
+    cudaSetDevice(devices[r]);
+    BufferOptions options;
+    options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
+    auto buffer = Buffer::create(groups[r], options);
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    void* x = to_device(in[r].x);
+    void* topk = to_device(in[r].topk);
+    void* topk2 = to_device(in2[r].topk);
+    void* weights = to_device(in[r].weights);
+    void* weights2 = to_device(in2[r].weights);
+    void* y = to_device(in[r].y);
+    const Device dev = Device::cuda(devices[r]);
+    auto dispatch = [&](void* tk) {
+      LowLatencyDispatchArgs a;
+      a.x = TensorView::of(x, DType::kBFloat16, {in[r].num_tokens, c.hidden}, dev);
+      a.topk_idx = TensorView::of(tk, DType::kInt64, {in[r].num_tokens, c.num_topk}, dev);
+      a.max_tokens_per_rank = c.max_tokens;
+      a.num_experts = c.num_experts;
+      a.use_fp8 = c.use_fp8;
+      a.stream = stream;
+      return buffer->low_latency_dispatch(a);
+    };
+    auto combine = [&](const LowLatencyDispatchResult& d, void* tk, void* w) {
+      LowLatencyCombineArgs b;
+      b.x = TensorView::of(y, DType::kBFloat16, {e_local, c.num_ranks * c.max_tokens, c.hidden}, dev);
+      b.topk_idx = TensorView::of(tk, DType::kInt64, {in[r].num_tokens, c.num_topk}, dev);
+      b.topk_weights = TensorView::of(w, DType::kFloat32, {in[r].num_tokens, c.num_topk}, dev);
+      b.handle = d.handle;
+      b.stream = stream;
+      return buffer->low_latency_combine(b);
+    };
+    {
+      auto d1 = dispatch(topk);
+      auto d2 = dispatch(topk2);
+      if (r == 0) {
+        (void)combine(d1, topk, weights);
+      } else {
+        (void)combine(d2, topk2, weights2);
+      }
+      cudaStreamSynchronize(stream);
+      try {
+        (void)dispatch(topk);
+        ADD_FAILURE() << "rank " << r << ": no error";
+      } catch (const Error& e) {
+        codes[r] = static_cast<int>(e.code());
+        messages[r] = e.what();
+      }
+    }
+    buffer->clean_low_latency_buffer();
+    auto d = dispatch(topk);
+    auto out = combine(d, topk, weights);
+    cudaStreamSynchronize(stream);
+    Outputs o{to_host<int32_t>(d.recv_count),   to_host<int32_t>(d.recv_src_info),
+              to_host<int64_t>(d.recv_layout_range), to_host<uint8_t>(d.recv_x),
+              std::vector<uint8_t>{},           to_host<uint16_t>(out.x)};
+    bad[r] = compare_outputs(c, r, o, expected[r]);
+    for (void* p : {x, topk, topk2, weights, weights2, y}) cudaFree(p);
+    buffer.reset();
+    cudaStreamDestroy(stream);
+  });
+  for (int r = 0; r < c.num_ranks; ++r) {
+    EXPECT_EQ(codes[r], static_cast<int>(ErrorCode::kInvalidArgument)) << messages[r];
+    EXPECT_NE(messages[r].find("another low-latency dispatch"), std::string::npos) << messages[r];
+    EXPECT_EQ(bad[r], 0);
   }
 }
 

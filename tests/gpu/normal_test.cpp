@@ -20,7 +20,7 @@
 #include <thread>
 #include <utility>
 
-#include "core/cuda_alloc.h"
+#include "core/cuda/alloc.h"
 #include "epx/buffer.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -1122,6 +1122,126 @@ TEST_F(NormalGpuTest, InvalidArgumentsOnOneRankFailThePeerAtOnce) {
   EXPECT_NE(peer_message[1].find("peer rank 0 left the call"), std::string::npos) << peer_message[1];
   EXPECT_EQ(bad[0], 0);
   EXPECT_EQ(bad[1], 0);
+}
+
+// Handles of different dispatches (issue 13, defect 3, cuda side): rank 0 reverses or repeats its first dispatch,
+// rank 1 its second. The kernels compare the ranks' handle ids when they see a peer's rows, so the mismatch is
+// reported on every rank well before the timeout (kInvalidArgument where it was found, kPeerFailure or
+// kInvalidArgument on the peer) instead of returning wrong data; afterwards the buffer resets and rounds match
+// again. A combine and a cached dispatch, on the copy-engine and on the SM-ring path.
+TEST_F(NormalGpuTest, MismatchedHandlesAreReported) {
+  const auto devices = two_ranks();
+  CudaGroupOptions options;
+  options.timeout_ms = 20'000;
+  const int64_t T = 256, H = 1024, K = 4, E = 16;
+  Case c;
+  c.devices = devices;
+  c.tokens = {T, T};
+  c.hidden = H;
+  c.num_topk = K;
+  c.num_experts = E;
+  for (const bool copy_engines : {true, false}) {
+    auto groups = create_cuda_groups(devices, options);
+    const auto in = make_inputs(c, fresh_seed());
+    const auto in2 = make_inputs(c, fresh_seed());
+    // [op][rank]: op 0 combine, op 1 cached dispatch.
+    std::vector<std::vector<int>> codes(2, std::vector<int>(2, -1));
+    std::vector<std::vector<int64_t>> wait_ms(2, std::vector<int64_t>(2, -1));
+    std::vector<std::vector<std::string>> messages(2, std::vector<std::string>(2));
+    std::vector<int64_t> bad(2, -1);
+    run_host_ranks(groups, [&](int r, Group& g) {
+      cudaSetDevice(g.device().index);
+      cudaStream_t stream;
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      BufferOptions bo;
+      bo.normal.copy_engines = copy_engines;
+      auto buffer = Buffer::create(groups[r], bo);
+      Tensor x = upload(in[r].x.data(), in[r].x.size(), DType::kBFloat16, {T, H}, g.device(), stream);
+      Tensor topk = upload(in[r].topk64.data(), in[r].topk64.size() * 8, DType::kInt64, {T, K}, g.device(), stream);
+      Tensor topk2 = upload(in2[r].topk64.data(), in2[r].topk64.size() * 8, DType::kInt64, {T, K}, g.device(), stream);
+      DispatchArgs a;
+      a.x = x;
+      a.topk_idx = topk;
+      a.num_experts = E;
+      a.stream = stream;
+      DispatchArgs a2 = a;
+      a2.topk_idx = topk2;
+      auto round = [&] {
+        DispatchResult res = buffer->dispatch(a);
+        CombineArgs ca;
+        ca.x = res.recv_x;
+        ca.handle = res.handle;
+        ca.stream = stream;
+        return identity_round_mismatches(in[r], T, H, K, E, download<uint16_t>(buffer->combine(ca).x, stream));
+      };
+      int64_t wrong = 0;
+      for (int op = 0; op < 2; ++op) {
+        DispatchResult d1 = buffer->dispatch(a);
+        DispatchResult d2 = buffer->dispatch(a2);
+        const DispatchResult& mine = r == 0 ? d1 : d2;
+        cudaStreamSynchronize(stream);
+        g.barrier();
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          if (op == 0) {
+            CombineArgs ca;
+            ca.x = mine.recv_x;
+            ca.handle = mine.handle;
+            ca.stream = stream;
+            (void)buffer->combine(ca);
+          } else {
+            DispatchArgs cached;
+            cached.x = x;
+            cached.handle = mine.handle;
+            cached.stream = stream;
+            (void)buffer->dispatch(cached);
+          }
+          cudaStreamSynchronize(stream);  // the kernels found it (or gave up at the peer's abort word)
+          (void)buffer->dispatch(a);      // and the recorded failure is raised here at the latest
+          ADD_FAILURE() << "rank " << r << ", op " << op << ": no error";
+        } catch (const Error& e) {
+          codes[op][r] = static_cast<int>(e.code());
+          messages[op][r] = e.what();
+          wait_ms[op][r] =
+              std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+        }
+        d1 = {};
+        d2 = {};
+        // The next calls reset the signals (retries: the other rank's reset may still be pending).
+        int64_t w = -1;
+        for (int attempt = 0; attempt < 4 && w != 0; ++attempt) {
+          try {
+            w = round();
+          } catch (const Error& e) {
+            EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kInvalidArgument) << e.what();
+          }
+        }
+        wrong += w;
+      }
+      bad[r] = wrong;
+      x = {};
+      topk = {};
+      topk2 = {};
+      buffer.reset();
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    });
+    for (int op = 0; op < 2; ++op) {
+      SCOPED_TRACE(std::string(copy_engines ? "copy engines, " : "SM rings, ") + (op == 0 ? "combine" : "cached"));
+      int found = 0;
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_TRUE(codes[op][r] == static_cast<int>(ErrorCode::kInvalidArgument) ||
+                    codes[op][r] == static_cast<int>(ErrorCode::kPeerFailure))
+            << "rank " << r << ": " << messages[op][r];
+        EXPECT_GE(wait_ms[op][r], 0);
+        EXPECT_LT(wait_ms[op][r], 5'000) << "rank " << r << " learned of the mismatch after " << wait_ms[op][r] << " ms";
+        if (messages[op][r].find("come from different dispatches") != std::string::npos) ++found;
+      }
+      EXPECT_GE(found, 1) << messages[op][0] << " | " << messages[op][1];
+    }
+    EXPECT_EQ(bad[0], 0);
+    EXPECT_EQ(bad[1], 0);
+  }
 }
 
 TEST_F(NormalGpuTest, BadArgumentsThrowBeforeAnyCollective) {

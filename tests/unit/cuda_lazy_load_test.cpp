@@ -1,5 +1,5 @@
 // A CUDA build loads without NCCL, a driver or a GPU: NCCL is dlopen'ed on first use
-// (src/cuda/nccl_loader.h) and a CUDA call without a driver raises an Error that says so (src/cuda/cuda_util.h).
+// (src/comm/cuda/nccl_loader.h) and a CUDA call without a driver raises an Error that says so (src/core/cuda/cuda_util.h).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -12,8 +12,8 @@
 
 #include <cstdlib>
 
-#include "cuda/cuda_util.h"
-#include "cuda/nccl_loader.h"
+#include "core/cuda/cuda_util.h"
+#include "comm/cuda/nccl_loader.h"
 #include "epx/cuda.h"
 
 namespace epx {

@@ -1,7 +1,7 @@
 // Host Group: barrier and all_gather_bytes on 1..16 thread ranks; a rank that never arrives makes the
 // others throw kTimeout naming it; exchange(timed_out) reports the missing rank instead of throwing;
 // skip does not wait; world_object is shared by all ranks.
-#include "host/host_group.h"
+#include "comm/host/host_group.h"
 
 #include <gtest/gtest.h>
 

@@ -4,14 +4,14 @@
 #include <algorithm>
 
 #include "core/limits.h"
-#include "cuda/normal_region.h"
+#include "ep/normal_region.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
 
 namespace epx {
 namespace {
 
-// The copy-engine path (src/cuda/normal_plan.h, DispatchPlan::copy_slot_bytes) takes the region past the 1 MiB signal
+// The copy-engine path (src/ep/cuda/normal_plan.h, DispatchPlan::copy_slot_bytes) takes the region past the 1 MiB signal
 // area, rounds it down to KiB, splits it into one 256-byte aligned slot per peer, and needs the fields of T rows
 // in a slot, each field 256-byte aligned (stage_fields, copy_engine_host.h): bf16 data, fp32 scales, top-16 int64 ids, fp32 weights,
 // int32 source index.

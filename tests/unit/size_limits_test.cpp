@@ -48,7 +48,7 @@ TEST(SizeLimits, CheckedArithmetic) {
 }
 
 // Defect 5: "wait forever" (INT64_MAX) is clamped to kMaxTimeoutMs when a CUDA group or the DP communicator
-// is made (src/cuda/cuda_group_cuda.cpp, src/dp/comm_cuda.cpp use these helpers); the clamped budget converts
+// is made (src/comm/cuda/cuda_group.cpp, src/dp/cuda/comm.cpp use these helpers); the clamped budget converts
 // to nanoseconds and a steady-clock deadline without overflow, an unclamped one throws instead of wrapping.
 TEST(SizeLimits, TimeoutClampAndConversions) {
   EXPECT_EQ(kMaxTimeoutMs, int64_t{3'153'600'000'000});

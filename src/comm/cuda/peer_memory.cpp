@@ -1,0 +1,87 @@
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include "core/cuda/cuda_util.h"
+#include "comm/cuda/peer_memory.h"
+
+namespace epx::cuda {
+namespace {
+
+// Peer access is per (device, peer) pair and process-wide: enable each pair once, so no call fails
+// with cudaErrorPeerAccessAlreadyEnabled (which compute-sanitizer reports as an error).
+void enable_peer_access(int device, int peer) {
+  static std::mutex mutex;
+  static std::set<std::pair<int, int>> enabled;
+  std::lock_guard lock(mutex);
+  if (!enabled.insert({device, peer}).second) return;
+  const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();  // enabled outside epx
+  } else {
+    if (err != cudaSuccess) enabled.erase({device, peer});
+    check_cuda(err, "cudaDeviceEnablePeerAccess");
+  }
+}
+
+}  // namespace
+
+PeerRegions open_peer_regions(Group& group, bool single_process, void* mine, int device) {
+  DeviceGuard guard(device);
+  const int rank = group.rank();
+  const int num_ranks = group.num_ranks();
+  PeerRegions out{std::vector<char*>(num_ranks, nullptr), std::vector<bool>(num_ranks, false)};
+  if (single_process) {
+    struct Entry {
+      void* ptr;
+      int device;
+    };
+    Entry entry{mine, device};
+    std::vector<Entry> all(num_ranks);
+    group.all_gather_bytes(&entry, all.data(), sizeof(Entry));
+    for (int r = 0; r < num_ranks; ++r) {
+      out.ptrs[r] = static_cast<char*>(all[r].ptr);
+      if (all[r].device == device) continue;
+      int can = 0;
+      check_cuda(cudaDeviceCanAccessPeer(&can, device, all[r].device), "cudaDeviceCanAccessPeer");
+      EPX_CHECK(ErrorCode::kUnsupported, can != 0,
+                "cuda:{} (rank {}) has no peer access to cuda:{} (rank {}): the cuda backend needs NVLink or PCIe "
+                "peer-to-peer between all GPUs of a group",
+                device, rank, all[r].device, r);
+      enable_peer_access(device, all[r].device);
+    }
+    return out;
+  }
+  cudaIpcMemHandle_t handle;
+  check_cuda(cudaIpcGetMemHandle(&handle, mine), "cudaIpcGetMemHandle");
+  std::vector<cudaIpcMemHandle_t> all(num_ranks);
+  group.all_gather_bytes(&handle, all.data(), sizeof(handle));
+  for (int r = 0; r < num_ranks; ++r) {
+    if (r == rank) {
+      out.ptrs[r] = static_cast<char*>(mine);
+      continue;
+    }
+    void* ptr = nullptr;
+    const cudaError_t err = cudaIpcOpenMemHandle(&ptr, all[r], cudaIpcMemLazyEnablePeerAccess);
+    if (err == cudaErrorPeerAccessUnsupported || err == cudaErrorInvalidDevice) {
+      cudaGetLastError();
+      detail::raise(ErrorCode::kUnsupported, "rank {} (cuda:{}) cannot map rank {}'s memory: no peer access ({})", rank,
+                    device, r, cudaGetErrorString(err));
+    }
+    check_cuda(err, "cudaIpcOpenMemHandle");
+    out.ptrs[r] = static_cast<char*>(ptr);
+    out.ipc_opened[r] = true;
+  }
+  return out;
+}
+
+void close_peer_regions(PeerRegions& regions) {
+  for (size_t r = 0; r < regions.ptrs.size(); ++r) {
+    if (regions.ipc_opened[r]) cudaIpcCloseMemHandle(regions.ptrs[r]);
+    regions.ipc_opened[r] = false;
+  }
+}
+
+}  // namespace epx::cuda

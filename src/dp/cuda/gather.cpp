@@ -1,0 +1,230 @@
+// dp_gather / dp_scatter and the batch-metadata all-gather on the CUDA backend: NCCL collectives on the
+// group's DP communicator (dp/comm_cuda.h), enqueued on the caller's stream.
+//
+//   gather MAX_LEN: each rank writes its share of its DP rank's padded slot straight into `global` (the
+//     slot is split over the attention-TP ranks, which hold the same batch), zeroes the padding, and an
+//     in-place ncclAllGather fills in the rest.
+//   gather SUM_LEN: `global` is zeroed, the DP leader writes 0 + x at its prefix offset (a plain copy for
+//     int32/int64), and an in-place ncclAllReduce (sum) completes it.
+//   Tensors: bf16, fp32, int32 or int64, [rows, hidden] or [rows] (one element per row); integers travel as
+//   ncclInt32/ncclInt64 and are summed exactly by NCCL.
+//   scatter kSlice: a device copy of this DP rank's rows; no communication.
+//   scatter kReduceScatter: one ncclReduce per rank, rooted at that rank, over its DP rank's rows (any
+//     counts, any attn_tp), fused in one NCCL group, straight into `local`.
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "core/check.h"
+#include "core/cuda/cuda_util.h"
+#include "comm/cuda/nccl_loader.h"
+#include "dp/backends.h"
+#include "dp/cuda/comm.h"
+#include "dp/cuda/gather_kernels.h"
+#include "epx/log.h"
+
+namespace epx::cuda {
+
+namespace {
+
+// The dtypes dp_gather validated: bf16, fp32, int32, int64.
+ncclDataType_t nccl_type(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return ncclFloat32;
+    case DType::kBFloat16:
+      return ncclBfloat16;
+    case DType::kInt32:
+      return ncclInt32;
+    case DType::kInt64:
+      return ncclInt64;
+    default:
+      detail::raise(ErrorCode::kInvalidArgument,
+                    "dp_gather/dp_scatter (cuda): dtype {} is not supported; use bf16, fp32, int32 or int64",
+                    to_string(dtype));
+  }
+}
+
+char* row_ptr(const TensorView& t, int64_t row) {
+  return static_cast<char*>(t.data) + row * detail::dp_row_elems(t) * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+// Zeroes local rows [count, rows): the CUDA-graph padding past this rank's tokens.
+void zero_tail(const TensorView& local, int64_t count, cudaStream_t stream) {
+  const int64_t rows = local.shape[0];
+  const int64_t row_elems = detail::dp_row_elems(local);
+  if (rows <= count || row_elems == 0) return;
+  const size_t bytes = static_cast<size_t>((rows - count) * row_elems) * dtype_size(local.dtype);
+  check_cuda(cudaMemsetAsync(row_ptr(local, count), 0, bytes, stream), "cudaMemsetAsync (dp_scatter padding)");
+}
+
+}  // namespace
+
+void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
+                    const TensorView& global, Stream stream, DpGatherSource source) {
+  const int64_t hidden = detail::dp_row_elems(global);
+  if (plan.buffer_len == 0 || hidden == 0) return;  // the same plan everywhere: every rank skips
+  DpComm& dp = dp_comm(group);
+  DeviceGuard guard(dp.device);
+  const RankCoords me = layout.coords(group.rank());
+  const int64_t count = plan.num_tokens[me.attn_dp_rank];
+  const size_t elem = dtype_size(global.dtype);
+  const size_t row_bytes = static_cast<size_t>(hidden) * elem;
+  if (plan.mode == DpPaddingMode::kMaxLen) {
+    // NOTE: rank = attn_dp_rank * attn_tp + attn_tp_rank (attn_cp is 1 here), so this rank's share
+    // [attn_tp_rank * chunk, + chunk) of its slot sits at rank * chunk: exactly where an in-place
+    // all-gather expects its send buffer.
+    const int64_t chunk = plan.slot_len / layout.attn_tp_size();
+    if (chunk == 0) return;
+    const int64_t first = static_cast<int64_t>(me.attn_tp_rank) * chunk;
+    const int64_t valid = std::clamp<int64_t>(count - first, 0, chunk);
+    char* mine = row_ptr(global, plan.offsets[me.attn_dp_rank] + first);
+    if (valid > 0) {
+      check_cuda(cudaMemcpyAsync(mine, row_ptr(local, first), static_cast<size_t>(valid) * row_bytes,
+                                 cudaMemcpyDeviceToDevice, stream),
+                 "cudaMemcpyAsync (dp_gather)");
+    }
+    if (valid < chunk) {
+      check_cuda(cudaMemsetAsync(mine + valid * row_bytes, 0, static_cast<size_t>(chunk - valid) * row_bytes, stream),
+                 "cudaMemsetAsync (dp_gather padding)");
+    }
+    nccl_wait(dp,
+              nccl().AllGather(mine, global.data, static_cast<size_t>(chunk * hidden), nccl_type(global.dtype), dp.comm,
+                               stream),
+              "ncclAllGather (dp_gather)");
+    return;
+  }
+  check_cuda(cudaMemsetAsync(global.data, 0, static_cast<size_t>(plan.buffer_len) * row_bytes, stream),
+             "cudaMemsetAsync (dp_gather)");
+  // Partial sums: every attention-TP rank writes its rows, so the all-reduce sums them (reduce + gather at once).
+  const bool contributes = source == DpGatherSource::kPartialSums || layout.is_dp_leader(group.rank());
+  if (contributes && count > 0) {
+    char* dst = row_ptr(global, plan.offsets[me.attn_dp_rank]);
+    if (global.dtype == DType::kInt32 || global.dtype == DType::kInt64) {
+      // 0 + x == x for integers: a plain copy.
+      check_cuda(
+          cudaMemcpyAsync(dst, local.data, static_cast<size_t>(count) * row_bytes, cudaMemcpyDeviceToDevice, stream),
+          "cudaMemcpyAsync (dp_gather)");
+    } else {
+      check_cuda(launch_add_zero_copy(local.data, dst, count * hidden, global.dtype == DType::kBFloat16, stream),
+                 "add_zero_copy (dp_gather)");
+    }
+  }
+  nccl_wait(dp,
+            nccl().AllReduce(global.data, global.data, static_cast<size_t>(plan.buffer_len * hidden),
+                             nccl_type(global.dtype), ncclSum, dp.comm, stream),
+            "ncclAllReduce (dp_gather)");
+}
+
+void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
+                     const TensorView& local, DpScatterKind kind, Stream stream) {
+  const int64_t hidden = detail::dp_row_elems(global);
+  const RankCoords me = layout.coords(group.rank());
+  const int64_t count = plan.num_tokens[me.attn_dp_rank];
+  const size_t row_bytes = static_cast<size_t>(hidden) * dtype_size(global.dtype);
+  DeviceGuard guard(group.device().index);
+  if (kind == DpScatterKind::kSlice) {
+    if (count > 0 && hidden > 0) {
+      check_cuda(cudaMemcpyAsync(local.data, row_ptr(global, plan.offsets[me.attn_dp_rank]),
+                                 static_cast<size_t>(count) * row_bytes, cudaMemcpyDeviceToDevice, stream),
+                 "cudaMemcpyAsync (dp_scatter)");
+    }
+    zero_tail(local, count, stream);
+    return;
+  }
+  if (plan.buffer_len == 0 || hidden == 0) {  // nothing to reduce on any rank
+    zero_tail(local, count, stream);
+    return;
+  }
+  DpComm& dp = dp_comm(group);
+  const ncclDataType_t type = nccl_type(global.dtype);
+  // NOTE: one ncclReduce per root in every mode. The path must not depend on anything but the plan
+  // (a reduce-scatter straight into `local` would need slot_len rows there, which differs by rank), and
+  // on 2x H200 the grouped reduces beat ncclReduceScatter of the same bytes at 4096 and 8192 tokens per
+  // rank (8192 x 7168 bf16: 405 vs 540 us), tie at 1024 and are up to 9 us slower below.
+  nccl_wait(dp, nccl().GroupStart(), "ncclGroupStart (dp_scatter)");
+  ncclResult_t first_error = ncclSuccess;
+  for (int root = 0; root < group.num_ranks(); ++root) {
+    const int dp_rank = layout.coords(root).attn_dp_rank;
+    const int64_t n = plan.num_tokens[dp_rank] * hidden;
+    if (n == 0) continue;
+    // NOTE: recvbuff matters on the root only; the others pass their own local (possibly empty).
+    const ncclResult_t res = nccl().Reduce(row_ptr(global, plan.offsets[dp_rank]), local.data, static_cast<size_t>(n),
+                                           type, ncclSum, root, dp.comm, stream);
+    if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
+  }
+  const ncclResult_t end = nccl().GroupEnd();
+  nccl_wait(dp, first_error, "ncclReduce (dp_scatter)");
+  nccl_wait(dp, end, "ncclGroupEnd (dp_scatter)");
+  zero_tail(local, count, stream);
+}
+
+void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size_t bytes) {
+  DpComm& dp = dp_comm(group);
+  DeviceGuard guard(dp.device);
+  const size_t num_ranks = static_cast<size_t>(group.num_ranks());
+  if (dp.meta_record_bytes != bytes) {
+    if (dp.meta_host != nullptr) {
+      check_cuda(cudaStreamSynchronize(dp.meta_stream), "cudaStreamSynchronize");
+      cudaFree(dp.meta_device);
+      cudaFreeHost(dp.meta_host);
+      dp.meta_device = dp.meta_host = nullptr;
+    }
+    check_cuda(cudaHostAlloc(&dp.meta_host, (num_ranks + 1) * bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+               "cudaHostAlloc (metadata)");
+    dp.meta_record_bytes = bytes;
+  }
+  char* host = static_cast<char*>(dp.meta_host);
+  std::memcpy(host + num_ranks * bytes, send, bytes);
+  bool done = false;
+  if (dp.meta_mapped) {
+    void* mapped = nullptr;
+    check_cuda(cudaHostGetDevicePointer(&mapped, dp.meta_host, 0), "cudaHostGetDevicePointer (metadata)");
+    char* m = static_cast<char*>(mapped);
+    const ncclResult_t res = nccl().AllGather(m + num_ranks * bytes, m, bytes, ncclChar, dp.comm, dp.meta_stream);
+    // NOTE: every rank sees the same NCCL build and memory kind, so all fall back together.
+    if (res == ncclSuccess || res == ncclInProgress) {
+      nccl_wait(dp, res, "ncclAllGather (metadata)");
+      done = true;
+    } else {
+      dp.meta_mapped = false;
+      log(LogLevel::kWarn, fmt::format("epx cuda rank {}: NCCL refused mapped host memory for the batch-metadata "
+                                       "all-gather ({}); using device copies from now on",
+                                       group.rank(), nccl().GetErrorString(res)));
+    }
+  }
+  if (!done) {
+    if (dp.meta_device == nullptr) {
+      check_cuda(cudaMalloc(&dp.meta_device, (num_ranks + 1) * bytes), "cudaMalloc (metadata)");
+    }
+    char* dev = static_cast<char*>(dp.meta_device);
+    check_cuda(cudaMemcpyAsync(dev + num_ranks * bytes, host + num_ranks * bytes, bytes, cudaMemcpyHostToDevice,
+                               dp.meta_stream),
+               "cudaMemcpyAsync (metadata)");
+    nccl_wait(dp, nccl().AllGather(dev + num_ranks * bytes, dev, bytes, ncclChar, dp.comm, dp.meta_stream),
+              "ncclAllGather (metadata)");
+    check_cuda(cudaMemcpyAsync(host, dev, num_ranks * bytes, cudaMemcpyDeviceToHost, dp.meta_stream),
+               "cudaMemcpyAsync (metadata)");
+  }
+  // NOTE: spin on the stream instead of sleeping (a sleep costs tens of microseconds, over the step
+  // budget); bounded by the group's timeout. After a timeout the all-gather is still queued, so the
+  // DP communicator of this group is unusable.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(dp.timeout_ms);
+  while (true) {
+    const cudaError_t status = cudaStreamQuery(dp.meta_stream);
+    if (status == cudaSuccess) break;
+    if (status != cudaErrorNotReady) check_cuda(status, "batch-metadata all-gather");
+    if (std::chrono::steady_clock::now() > deadline) {
+      detail::raise(ErrorCode::kTimeout, "cuda rank {} waited {} ms in the batch-metadata all-gather for its peers",
+                    group.rank(), dp.timeout_ms);
+    }
+    std::this_thread::yield();
+  }
+  std::memcpy(recv, host, num_ranks * bytes);
+}
+
+}  // namespace epx::cuda

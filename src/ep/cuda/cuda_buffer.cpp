@@ -1,0 +1,305 @@
+// The cuda backend's Buffer: a facade over the two engines (NormalEngine, LowLatencyEngine) that keeps the
+// normal path's collective error protocol: the joined calls, abort_call, the reset after a timeout
+// (docs/reliability.md).
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/check.h"
+#include "core/limits.h"
+#include "core/timeout.h"
+#include "comm/cuda/cuda_group.h"
+#include "core/cuda/cuda_util.h"
+#include "ep/cuda/low_latency_engine.h"
+#include "ep/cuda/normal_engine.h"
+#include "ep/backends.h"
+#include "ep/validate.h"
+#include "epx/log.h"
+
+namespace epx::cuda {
+namespace {
+
+class CudaBuffer final : public Buffer, private NormalCallHooks {
+ public:
+  CudaBuffer(std::shared_ptr<Group> group, const BufferOptions& options)
+      : group_(std::move(group)), allocator_(options.allocator ? options.allocator : default_allocator()) {
+    ep::agree_on_options(*group_, options);  // first: every rank fails alike, before any local check
+    cgroup_ = dynamic_cast<CudaGroup*>(group_.get());
+    EPX_CHECK_ARG(cgroup_ != nullptr, "group must be a cuda group (see epx/cuda.h)");
+    rank_ = group_->rank();
+    num_ranks_ = group_->num_ranks();
+    device_ = group_->device().index;
+    normal_ =
+        std::make_unique<NormalEngine>(*group_, options.num_sms, options.num_normal_bytes, allocator_, options.normal);
+
+    DeviceGuard guard(device_);
+    check_cuda(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking), "cudaStreamCreate (abort)");
+    // NOTE: load the low-latency kernels too (NormalEngine loaded the normal ones) before the barrier below:
+    // with lazy loading a kernel's first launch waits for the device to drain, which deadlocks against a peer's
+    // spinning kernel when ranks share a process and a GPU (see preload_normal_kernels).
+    check_cuda(preload_low_latency_kernels(), "cudaFuncGetAttributes (preload low-latency kernels)");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    world_ = share_world(*cgroup_);  // collective
+    if (world_ == nullptr) {
+      log(LogLevel::kWarn, fmt::format("epx cuda rank {}: no shared memory with the other ranks' processes (ranks "
+                                       "on several hosts, or no /dev/shm): after a timeout of the normal path "
+                                       "this buffer must be destroyed and made again on every rank",
+                                       rank_));
+    }
+    normal_->open_peers(cgroup_->single_process());  // collective
+    if (world_ != nullptr) seen_generation_ = world_->reset_generation.load();
+    group_->barrier();
+    if (options.num_low_latency_bytes > 0) {
+      low_latency_ = std::make_unique<LowLatencyEngine>(*group_, cgroup_->single_process(), device_,
+                                                        options.num_low_latency_bytes, allocator_, options.low_latency);
+    }
+  }
+
+  ~CudaBuffer() override {
+    DeviceGuard guard(device_);
+    // NOTE: peers may still write into our region until they finished their last call: wait for them.
+    try {
+      if (last_stream_ != nullptr) cudaStreamSynchronize(last_stream_);
+      group_->barrier();
+    } catch (...) {
+    }
+    normal_.reset();
+    cudaStreamSynchronize(abort_stream_);
+    cudaStreamDestroy(abort_stream_);
+  }
+
+  Group& group() override { return *group_; }
+
+  Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) override {
+    return normal_->get_dispatch_layout(topk_idx, num_experts, stream, *this);
+  }
+
+  DispatchResult dispatch(const DispatchArgs& args) override {
+    return joined([&] { return normal_->dispatch(args, *this); });
+  }
+  CombineResult combine(const CombineArgs& args) override {
+    return joined([&] { return normal_->combine(args, *this); });
+  }
+
+  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args) override {
+    return low_latency().dispatch(args);
+  }
+  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args) override {
+    return low_latency().combine(args);
+  }
+  void mask_rank(int rank) override { low_latency().mask_rank(rank); }
+  void unmask_rank(int rank) override {
+    if (low_latency_) {
+      low_latency_->unmask_rank(rank);
+    } else {  // no low-latency memory: nothing is masked
+      EPX_CHECK_ARG(rank >= 0 && rank < num_ranks_, "unmask_rank: rank must be in [0, {}), got {}", num_ranks_, rank);
+    }
+  }
+  std::vector<bool> rank_mask() const override {
+    return low_latency_ ? low_latency_->rank_mask() : std::vector<bool>(num_ranks_, false);
+  }
+  void clear_rank_mask() override {
+    if (low_latency_) low_latency_->clear_rank_mask();
+  }
+  void clean_low_latency_buffer() override {
+    if (low_latency_) {
+      low_latency_->clean();
+    } else {
+      group_->barrier();
+    }
+  }
+
+ private:
+  LowLatencyEngine& low_latency() const {
+    EPX_CHECK_ARG(low_latency_ != nullptr,
+                  "this buffer has no low-latency memory: create it with BufferOptions::num_low_latency_bytes = "
+                  "low_latency_buffer_size_hint(...)");
+    return *low_latency_;
+  }
+  // NormalCallHooks: the engine calls these at fixed points of a normal call.
+  void begin_collective(Stream stream, bool keep_invalid_topk) override;
+  void mark_enqueued() override { enqueued_ = true; }
+  void raise_recorded_errors() override { raise_recorded_errors(/*keep_invalid_topk=*/false); }
+  uint64_t call_id() const override { return (seen_generation_ << 32) | (call_seq_ & 0xffffffffu); }
+  // Raises (once) what the device recorded since the last call. A timeout also asks every rank of
+  // this process to reset its signals on its next call. keep_invalid_topk: leave an invalid-topk record
+  // for this dispatch's notify to carry to the peers (it is raised at the end of the dispatch).
+  void raise_recorded_errors(bool keep_invalid_topk);
+  void request_reset();
+  // Runs one collective call (numbered by call_seq_, alike on every rank). An error before the call enqueued
+  // its first protocol kernel (invalid arguments, an allocation, an error a previous call recorded) would leave
+  // the peers waiting for this rank until their timeout: abort_call tells them at once. Timeouts and peer
+  // failures are left alone (the peers are in the same state).
+  template <typename Call>
+  auto joined(Call&& call) -> decltype(call()) {
+    ++call_seq_;
+    enqueued_ = false;
+    try {
+      return call();
+    } catch (const Error& e) {
+      if (!enqueued_ && e.code() != ErrorCode::kTimeout && e.code() != ErrorCode::kPeerFailure) abort_call();
+      throw;
+    }
+  }
+  // Marks this call as left: every peer's abort word (their waits give up with kErrPeerAborted), the shared
+  // aborted_call (a peer that comes to the call later fails at once) and a reset for everyone's next call.
+  void abort_call() noexcept;
+  // Waits until every rank's reset_step reaches `step` (CudaWorld); kTimeout at the group's timeout.
+  void wait_reset_step(uint64_t step, const char* what);
+
+  std::shared_ptr<Group> group_;
+  CudaGroup* cgroup_ = nullptr;
+  std::shared_ptr<Allocator> allocator_;
+  int rank_ = 0;
+  int num_ranks_ = 0;
+  int device_ = 0;
+  std::unique_ptr<NormalEngine> normal_;
+  std::unique_ptr<LowLatencyEngine> low_latency_;
+  // Reset requests, shared with the other ranks' buffers (see CudaWorld); null when the processes share no
+  // memory (then a timeout cannot be recovered from in place).
+  std::shared_ptr<CudaWorld> world_;
+  uint64_t seen_generation_ = 0;
+  Stream last_stream_ = nullptr;
+  uint64_t call_seq_ = 0;                // collective calls so far, failed ones included (joined); restarts at a reset
+  bool enqueued_ = false;                // the current call enqueued a protocol kernel
+  cudaStream_t abort_stream_ = nullptr;  // abort_call's writes (idle otherwise, so they never wait)
+};
+
+void CudaBuffer::request_reset() {
+  CudaWorld* world = world_.get();
+  if (world == nullptr) return;
+  // Every rank that failed asks for the same next generation, so simultaneous failures reset once.
+  uint64_t current = world->reset_generation.load();
+  const uint64_t target = seen_generation_ + 1;
+  while (current < target && !world->reset_generation.compare_exchange_weak(current, target)) {
+  }
+}
+
+void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
+  ErrorRecord* errors = normal_->error_records();
+  ErrorRecord rec[2];
+  std::memcpy(rec, errors, sizeof(rec));
+  if (rec[0].code == kErrNone && rec[1].code == kErrNone) return;
+  if (keep_invalid_topk && rec[0].code == kErrNone && rec[1].code == kErrInvalidTopk) return;
+  std::memset(errors, 0, sizeof(rec));
+  const char* const reset_note = world_ != nullptr ? "the buffer resets on the next call of every rank"
+                                                  : "this buffer cannot reset (no memory shared with the other ranks' "
+                                                    "processes): destroy it and make a new one on every rank";
+  if (rec[0].code == kErrHandleMismatch) {
+    request_reset();
+    const auto& e = rec[0];
+    detail::raise(ErrorCode::kInvalidArgument,
+                  "cuda rank {}: the handles of rank {} and rank {} come from different dispatches (handle ids {:#x} "
+                  "and {:#x}, seen in {}): every rank must pass the handle of the same dispatch to a cached dispatch "
+                  "or a combine; the call's outputs are invalid; {}",
+                  e.rank, e.rank, e.peer, e.expected, e.observed, wait_site_name(e.where), reset_note);
+  }
+  if (rec[0].code == kErrPeerAborted) {
+    request_reset();  // the leaving rank asked for it already; the same generation
+    detail::raise(ErrorCode::kPeerFailure,
+                  "cuda rank {}: peer rank {} left the call (before it started, or on finding mismatched "
+                  "handles; its own error says why; {} waited in {}); {}",
+                  rank_, rec[0].peer, rank_, wait_site_name(rec[0].where),
+                  reset_note);
+  }
+  if (rec[0].code == kErrTimeout) {
+    request_reset();
+    const auto& e = rec[0];
+    detail::raise(ErrorCode::kTimeout,
+                  "cuda rank {} timed out after {} ms in {}: peer rank {}, channel {}, expected counter {:#x}, "
+                  "observed {:#x}; {}",
+                  e.rank, group_->timeout_ms(), wait_site_name(e.where), e.peer, e.channel, e.expected, e.observed,
+                  reset_note);
+  }
+  const auto& e = rec[1];
+  if (e.code == kErrInvalidTopk) {
+    detail::raise(ErrorCode::kInvalidArgument, "topk_idx[{}][{}] = {} is outside [-1, num_experts = {}) (rank {})",
+                  e.peer, e.channel, e.observed, e.expected, e.rank);
+  }
+  detail::raise(ErrorCode::kInvalidArgument,
+                "num_worst_tokens = {} is smaller than the {} rows received by rank {} in an earlier dispatch; the "
+                "extra rows were dropped",
+                e.expected, e.observed, e.rank);
+}
+
+void CudaBuffer::begin_collective(Stream stream, bool keep_invalid_topk) {
+  raise_recorded_errors(keep_invalid_topk);
+  last_stream_ = stream;
+  CudaWorld* world = world_.get();
+  if (world == nullptr) return;
+  // A peer left this very call before it started (abort_call): nothing of it will come.
+  if (world->aborted_call.load() == ((seen_generation_ << 32) | (call_seq_ & 0xffffffffu))) {
+    detail::raise(ErrorCode::kPeerFailure,
+                  "cuda rank {}: peer rank {} left the call before it started (its own error says why); the buffer "
+                  "resets on the next call of every rank",
+                  rank_, world->abort_rank.load());
+  }
+  const uint64_t generation = world->reset_generation.load();
+  if (generation == seen_generation_) return;
+  // A rank timed out or left a call. Step 1: no kernel of this rank runs on the old signals (its device waits end at
+  // the timeout at the latest); step 2: it zeroed its own signals. A rank passes each step once every rank reached it,
+  // so nobody writes new signals into a region that is still to be zeroed. A rank that does not come within the timeout
+  // makes this call fail with kTimeout; the reset stays pending and the next call waits again (a step already taken is
+  // not repeated).
+  std::atomic<uint64_t>& mine = world->reset_step[rank_];
+  const uint64_t idle = 2 * generation - 1, zeroed = 2 * generation;
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (reset)");
+  check_cuda(cudaStreamSynchronize(abort_stream_), "cudaStreamSynchronize (reset)");  // our abort writes landed
+  if (mine.load() < idle) mine.store(idle);
+  wait_reset_step(idle, "no kernel runs on the old signals");
+  if (mine.load() < zeroed) {
+    normal_->reset_signals(stream);  // also restarts the copy-engine tags and clears the error records
+    mine.store(zeroed);
+  }
+  wait_reset_step(zeroed, "its signals are zeroed");
+  seen_generation_ = generation;
+  call_seq_ = 1;  // every rank restarts its numbering with the call that completes the reset
+}
+
+void CudaBuffer::abort_call() noexcept {
+  // Peers' kernels of this call poll their abort word with their timeout checks; it is zeroed by the reset.
+  const uint8_t who = static_cast<uint8_t>(rank_ + 1);  // little-endian: the word reads rank + 1
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r != rank_) cudaMemsetAsync(normal_->abort_word(r), who, 1, abort_stream_);
+  }
+  CudaWorld* world = world_.get();
+  if (world != nullptr) {
+    world->abort_rank.store(rank_);
+    world->aborted_call.store((seen_generation_ << 32) | (call_seq_ & 0xffffffffu));
+    request_reset();
+  }
+  // Bounded: the stream has nothing else to do, so the writes finish in microseconds.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (cudaStreamQuery(abort_stream_) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+void CudaBuffer::wait_reset_step(uint64_t step, const char* what) {
+  const auto deadline = detail::deadline_after_ms(group_->timeout_ms());
+  for (int r = 0; r < num_ranks_; ++r) {
+    while (world_->reset_step[r].load() < step) {
+      EPX_CHECK(ErrorCode::kTimeout, std::chrono::steady_clock::now() < deadline,
+                "cuda rank {}: the buffer's reset after a timeout waited {} ms for rank {} to report that {}; "
+                "the reset stays pending and the next call of this rank waits again",
+                rank_, group_->timeout_ms(), r, what);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Buffer> create_cuda_buffer(std::shared_ptr<Group> group, const BufferOptions& options) {
+  return std::make_unique<CudaBuffer>(std::move(group), options);
+}
+
+}  // namespace epx::cuda

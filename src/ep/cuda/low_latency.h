@@ -1,0 +1,100 @@
+// Low-latency dispatch/combine kernels (private to the CUDA backend).
+//
+// Every rank owns one peer-visible region laid out identically on all ranks (LowLatencyLayout). Two buffer
+// sets alternate between calls of the same kind, so two results can be alive at once. Senders write each
+// (token, expert) pair into the receiver's staging slot for (local expert, source rank), at s * M, which
+// needs no agreement between senders; the receive half waits on the signals, which carry the counts, and
+// copies the staged blocks into the packed output rows (source order, no gaps; see buffer.h). That copy is
+// local (HBM), runs once the last count is known and never touches rows a peer may still write.
+//
+// Signals carry a tag instead of being reset: each set has a device-side sequence number `seq`; the
+// sender tags with seq + 1 and the receive kernel advances seq when it completes. Because seq lives in
+// device memory, graph replays see fresh tags. All ranks make the same calls, so tags agree.
+//
+// Memory ordering: a sending block writes its data with plain stores, then __syncthreads(), then one thread
+// issues a st.release.sys of the tagged signal (the barrier puts the block's stores in the release's past).
+// The combine send splits an expert over several blocks: each fences (sys) and bumps a per-expert counter,
+// and the last one signals. The receiver polls with ld.acquire.sys, so data written before the release is
+// visible after the acquire.
+//
+// One kernel function per direction (ll::dispatch, ll::combine) with a runtime phase: the hook split launches it
+// twice (send, then receive), a call without a hook once with both halves (one launch less on the critical
+// path). Profiler-based tools find the kernels by name; see docs/low-latency.md.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "comm/cuda/device/error_record.h"
+#include "ep/low_latency_layout.h"
+
+namespace epx::cuda {
+
+// What the kernels need about the peers. Trivially copyable; passed by value.
+struct LowLatencyPeers {
+  char* bases[kLowLatencyMaxRanks];  // each rank's region, addressable from this rank's device
+  int rank = 0;
+  int num_ranks = 0;
+  // Host-mapped: a wait that expired (kErrTimeout, the peer is masked) or an expert that overflowed its slots
+  // (kErrExpertOverflow); the host reports it after the call and zeroes `code`.
+  ErrorRecord* error = nullptr;
+  uint64_t timeout_ns = 0;  // the budget of every wait (%globaltimer)
+};
+
+struct LowLatencyDispatchLaunch {
+  const void* x;     // [T, H] bf16
+  const void* topk;  // [T, K] int32 or int64
+  bool topk_int64;
+  int64_t num_tokens;
+  int num_topk;
+  bool use_fp8;
+  bool ue8m0;                   // quantize with power-of-two scales; the staged scales are exponent bytes
+  bool scales_fp32;             // received scales as fp32 (2^(e - 127) when ue8m0: round_scale), else exponents
+  bool scales_column_major;     // received scales [E_local][units][R * M] (DeepGEMM), else [E_local][R * M][units]
+  int* cumulative_recv_counts;  // [E_local] or null
+};
+
+struct LowLatencyCombineLaunch {
+  const void* x;     // [E_local, R * M, H] bf16 expert outputs, in the dispatch's packed rows
+  const void* topk;  // [T, K]
+  bool topk_int64;
+  const float* topk_weights;  // [T, K]
+  int64_t num_tokens;
+  int num_topk;
+  void* out;         // [T, H] bf16
+  int dispatch_set;  // the set of the dispatch whose slots x follows
+  int send_parts;    // blocks per local expert in the send half: 1, 2, 4 or 8 (LowLatencyConfig; every rank alike)
+  // The handle's dispatch number (LowLatencyEngine, alike on every rank for the same dispatch), low
+  // kCombineIdBits bits: the signals carry the sender's, the receive compares it with its own.
+  uint32_t dispatch_id;
+};
+
+// A combine signal is (tag << kCombineIdBits) | the sender's dispatch id (low bits).
+inline constexpr int kCombineIdBits = 24;
+inline constexpr uint32_t kCombineIdMask = (1u << kCombineIdBits) - 1;
+
+// Loads the low-latency kernels into the current device's context; see preload_normal_kernels.
+cudaError_t preload_low_latency_kernels();
+// Send half of dispatch: quantize (optionally) and write every (token, expert) pair into the receiver's slot.
+void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream);
+// Receive half: wait for every unmasked source rank, copy the staged rows into the packed output, write counts,
+// ranges (begin = prefix of the counts) and src_info (-1 past the count).
+void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream);
+// Both halves of dispatch in one launch.
+void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                 const LowLatencyDispatchLaunch& args, cudaStream_t stream);
+// Send half of combine: each local expert's rows go back to their (token, k) row on the source rank.
+void launch_low_latency_combine_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                     const LowLatencyCombineLaunch& args, cudaStream_t stream);
+// Receive half: wait for the experts each token chose, then the weighted sum in fp32 (ascending k).
+void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                     const LowLatencyCombineLaunch& args, cudaStream_t stream);
+
+// Both halves of combine in one launch.
+void launch_low_latency_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                const LowLatencyCombineLaunch& args, cudaStream_t stream);
+
+}  // namespace epx::cuda

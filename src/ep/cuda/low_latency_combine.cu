@@ -1,0 +1,233 @@
+// Low-latency combine: expert outputs back to each token's rank, then the weighted reduction per token.
+// Protocol: docs/low-latency.md.
+#include "core/cuda/cuda_util.h"
+#include "ep/cuda/low_latency_device.cuh"
+
+namespace epx::cuda {
+namespace {
+
+// ---- combine ------------------------------------------------------------------------------------------
+
+// Grid: `parts` blocks per local expert (a power of two), each taking every parts-th vector of the expert's
+// rows; the last block of an expert to finish (a monotonic per-expert counter) raises the expert's signals.
+__device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                   const LowLatencyCombineLaunch& args, int64_t block, int parts) {
+  __shared__ int row_start[kLowLatencyMaxRanks + 1];  // prefix of the rows to send, by destination rank
+  __shared__ int row_begin[kLowLatencyMaxRanks];      // packed row of rank r's first pair in x (the dispatch's)
+  __shared__ bool last_part;
+  const int64_t e_local = block / parts;
+  const int part = static_cast<int>(block % parts);
+  const int R = peers.num_ranks;
+  const int64_t M = layout.max_tokens_per_rank;
+  const int64_t H = layout.hidden;
+  char* base = peers.bases[peers.rank];
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  const uint64_t tag = ctrl->combine_seq[set] + 1;
+  const LowLatencySet& d = layout.sets[args.dispatch_set];
+  const LowLatencySet& c = layout.sets[set];
+  if (threadIdx.x == 0) {
+    const int64_t* ranges = at<int64_t>(base, d.layout_range) + e_local * R;
+    int rows = 0;
+    for (int r = 0; r < R; ++r) {
+      row_start[r] = rows;
+      row_begin[r] = static_cast<int>(ranges[r] >> 32);
+      if (ld_volatile_global(&ctrl->mask[r]) == 0) rows += static_cast<int>(ranges[r] & 0xffffffff);
+    }
+    row_start[R] = rows;
+  }
+  __syncthreads();
+  const int* src_info = at<int>(base, d.dispatch_src_info);
+  const int* slot_k = at<int>(base, d.dispatch_slot_k);
+  const auto* x = static_cast<const int4*>(args.x);
+  const int64_t row_vecs = H / 8;
+  const int64_t items = static_cast<int64_t>(row_start[R]) * row_vecs;
+  const int64_t kStride = static_cast<int64_t>(kThreads) * parts;
+  for (int64_t first = part * kThreads + threadIdx.x; first < items; first += kStride * kUnroll) {
+    int4 v[kUnroll];
+    int64_t dst_offset[kUnroll];
+    int dst_rank[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t item = first + u * kStride;
+      if (item < items) {
+        const int row = static_cast<int>(item / row_vecs);
+        const int64_t vec = item - row * row_vecs;
+        int r = 0;
+        while (row >= row_start[r + 1]) ++r;
+        const int i = row - row_start[r];                // the pair's index in rank r's block
+        const int64_t slot = (e_local * R + r) * M + i;  // staged row: src_info and slot_k stay there
+        v[u] = __ldg(x + (e_local * R * M + row_begin[r] + i) * row_vecs + vec);
+        dst_rank[u] = r;
+        dst_offset[u] = (static_cast<int64_t>(src_info[slot]) * kLowLatencyMaxTopk + slot_k[slot]) * H * 2 + vec * 16;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u * kStride < items) at<int4>(peers.bases[dst_rank[u]], c.combine_data + dst_offset[u])[0] = v[u];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    // NOTE: monotonic (no reset); parts is a power of two, fixed per buffer, so the wrap at 2^32 keeps the phase.
+    const unsigned int done = atomicAdd(&ctrl->combine_parts_done[e_local], 1u) + 1;
+    last_part = done % static_cast<unsigned>(parts) == 0;
+    if (last_part) __threadfence();  // acquire: the other parts' stores, fenced before their increments
+  }
+  __syncthreads();
+  if (last_part && threadIdx.x < R && ld_volatile_global(&ctrl->mask[threadIdx.x]) == 0) {
+    const int r = threadIdx.x;
+    st_release_sys(at<uint64_t>(peers.bases[r], c.combine_signals) + peers.rank * layout.num_local_experts + e_local,
+                   (tag << kCombineIdBits) | (args.dispatch_id & kCombineIdMask));
+  }
+}
+
+// Blocks first_block, first_block + num_blocks, ... of the receive: one unit each at a time, where a unit is
+// one of combine_recv_parts(T) slices of one token's hidden vector.
+template <typename TopkT>
+__device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                    const LowLatencyCombineLaunch& args, int64_t first_block, int64_t num_blocks) {
+  __shared__ float weights[kLowLatencyMaxTopk];
+  __shared__ bool valid[kLowLatencyMaxTopk];  // the slot contributes: a chosen expert on an unmasked rank
+  const int64_t H = layout.hidden;
+  const int K = args.num_topk;
+  char* base = peers.bases[peers.rank];
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  const uint64_t tag = ctrl->combine_seq[set] + 1;
+  const LowLatencySet& c = layout.sets[set];
+  const auto* topk = static_cast<const TopkT*>(args.topk);
+  auto* out = static_cast<uint4*>(args.out);
+  const int64_t row_vecs = H / 8;
+  const int parts = combine_recv_parts(args.num_tokens);
+  const int64_t part_vecs = (row_vecs + parts - 1) / parts;
+  for (int64_t unit = first_block; unit < args.num_tokens * parts; unit += num_blocks) {
+    const int64_t t = unit / parts;
+    const int64_t v_begin = (unit % parts) * part_vecs;
+    const int64_t v_end = v_begin + part_vecs < row_vecs ? v_begin + part_vecs : row_vecs;
+    __syncthreads();  // weights[] of the previous token are no longer read
+    if (threadIdx.x < K) {
+      const int k = threadIdx.x;
+      const int64_t e = static_cast<int64_t>(topk[t * K + k]);
+      bool ok = false;
+      // NOTE: an id outside [0, num_experts) was sent to no expert by dispatch: treat it as -1 here too
+      // instead of indexing the mask and the signals out of bounds.
+      if (e >= 0 && e < layout.num_experts) {
+        const int r = static_cast<int>(e / layout.num_local_experts);
+        uint64_t v = 0;
+        if (ld_volatile_global(&ctrl->mask[r]) == 0 &&
+            wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, kCombineIdBits, r,
+                     static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
+          // The expert's rank must reverse the same dispatch; otherwise its rows are left out (reported).
+          const uint32_t theirs = static_cast<uint32_t>(v) & kCombineIdMask;
+          ok = theirs == (args.dispatch_id & kCombineIdMask);
+          if (!ok) {
+            record_failure(peers, kErrHandleMismatch, kSiteLowLatencyCombineRecv, r, static_cast<int>(e),
+                           args.dispatch_id & kCombineIdMask, theirs);
+          }
+        }
+      }
+      valid[k] = ok;
+      weights[k] = ok ? args.topk_weights[t * K + k] : 0.f;
+    }
+    __syncthreads();
+    const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
+    for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      // The rows of kChunk slots are loaded before any is added (loads in flight), then added in ascending k.
+      constexpr int kChunk = 8;
+      for (int k0 = 0; k0 < K; k0 += kChunk) {
+        uint4 raw[kChunk] = {};
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          const int k = k0 + u;
+          if (k < K && valid[k]) raw[u] = rows[k * row_vecs + v];
+        }
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          const int k = k0 + u;
+          if (k >= K || !valid[k]) continue;
+          const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const float2 f = detail::cvt_bf16x2_to_float2(words[w]);
+            // NOTE: explicit rounding (no FMA contraction) so the sum matches the host backend bit for bit.
+            acc[2 * w] = __fadd_rn(acc[2 * w], __fmul_rn(weights[k], f.x));
+            acc[2 * w + 1] = __fadd_rn(acc[2 * w + 1], __fmul_rn(weights[k], f.y));
+          }
+        }
+      }
+      out[t * row_vecs + v] =
+          make_uint4(detail::cvt_float2_to_bf16x2(acc[0], acc[1]), detail::cvt_float2_to_bf16x2(acc[2], acc[3]),
+                     detail::cvt_float2_to_bf16x2(acc[4], acc[5]), detail::cvt_float2_to_bf16x2(acc[6], acc[7]));
+    }
+  }
+}
+
+// At least one block, so the set's sequence number advances on an idle rank too.
+unsigned combine_recv_blocks_for(int64_t num_tokens) {
+  const int64_t units = num_tokens * combine_recv_parts(num_tokens);
+  return static_cast<unsigned>(units < 1 ? 1 : (units < kCombineRecvBlocks ? units : kCombineRecvBlocks));
+}
+
+}  // namespace
+
+namespace ll {
+
+// kSend: `parts` blocks per local expert. kRecv: the receive blocks. kBoth: the first E_local * parts blocks
+// send, the rest receive.
+template <typename TopkT>
+__global__ void __launch_bounds__(kThreads) combine(LowLatencyPeers peers, LowLatencyLayout layout, int set,
+                                                    LowLatencyCombineLaunch args, int parts, Phase phase) {
+  const int64_t num_send = phase == Phase::kRecv ? 0 : layout.num_local_experts * parts;
+  if (blockIdx.x < num_send) {
+    combine_send_block(peers, layout, set, args, blockIdx.x, parts);
+    if (phase == Phase::kSend) return;
+  } else {
+    combine_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x - num_send, gridDim.x - num_send);
+  }
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  finish_grid(&ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
+}
+
+}  // namespace ll
+
+cudaError_t preload_low_latency_combine_kernels() {
+  return preload_kernels(
+      {reinterpret_cast<const void*>(&ll::combine<int64_t>), reinterpret_cast<const void*>(&ll::combine<int32_t>)});
+}
+
+namespace {
+
+// Launch shape per phase (see ll::combine).
+void launch_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                    const LowLatencyCombineLaunch& args, ll::Phase phase, cudaStream_t stream, const char* what) {
+  const int parts = args.send_parts;
+  const unsigned num_send = phase == ll::Phase::kRecv ? 0 : static_cast<unsigned>(layout.num_local_experts * parts);
+  const unsigned num_recv = phase == ll::Phase::kSend ? 0 : combine_recv_blocks_for(args.num_tokens);
+  const dim3 grid(num_send + num_recv);
+  if (args.topk_int64) {
+    ll::combine<int64_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts, phase);
+  } else {
+    ll::combine<int32_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts, phase);
+  }
+  check_launch(what);
+}
+
+}  // namespace
+
+void launch_low_latency_combine_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                     const LowLatencyCombineLaunch& args, cudaStream_t stream) {
+  launch_combine(peers, layout, set, args, ll::Phase::kSend, stream, "low-latency combine send");
+}
+
+void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                     const LowLatencyCombineLaunch& args, cudaStream_t stream) {
+  launch_combine(peers, layout, set, args, ll::Phase::kRecv, stream, "low-latency combine receive");
+}
+
+void launch_low_latency_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                const LowLatencyCombineLaunch& args, cudaStream_t stream) {
+  launch_combine(peers, layout, set, args, ll::Phase::kBoth, stream, "low-latency combine");
+}
+
+}  // namespace epx::cuda

@@ -1,0 +1,155 @@
+// Device helpers of the low-latency kernel files (low_latency_dispatch.cu, low_latency_combine.cu) over the device
+// layer (src/comm/cuda/device/: memory ordering, the bounded wait, the error record, the last-block finisher): launch
+// constants, the tag wait and the grid finisher of this path, fp8 quantization and the combine's receive split;
+// the kernels' phase. Protocol: docs/low-latency.md.
+// NOTE: inline, in an anonymous namespace, so that each kernel compiles as it did in one file.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdlib>
+
+#include "core/bf16.h"
+#include "core/check.h"
+#include "comm/cuda/device/error.cuh"
+#include "comm/cuda/device/grid.cuh"
+#include "comm/cuda/device/ordering.cuh"
+#include "comm/cuda/device/wait.cuh"
+#include "ep/cuda/low_latency.h"
+
+namespace epx::cuda {
+
+// Each kernel file's kernels, loaded into the current context; preload_low_latency_kernels calls both.
+cudaError_t preload_low_latency_dispatch_kernels();
+cudaError_t preload_low_latency_combine_kernels();
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlock = 128;  // fp8 channels per scale
+constexpr int kUnroll = 8;   // loads in flight per thread in the copy loops
+
+template <typename T>
+__device__ __forceinline__ T* at(char* base, int64_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+__device__ __forceinline__ LowLatencyControl* control_of(const LowLatencyPeers& peers, const LowLatencyLayout& layout) {
+  return at<LowLatencyControl>(peers.bases[peers.rank], layout.control_offset);
+}
+
+// Records a failure in the buffer's error record (host-mapped; null in tests that pass none). `expert` goes to
+// ErrorRecord::channel.
+__device__ __forceinline__ void record_failure(const LowLatencyPeers& peers, int32_t code, int32_t site, int peer,
+                                               int expert, int64_t expected, int64_t observed) {
+  if (peers.error != nullptr) record_error(peers.error, code, site, peers.rank, peer, expert, expected, observed);
+}
+
+// Waits until the bits above tag_shift (the whole word with tag_shift = 0) equal `tag` (acquire: the sender's
+// rows, written before its release of the signal, are visible after a true return). Gives up when another block
+// masked the peer meanwhile (its timeout); on its own timeout it masks the peer locally and records the wait;
+// returns false either way.
+__device__ bool wait_tag(const LowLatencyPeers& peers, LowLatencyControl* ctrl, const uint64_t* signal, uint64_t tag,
+                         int tag_shift, int peer, int expert, int32_t site, uint64_t* value) {
+  return bounded_wait<1>(
+      signal, peers.timeout_ns,
+      [&](uint64_t v) {
+        if ((v >> tag_shift) != tag) return false;
+        *value = v;
+        return true;
+      },
+      [&] { return ld_volatile_global(&ctrl->mask[peer]) != 0; },
+      [&](uint64_t v) {
+        atomicExch(&ctrl->mask[peer], 1);
+        record_failure(peers, kErrTimeout, site, peer, expert, static_cast<int64_t>(tag), static_cast<int64_t>(v));
+      });
+}
+
+// The last block of a grid to finish advances the set's sequence number (all blocks read it at start).
+__device__ void finish_grid(unsigned int* ticket, uint64_t* seq) {
+  __syncthreads();
+  if (threadIdx.x == 0 && last_block_arrives(ticket)) {
+    *seq += 1;
+    __threadfence();
+  }
+}
+
+// Slices per token in the combine receive: small batches spread each token over several blocks (a token's
+// reduction alone is a chain of dependent load rounds), so that T * parts fills up to kCombineRecvBlocks blocks.
+constexpr int kCombineRecvBlocks = 264;
+__host__ __device__ inline int combine_recv_parts(int64_t num_tokens) {
+  return num_tokens <= kCombineRecvBlocks / 8   ? 8
+         : num_tokens <= kCombineRecvBlocks / 4 ? 4
+         : num_tokens <= kCombineRecvBlocks / 2 ? 2
+                                                : 1;
+}
+
+// Quantizes the 16 bf16 channels in (lo, hi) as part of a 128-channel block held by 8 consecutive lanes (the
+// whole warp must call: the block maximum is a shuffle over the 8 lanes). Writes the 16 fp8 values to *packed
+// and returns the scale to store: amax / 448 (fp32 scales) or the biased UE8M0 exponent.
+__device__ __forceinline__ float quantize_16(int4 lo, int4 hi, bool ue8m0, uint4* packed) {
+  float v[16];
+  const uint32_t words[8] = {static_cast<uint32_t>(lo.x), static_cast<uint32_t>(lo.y), static_cast<uint32_t>(lo.z),
+                             static_cast<uint32_t>(lo.w), static_cast<uint32_t>(hi.x), static_cast<uint32_t>(hi.y),
+                             static_cast<uint32_t>(hi.z), static_cast<uint32_t>(hi.w)};
+  float amax = 1e-4f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    const float2 f = detail::cvt_bf16x2_to_float2(words[w]);
+    v[2 * w] = f.x;
+    v[2 * w + 1] = f.y;
+    amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+#pragma unroll
+  for (int m = 4; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  float scale_inv, scale;
+  if (ue8m0) {
+    int e = 0;
+    const float m = frexpf(amax / 448.f, &e);
+    int exponent = (m == 0.5f) ? e - 1 : e;
+    exponent = min(max(exponent + 127, 1), 254);
+    scale_inv = 1.f / ldexpf(1.f, exponent - 127);
+    scale = static_cast<float>(exponent);
+  } else {
+    scale_inv = 448.f / amax;
+    scale = amax / 448.f;
+  }
+  uint32_t out[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * w], scale_inv), __fmul_rn(v[4 * w + 1], scale_inv)), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * w + 2], scale_inv), __fmul_rn(v[4 * w + 3], scale_inv)), __NV_SATFINITE, __NV_E4M3);
+    out[w] = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+  }
+  *packed = make_uint4(out[0], out[1], out[2], out[3]);
+  return scale;
+}
+
+void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) detail::raise(ErrorCode::kCudaError, "{} launch failed: {}", what, cudaGetErrorString(err));
+}
+
+}  // namespace
+
+// ---- kernels ------------------------------------------------------------------------------------------
+
+// NOTE: one kernel function per direction, the phase a runtime argument. Profiler-based tools (DeepEP's
+// bench_kineto in its test_low_latency.py) look kernels up by name: exactly one kernel name may contain
+// "dispatch" and one "combine", launched once per call, or twice with a hook (send, then receive). A named
+// namespace, so that the demangled name reads epx::cuda::ll::dispatch<...>; no parameter type may contain the
+// other direction's word. The phase branch is uniform over the grid; the register count is the larger of the
+// two halves' (as the fused kernels' always was).
+namespace ll {
+
+enum class Phase : int {
+  kSend = 1,  // the hook's first half
+  kRecv = 2,  // the hook's second half
+  kBoth = 3,  // no hook: both halves in one launch
+};
+
+}  // namespace ll
+}  // namespace epx::cuda

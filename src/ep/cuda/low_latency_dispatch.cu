@@ -1,0 +1,362 @@
+// Low-latency dispatch: each (token, expert) pair into its slot at the expert's rank (fp8 or bf16), then the
+// packed receive rows, counts and source info. Protocol: docs/low-latency.md.
+#include "core/cuda/cuda_util.h"
+#include "ep/cuda/low_latency_device.cuh"
+
+namespace epx::cuda {
+namespace {
+
+// ---- dispatch -----------------------------------------------------------------------------------------
+
+// One block sends the pairs of one global expert.
+template <typename TopkT>
+__device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                    const LowLatencyDispatchLaunch& args, int expert) {
+  extern __shared__ int pair_list[];  // [M]: entries t * K + k that chose this block's expert, ascending
+  __shared__ int warp_counts[kWarps];
+  const int64_t num_local = layout.num_local_experts;
+  const int dst = static_cast<int>(expert / num_local);
+  const int64_t e_local = expert % num_local;
+  const int64_t M = layout.max_tokens_per_rank;
+  const int64_t H = layout.hidden;
+  const int R = peers.num_ranks;
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  if (ld_volatile_global(&ctrl->mask[dst]) != 0) return;
+  const uint64_t tag = ctrl->dispatch_seq[set] + 1;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+
+  // Positions by ascending entry index (token-major), so slot order is deterministic. Each thread owns a
+  // contiguous chunk of entries: it counts its matches (independent loads), a block-wide exclusive scan gives
+  // each chunk's first position, and a second pass over the chunk (now in L1) writes the pair list.
+  const auto* topk = static_cast<const TopkT*>(args.topk);
+  const int64_t num_entries = args.num_tokens * args.num_topk;
+  const int64_t chunk = (num_entries + kThreads - 1) / kThreads;
+  const int64_t begin = threadIdx.x * chunk;
+  const int64_t end = begin + chunk < num_entries ? begin + chunk : num_entries;
+  int mine = 0;
+#pragma unroll 4
+  for (int64_t j = begin; j < end; ++j) mine += static_cast<int64_t>(topk[j]) == expert;
+  int inclusive = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += other;
+  }
+  if (lane == 31) warp_counts[warp] = inclusive;
+  __syncthreads();
+  int pos = inclusive - mine, total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    pos += w < warp ? warp_counts[w] : 0;
+    total += warp_counts[w];
+  }
+  for (int64_t j = begin; j < end && pos < M; ++j) {
+    if (static_cast<int64_t>(topk[j]) == expert) pair_list[pos++] = static_cast<int>(j);
+  }
+  __syncthreads();
+  if (total > M && threadIdx.x == 0) record_failure(peers, kErrExpertOverflow, 0, dst, expert, M, total);
+  const int count = total < M ? total : static_cast<int>(M);
+
+  const LowLatencySet& s = layout.sets[set];
+  char* dst_base = peers.bases[dst];
+  const int64_t slot0 = (e_local * R + peers.rank) * M;
+  const auto* x = static_cast<const char*>(args.x);
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    at<int>(dst_base, s.dispatch_src_info)[slot0 + i] = pair_list[i] / args.num_topk;
+    at<int>(dst_base, s.dispatch_slot_k)[slot0 + i] = pair_list[i] % args.num_topk;
+  }
+  // The rows are spread over the whole block (not a warp per row) and each thread keeps kUnroll loads in
+  // flight: a row is ~900 16-byte vectors, and a warp walking it alone is a chain of dependent round trips.
+  if (!args.use_fp8) {
+    const int64_t row_vecs = H / 8;
+    const int64_t items = count * row_vecs;
+    for (int64_t base = threadIdx.x; base < items; base += kThreads * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t item = base + u * kThreads;
+        if (item < items) {
+          const int64_t i = item / row_vecs;
+          const int t = pair_list[i] / args.num_topk;
+          v[u] = __ldg(reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2) + (item - i * row_vecs));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t item = base + u * kThreads;
+        if (item < items) {
+          const int64_t i = item / row_vecs;
+          at<int4>(dst_base, s.dispatch_data + (slot0 + i) * H * 2)[item - i * row_vecs] = v[u];
+        }
+      }
+    }
+  } else {
+    // One item = four consecutive 128-channel blocks of one row, quantized by a warp: 8 lanes per block, 16
+    // channels per lane, so each lane stores 16 fp8 bytes and the warp 512 contiguous bytes; lane 0 stores the
+    // four scales at once where they are aligned (num_blocks % 4 == 0, e.g. H = 7168), else lanes 0/8/16/24
+    // store one each. (Per-block 8-byte stores plus a 4-byte store per scale ran at half the NVLink rate.)
+    const int64_t num_blocks = H / kBlock;
+    const int64_t num_groups = (num_blocks + 3) / 4;
+    const int64_t items = count * num_groups;
+    const int sub = lane & 7;  // 16-channel piece within the block
+    const int bg = lane >> 3;  // block within the group
+    const bool packed_scales = num_blocks % 4 == 0;
+    constexpr int kFp8Unroll = kUnroll / 2;  // two 16-byte loads per lane and item
+    for (int64_t base = warp; base < items; base += kWarps * kFp8Unroll) {
+      int4 raw[kFp8Unroll][2];
+#pragma unroll
+      for (int u = 0; u < kFp8Unroll; ++u) {
+        const int64_t item = base + u * kWarps;
+        raw[u][0] = raw[u][1] = make_int4(0, 0, 0, 0);
+        if (item < items) {
+          const int64_t i = item / num_groups;
+          const int64_t b = (item - i * num_groups) * 4 + bg;
+          if (b < num_blocks) {
+            const int t = pair_list[i] / args.num_topk;
+            const auto* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2) + b * 16 + sub * 2;
+            raw[u][0] = __ldg(src);
+            raw[u][1] = __ldg(src + 1);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kFp8Unroll; ++u) {
+        const int64_t item = base + u * kWarps;  // the same for the whole warp
+        if (item >= items) break;
+        const int64_t i = item / num_groups;
+        const int64_t g = item - i * num_groups;
+        const int64_t b = g * 4 + bg;
+        const int64_t slot = slot0 + i;
+        uint4 packed;
+        const float scale = quantize_16(raw[u][0], raw[u][1], args.ue8m0, &packed);
+        if (b < num_blocks) at<uint4>(dst_base, s.dispatch_data + slot * H + b * kBlock)[sub] = packed;
+        if (packed_scales) {
+          const float s1 = __shfl_sync(0xffffffffu, scale, 8), s2 = __shfl_sync(0xffffffffu, scale, 16),
+                      s3 = __shfl_sync(0xffffffffu, scale, 24);
+          if (lane == 0) {
+            if (args.ue8m0) {
+              const uint32_t word = static_cast<uint32_t>(scale) | (static_cast<uint32_t>(s1) << 8) |
+                                    (static_cast<uint32_t>(s2) << 16) | (static_cast<uint32_t>(s3) << 24);
+              at<uint32_t>(dst_base, s.dispatch_scales)[(slot * num_blocks + g * 4) / 4] = word;
+            } else {
+              at<float4>(dst_base, s.dispatch_scales)[(slot * num_blocks + g * 4) / 4] = make_float4(scale, s1, s2, s3);
+            }
+          }
+        } else if (sub == 0 && b < num_blocks) {
+          if (args.ue8m0) {
+            at<uint8_t>(dst_base, s.dispatch_scales)[slot * num_blocks + b] = static_cast<uint8_t>(scale);
+          } else {
+            at<float>(dst_base, s.dispatch_scales)[slot * num_blocks + b] = scale;
+          }
+        }
+      }
+    }
+  }
+  // The barrier orders every thread's stores before thread 0's release store (cumulativity): no separate
+  // fence.sys, which would cost one more NVLink round trip per block.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    st_release_sys(at<uint64_t>(dst_base, s.dispatch_signals) + e_local * R + peers.rank,
+                   (tag << 32) | static_cast<uint64_t>(count));
+  }
+}
+
+// One block receives for one local expert: waits for its R signals, then copies the R staged blocks into the
+// packed output (source r's block at rows [begin_r, begin_r + count_r), begin_r = the counts of sources < r)
+// and writes counts, ranges and src_info (-1 past the count). Scales go out in the caller's layout
+// (LowLatencyDispatchLaunch: row- or column-major, fp32 or UE8M0, exponents widened to fp32 for round_scale).
+// NOTE: memory order: thread r acquires source r's signal (ld.acquire.sys); the __syncthreads() after the waits
+// extends that to every thread of the block, which then reads the staged rows with ld.global.cg (L2, no L1
+// line that could predate the peer's stores). The packed outputs are local stores read by later kernels.
+// NOTE: speed: data, scales and src_info are one item space walked by one loop with kUnroll loads in flight per
+// thread, so a batch costs about one load round trip per kThreads * kUnroll items instead of one per loop and
+// per pass (three loops cost 18.8 us against 7.7 us before the packed layout at 128 tokens, 2x H200).
+__device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                    const LowLatencyDispatchLaunch& args, int64_t e_local) {
+  __shared__ int counts[kLowLatencyMaxRanks];
+  __shared__ int begins[kLowLatencyMaxRanks + 1];  // packed row of each source's first pair; [R] = the total
+  const int R = peers.num_ranks;
+  const int64_t M = layout.max_tokens_per_rank;
+  const int64_t H = layout.hidden;
+  char* base = peers.bases[peers.rank];
+  const LowLatencySet& s = layout.sets[set];
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  const uint64_t tag = ctrl->dispatch_seq[set] + 1;
+  if (threadIdx.x < R) {
+    const int src = threadIdx.x;
+    int c = 0;
+    uint64_t v = 0;
+    if (ld_volatile_global(&ctrl->mask[src]) == 0 &&
+        wait_tag(peers, ctrl, at<uint64_t>(base, s.dispatch_signals) + e_local * R + src, tag, 32, src,
+                 static_cast<int>(src * layout.num_local_experts + e_local), kSiteLowLatencyDispatchRecv, &v)) {
+      c = static_cast<int>(v & 0xffffffffu);
+    }
+    counts[src] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int sum = 0;
+    for (int r = 0; r < R; ++r) {
+      begins[r] = sum;
+      sum += counts[r];
+    }
+    begins[R] = sum;
+    at<int>(base, s.recv_count)[e_local] = sum;
+    if (args.cumulative_recv_counts != nullptr) atomicAdd(args.cumulative_recv_counts + e_local, sum);
+  }
+  __syncthreads();
+  if (threadIdx.x < R) {
+    const int r = threadIdx.x;
+    at<int64_t>(base, s.layout_range)[e_local * R + r] = (static_cast<int64_t>(begins[r]) << 32) | counts[r];
+  }
+  const int total = begins[R];
+  const int slots = static_cast<int>(R * M);
+  const int64_t row0 = e_local * slots;  // the expert's first row, staged and packed
+  // Staged row (within the expert) of packed row `row`: source r's block at r * M.
+  auto staged_row = [&](int row) {
+    int r = 0;
+    while (row >= begins[r + 1]) ++r;
+    return static_cast<int>(r * M) + (row - begins[r]);
+  };
+  int* src_info = at<int>(base, s.recv_src_info) + row0;
+  for (int row = total + static_cast<int>(threadIdx.x); row < slots; row += kThreads) src_info[row] = -1;
+
+  // Item space: [0, data_items) 16-byte pieces of rows; then scale units; then the src_info of each row.
+  const int row_vecs = static_cast<int>((args.use_fp8 ? H : H * 2) / 16);
+  const int num_blocks = static_cast<int>(H / kBlock);
+  // Scale units: one scale (fp32 out; staged fp32 or an exponent byte), or a word of four exponents (UE8M0 out:
+  // row-major when num_blocks % 4 == 0, always column-major), or one exponent byte (row-major otherwise).
+  const bool scale_words = args.use_fp8 && !args.scales_fp32 && (num_blocks % 4 == 0);
+  const int scale_units = args.use_fp8 ? (scale_words ? num_blocks / 4 : num_blocks) : 0;
+  const int data_items = total * row_vecs;
+  const int scale_items = total * scale_units;
+  const int items = data_items + scale_items + total;
+  const int4* data_in = at<const int4>(base, s.dispatch_data) + row0 * row_vecs;
+  int4* data_out = at<int4>(base, s.recv_x) + row0 * row_vecs;
+  const char* scales_in = at<const char>(base, s.dispatch_scales);
+  char* scales_out = at<char>(base, s.recv_x_scales);
+  const int* staged_src_info = at<const int>(base, s.dispatch_src_info) + row0;
+  // (row, unit) of scale item j: unit-major when column-major (consecutive threads write consecutive rows).
+  auto scale_item = [&](int j, int* row, int* unit) {
+    if (args.scales_column_major) {
+      *unit = j / total;
+      *row = j - *unit * total;
+    } else {
+      *row = j / scale_units;
+      *unit = j - *row * scale_units;
+    }
+  };
+  const bool staged_bytes = args.ue8m0;  // staged scales: exponent bytes, else fp32
+  for (int first = threadIdx.x; first < items; first += kThreads * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int item = first + u * kThreads;
+      if (item < data_items) {
+        const int row = item / row_vecs;
+        v[u] = __ldcg(data_in + static_cast<int64_t>(staged_row(row)) * row_vecs + (item - row * row_vecs));
+      } else if (item < data_items + scale_items) {
+        int row, unit;
+        scale_item(item - data_items, &row, &unit);
+        const int64_t staged = row0 + staged_row(row);
+        if (scale_words) {
+          v[u].x =
+              static_cast<int>(__ldcg(reinterpret_cast<const unsigned int*>(scales_in) + staged * scale_units + unit));
+        } else if (staged_bytes) {
+          v[u].x = __ldcg(reinterpret_cast<const unsigned char*>(scales_in) + staged * num_blocks + unit);
+          if (args.scales_fp32) v[u].x = v[u].x << 23;  // 2^(e - 127) as fp32 bits
+        } else {
+          v[u].x =
+              static_cast<int>(__ldcg(reinterpret_cast<const unsigned int*>(scales_in) + staged * num_blocks + unit));
+        }
+      } else if (item < items) {
+        v[u].x = __ldcg(staged_src_info + staged_row(item - data_items - scale_items));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int item = first + u * kThreads;
+      if (item < data_items) {
+        data_out[item] = v[u];
+      } else if (item < data_items + scale_items) {
+        int row, unit;
+        scale_item(item - data_items, &row, &unit);
+        const int64_t out =
+            args.scales_column_major ? (e_local * scale_units + unit) * slots + row : (row0 + row) * scale_units + unit;
+        if (scale_words || args.scales_fp32) {
+          reinterpret_cast<int*>(scales_out)[out] = v[u].x;
+        } else {
+          reinterpret_cast<unsigned char*>(scales_out)[out] = static_cast<unsigned char>(v[u].x);
+        }
+      } else if (item < items) {
+        src_info[item - data_items - scale_items] = v[u].x;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace ll {
+
+// kSend: one block per global expert. kRecv: one block per local expert. kBoth: every block sends one expert,
+// then the last E_local blocks (scheduled last, so no waiting block keeps a sending block off the SMs) receive
+// one local expert each, saving a launch on the critical path.
+template <typename TopkT>
+__global__ void __launch_bounds__(kThreads)
+    dispatch(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args, Phase phase) {
+  if (phase != Phase::kRecv) {
+    dispatch_send_block<TopkT>(peers, layout, set, args, blockIdx.x);
+    if (phase == Phase::kSend) return;
+  }
+  const int64_t first_recv = phase == Phase::kBoth ? layout.num_experts - layout.num_local_experts : 0;
+  if (blockIdx.x >= first_recv) {
+    if (phase == Phase::kBoth) __syncthreads();
+    dispatch_recv_block(peers, layout, set, args, blockIdx.x - first_recv);
+  }
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  finish_grid(&ctrl->dispatch_ticket[set], &ctrl->dispatch_seq[set]);
+}
+
+}  // namespace ll
+
+cudaError_t preload_low_latency_dispatch_kernels() {
+  return preload_kernels(
+      {reinterpret_cast<const void*>(&ll::dispatch<int64_t>), reinterpret_cast<const void*>(&ll::dispatch<int32_t>)});
+}
+
+namespace {
+
+// Launch shape per phase (see ll::dispatch): the send blocks keep their pair list in dynamic shared memory.
+void launch_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                     const LowLatencyDispatchLaunch& args, ll::Phase phase, cudaStream_t stream, const char* what) {
+  const bool recv_only = phase == ll::Phase::kRecv;
+  const dim3 grid(static_cast<unsigned>(recv_only ? layout.num_local_experts : layout.num_experts));
+  const size_t smem = recv_only ? 0 : static_cast<size_t>(layout.max_tokens_per_rank) * sizeof(int);
+  // NOTE: both halves of a hook call must pick the same instantiation (one kernel name per call).
+  if (args.topk_int64) {
+    ll::dispatch<int64_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args, phase);
+  } else {
+    ll::dispatch<int32_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args, phase);
+  }
+  check_launch(what);
+}
+
+}  // namespace
+
+void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
+  launch_dispatch(peers, layout, set, args, ll::Phase::kSend, stream, "low-latency dispatch send");
+}
+
+void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
+  launch_dispatch(peers, layout, set, args, ll::Phase::kRecv, stream, "low-latency dispatch receive");
+}
+
+void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                 const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
+  launch_dispatch(peers, layout, set, args, ll::Phase::kBoth, stream, "low-latency dispatch");
+}
+
+}  // namespace epx::cuda

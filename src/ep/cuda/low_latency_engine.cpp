@@ -1,0 +1,271 @@
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "core/timeout.h"
+#include "core/cuda/cuda_util.h"
+#include "ep/cuda/low_latency_engine.h"
+#include "ep/low_latency_scales.h"
+#include "epx/log.h"
+
+namespace epx::cuda {
+namespace {
+
+class CudaLowLatencyHandle final : public LowLatencyHandle {
+ public:
+  const void* owner = nullptr;
+  int set = 0;
+  uint32_t dispatch_id = 0;  // the dispatch's number since the last clean (alike on every rank)
+  ep::LowLatencyShape shape;
+  int64_t max_tokens = 0;
+};
+
+// Calls `fn` once, however often the returned hook runs.
+std::function<void()> once(std::function<void()> fn) {
+  auto done = std::make_shared<bool>(false);
+  return [fn = std::move(fn), done] {
+    if (*done) return;
+    *done = true;
+    fn();
+  };
+}
+
+}  // namespace
+
+LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device, int64_t bytes,
+                                   std::shared_ptr<Allocator> allocator, const LowLatencyConfig& config)
+    : group_(group),
+      device_(device),
+      rank_(group.rank()),
+      num_ranks_(group.num_ranks()),
+      region_bytes_(bytes),
+      allocator_(std::move(allocator)),
+      config_(config) {
+  EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kLowLatencyMaxRanks,
+            "the low-latency path supports up to {} ranks, got {}", kLowLatencyMaxRanks, num_ranks_);
+  DeviceGuard guard(device_);
+  char* raw = nullptr;
+  check_cuda(cudaMalloc(&raw, region_bytes_), "cudaMalloc (low-latency region)");
+  region_ = std::shared_ptr<char>(raw, [device = device_](char* p) {
+    DeviceGuard g(device);
+    cudaFree(p);
+  });
+  // NOTE: signals are compared against tags >= 1, so a zeroed region holds no valid signal.
+  check_cuda(cudaMemset(raw, 0, region_bytes_), "cudaMemset (low-latency region)");
+  check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_), sizeof(ErrorRecord),
+                           cudaHostAllocMapped | cudaHostAllocPortable),
+             "cudaHostAlloc (low-latency error record)");
+  std::memset(error_, 0, sizeof(ErrorRecord));
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  peers_map_ = open_peer_regions(group_, single_process, raw, device_);
+  peers_.rank = rank_;
+  peers_.num_ranks = num_ranks_;
+  for (int r = 0; r < num_ranks_; ++r) peers_.bases[r] = peers_map_.ptrs[r];
+  ErrorRecord* error_device = nullptr;
+  check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device), error_, 0), "cudaHostGetDevicePointer");
+  peers_.error = error_device;
+  peers_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_.timeout_ms()));
+  group_.barrier();
+}
+
+LowLatencyEngine::~LowLatencyEngine() {
+  DeviceGuard guard(device_);
+  cudaDeviceSynchronize();
+  try {
+    group_.barrier();  // peers may still write into this region until they finished their last call
+  } catch (...) {
+  }
+  close_peer_regions(peers_map_);
+  cudaFreeHost(error_);
+}
+
+void LowLatencyEngine::ensure_layout(int64_t max_tokens, int64_t hidden, int64_t num_experts) {
+  if (has_layout_) {
+    EPX_CHECK_ARG(
+        max_tokens == layout_.max_tokens_per_rank && hidden == layout_.hidden && num_experts == layout_.num_experts,
+        "a low-latency buffer keeps the (max_tokens_per_rank, hidden, num_experts) of its first call: "
+        "({}, {}, {}), got ({}, {}, {})",
+        layout_.max_tokens_per_rank, layout_.hidden, layout_.num_experts, max_tokens, hidden, num_experts);
+    return;
+  }
+  EPX_CHECK_ARG(max_tokens <= kLowLatencyMaxTokens, "max_tokens_per_rank must be <= {} on the cuda backend, got {}",
+                kLowLatencyMaxTokens, max_tokens);
+  const LowLatencyLayout layout = LowLatencyLayout::make(max_tokens, hidden, num_ranks_, num_experts);
+  EPX_CHECK_ARG(layout.total_bytes <= region_bytes_,
+                "num_low_latency_bytes ({}) is too small for max_tokens_per_rank {}, hidden {}, {} experts on {} "
+                "ranks: need {} (see low_latency_buffer_size_hint)",
+                region_bytes_, max_tokens, hidden, num_experts, num_ranks_, layout.total_bytes);
+  layout_ = layout;
+  has_layout_ = true;
+}
+
+void LowLatencyEngine::report_device_events() {
+  if (error_->code == kErrNone) return;
+  ErrorRecord e;
+  std::memcpy(&e, error_, sizeof(e));
+  error_->code = kErrNone;
+  if (e.code == kErrHandleMismatch) {
+    detail::raise(ErrorCode::kInvalidArgument,
+                  "low-latency combine on rank {}: rank {} combined with the handle of another low-latency dispatch "
+                  "(dispatch ids {} here, {} there, low {} bits); its rows for expert {} were left out of this rank's "
+                  "output: every rank must pass the handle of the same dispatch",
+                  rank_, e.peer, e.expected, e.observed, kCombineIdBits, e.channel);
+  }
+  if (e.code == kErrExpertOverflow) {
+    detail::raise(ErrorCode::kInvalidArgument,
+                  "low-latency dispatch on rank {}: {} pairs chose expert {}, more than max_tokens_per_rank = {} "
+                  "(a token chose the same expert twice); the excess pairs were dropped",
+                  rank_, e.observed, e.channel, e.expected);
+  }
+  log(LogLevel::kWarn, fmt::format("epx cuda rank {}: low-latency {} waited past the timeout for rank {} (expert {}, "
+                                   "expected tag {}, observed {:#x}); rank {} is now masked",
+                                   rank_, e.where == kSiteLowLatencyDispatchRecv ? "dispatch" : "combine", e.peer,
+                                   e.channel, e.expected, static_cast<uint64_t>(e.observed), e.peer));
+}
+
+int* LowLatencyEngine::device_mask() const {
+  return reinterpret_cast<int*>(region_.get() + layout_.control_offset + offsetof(LowLatencyControl, mask));
+}
+
+LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs& args) {
+  const ep::LowLatencyShape shape = ep::validate_low_latency_dispatch(args, num_ranks_, group_.device());
+  if (args.cumulative_recv_counts.defined()) {
+    check_tensor(args.cumulative_recv_counts, "cumulative_recv_counts", DType::kInt32, {shape.num_local_experts});
+    check_device(args.cumulative_recv_counts, "cumulative_recv_counts", group_.device());
+  }
+  ensure_layout(args.max_tokens_per_rank, shape.hidden, args.num_experts);
+  DeviceGuard guard(device_);
+  report_device_events();
+  const int set = static_cast<int>(num_dispatches_++ % 2);
+  const ep::LowLatencyScales scales = ep::LowLatencyScales::of(args, shape.hidden);
+  const LowLatencyDispatchLaunch launch{
+      args.x.data,
+      args.topk_idx.data,
+      args.topk_idx.dtype == DType::kInt64,
+      shape.num_tokens,
+      static_cast<int>(shape.num_topk),
+      args.use_fp8,
+      scales.wire_ue8m0,
+      scales.out_fp32,
+      scales.column_major,
+      args.cumulative_recv_counts.defined() ? args.cumulative_recv_counts.data_as<int>() : nullptr};
+  auto stream = reinterpret_cast<cudaStream_t>(args.stream);
+  if (args.return_recv_hook) {
+    launch_low_latency_dispatch_send(peers_, layout_, set, launch, stream);
+  } else {
+    launch_low_latency_dispatch(peers_, layout_, set, launch, stream);
+  }
+
+  const LowLatencySet& s = layout_.sets[set];
+  const int64_t e_local = layout_.num_local_experts, slots = num_ranks_ * layout_.max_tokens_per_rank;
+  const Device dev = group_.device();
+  char* base = region_.get();
+  auto view = [&](int64_t offset, DType dtype, std::vector<int64_t> shape_) {
+    return Tensor::wrap(TensorView::of(base + offset, dtype, shape_, dev), region_);
+  };
+  LowLatencyDispatchResult result;
+  // The packed outputs the receive kernel fills (not the staging area the peers write).
+  result.recv_x = view(s.recv_x, args.use_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16, {e_local, slots, shape.hidden});
+  if (args.use_fp8) {
+    result.recv_x_scales = view(s.recv_x_scales, scales.dtype, scales.shape(e_local, slots));
+  }
+  result.recv_count = view(s.recv_count, DType::kInt32, {e_local});
+  result.recv_src_info = view(s.recv_src_info, DType::kInt32, {e_local, slots});
+  result.recv_layout_range = view(s.layout_range, DType::kInt64, {e_local, num_ranks_});
+  auto handle = std::make_shared<CudaLowLatencyHandle>();
+  handle->owner = this;
+  handle->set = set;
+  handle->dispatch_id = static_cast<uint32_t>(num_dispatches_);
+  handle->shape = shape;
+  handle->max_tokens = layout_.max_tokens_per_rank;
+  result.handle = handle;
+  if (args.return_recv_hook) {
+    result.recv_hook = once([this, set, launch, stream] {
+      DeviceGuard g(device_);
+      launch_low_latency_dispatch_recv(peers_, layout_, set, launch, stream);
+    });
+  }
+  return result;
+}
+
+LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& args) {
+  const auto* handle = dynamic_cast<const CudaLowLatencyHandle*>(args.handle.get());
+  EPX_CHECK_ARG(handle != nullptr && handle->owner == this,
+                "handle must come from a low_latency_dispatch of this buffer");
+  ep::validate_low_latency_combine(args, handle->shape, handle->max_tokens, num_ranks_, group_.device());
+  DeviceGuard guard(device_);
+  report_device_events();
+  auto stream = reinterpret_cast<cudaStream_t>(args.stream);
+  LowLatencyCombineResult result;
+  const int64_t num_tokens = handle->shape.num_tokens;
+  result.x = args.out.defined() ? Tensor::wrap(args.out, nullptr)
+                                : Tensor::empty(DType::kBFloat16, {num_tokens, layout_.hidden}, group_.device(),
+                                                allocator_, args.stream);
+  const int set = static_cast<int>(num_combines_++ % 2);
+  const LowLatencyCombineLaunch launch{args.x.data,
+                                       args.topk_idx.data,
+                                       args.topk_idx.dtype == DType::kInt64,
+                                       args.topk_weights.data_as<const float>(),
+                                       num_tokens,
+                                       static_cast<int>(handle->shape.num_topk),
+                                       result.x.data(),
+                                       handle->set,
+                                       config_.combine_send_parts,
+                                       handle->dispatch_id};
+  if (!args.return_recv_hook) {
+    launch_low_latency_combine(peers_, layout_, set, launch, stream);
+    return result;
+  }
+  launch_low_latency_combine_send(peers_, layout_, set, launch, stream);
+  result.recv_hook = once([this, set, launch, stream] {
+    DeviceGuard g(device_);
+    launch_low_latency_combine_recv(peers_, layout_, set, launch, stream);
+  });
+  return result;
+}
+
+void LowLatencyEngine::mask_rank(int rank) {
+  EPX_CHECK_ARG(rank >= 0 && rank < num_ranks_ && rank != rank_,
+                "mask_rank: rank must be in [0, {}) and not this rank ({}), got {}", num_ranks_, rank_, rank);
+  DeviceGuard guard(device_);
+  const int one = 1;
+  check_cuda(cudaMemcpy(device_mask() + rank, &one, sizeof(int), cudaMemcpyHostToDevice), "cudaMemcpy (mask)");
+}
+
+void LowLatencyEngine::unmask_rank(int rank) {
+  EPX_CHECK_ARG(rank >= 0 && rank < num_ranks_, "unmask_rank: rank must be in [0, {}), got {}", num_ranks_, rank);
+  DeviceGuard guard(device_);
+  const int zero = 0;
+  check_cuda(cudaMemcpy(device_mask() + rank, &zero, sizeof(int), cudaMemcpyHostToDevice), "cudaMemcpy (mask)");
+}
+
+std::vector<bool> LowLatencyEngine::rank_mask() const {
+  DeviceGuard guard(device_);
+  int mask[kLowLatencyMaxRanks] = {};
+  check_cuda(cudaMemcpy(mask, device_mask(), sizeof(int) * num_ranks_, cudaMemcpyDeviceToHost), "cudaMemcpy (mask)");
+  std::vector<bool> out(num_ranks_);
+  for (int r = 0; r < num_ranks_; ++r) out[r] = mask[r] != 0;
+  return out;
+}
+
+void LowLatencyEngine::clean() {
+  DeviceGuard guard(device_);
+  // No peer may still write into this region (its last call's kernels) when it is zeroed, and none may
+  // start the next call before every region is zero: a barrier on each side.
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (clean_low_latency_buffer)");
+  group_.barrier();
+  check_cuda(cudaMemset(region_.get(), 0, region_bytes_), "cudaMemset (clean_low_latency_buffer)");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (clean_low_latency_buffer)");
+  error_->code = kErrNone;
+  has_layout_ = false;
+  num_dispatches_ = num_combines_ = 0;
+  group_.barrier();
+}
+
+void LowLatencyEngine::clear_rank_mask() {
+  DeviceGuard guard(device_);
+  check_cuda(cudaMemset(device_mask(), 0, sizeof(int) * num_ranks_), "cudaMemset (mask)");
+}
+
+}  // namespace epx::cuda

@@ -1,0 +1,57 @@
+// The copy-engine path's orchestration on the host (NormalEngine's part for NormalPath::kCopyEngine): the side
+// streams and events, the chunked transfers into the peers' staging slots and the signals that announce them.
+// Private to the CUDA backend; protocol: docs/normal-kernels.md, "copy engines".
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ep/cuda/copy_engine_host.h"
+#include "ep/cuda/normal_kernels.h"
+#include "ep/cuda/normal_plan.h"
+
+namespace epx::cuda {
+
+class NormalCopyEngines {
+ public:
+  // Creates the copy and signal streams and the events. stream_signals: NormalConfig::stream_signals.
+  NormalCopyEngines(bool stream_signals, StageTimeline& timeline);
+  // Waits for the side streams, then destroys them and the events.
+  ~NormalCopyEngines();
+  NormalCopyEngines(const NormalCopyEngines&) = delete;
+  NormalCopyEngines& operator=(const NormalCopyEngines&) = delete;
+
+  // The send side of a copy-engine dispatch (on the copy stream; SM packing into the packing stage at stage_x /
+  // stage_scales on `stream`), enqueued before the outputs exist. The receive side is one launch_unpack_fields on
+  // `stream` with tag(), then join.
+  void send_dispatch(const CommArgs& comm, const DispatchKernelArgs& k, const DispatchPlan& plan, const StageFields& f,
+                     int64_t slot_bytes, char* stage_x, char* stage_scales, int num_sms, cudaStream_t stream);
+  // The send side of a copy-engine combine; the receive side is launch_combine_reduce with tag(), then join.
+  void send_combine(const CommArgs& comm, const CombineKernelArgs& k, const DispatchPlan& plan, int64_t slot_bytes,
+                    int64_t weights_offset, cudaStream_t stream);
+  // The side streams fork from `stream` at a send and join it again at the end of the call.
+  void join(cudaStream_t stream);
+  // The tag of this copy-engine operation's ce_tail signals: a host count (the same on every rank: all take the
+  // copy-engine path alike), never replayed by a graph (the path is not taken under capture).
+  uint64_t tag() const { return seq_ << 32; }
+  // The buffer's reset zeroed the ce_tail signals: the count starts again.
+  void reset_tags() { seq_ = 0; }
+
+ private:
+  void start_side_streams(cudaStream_t stream);
+  // After copy_stream_'s copies of chunk j: ce_tail[me] = tag() + rows.v[d] at every remote d with
+  // rows.v[d] >= 0 (from signal_stream_).
+  void signal_rows(const CommArgs& comm, const RowCounts& rows, int j);
+
+  StageTimeline& timeline_;
+  cudaStream_t copy_stream_ = nullptr;    // copy-engine transfers into peers' staging
+  cudaStream_t signal_stream_ = nullptr;  // announces finished transfers (stream writes, else a kernel)
+  WriteValue64 write_value_ = nullptr;
+  uint64_t seq_ = 0;  // copy-engine operations so far (tag)
+  cudaEvent_t ev_start_ = nullptr, ev_copies_done_ = nullptr, ev_signals_done_ = nullptr;
+  cudaEvent_t ev_pack_[kMaxCopyChunks] = {};
+  cudaEvent_t ev_copy_[kMaxCopyChunks] = {};
+};
+
+}  // namespace epx::cuda

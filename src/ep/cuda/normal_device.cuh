@@ -1,0 +1,245 @@
+// Device helpers of the normal path's kernel files (normal_layout.cu, normal_notify.cu, normal_ring.cu,
+// normal_copy.cu) over the device layer (src/comm/cuda/device/: memory ordering, the bounded wait, the error record,
+// the last-block finisher): the path's abort checks and its wait, signal addressing, warp copies, the top-k fields
+// of a dispatch row and the combine reduction of one token. Protocol: docs/normal-kernels.md.
+// NOTE: everything here is in an anonymous namespace and inline: each kernel file gets its own copy, so the
+// kernels compile exactly as they did in one file.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/bf16.h"
+#include "comm/cuda/device/error.cuh"
+#include "comm/cuda/device/grid.cuh"
+#include "comm/cuda/device/ordering.cuh"
+#include "comm/cuda/device/wait.cuh"
+#include "ep/cuda/normal_kernels.h"
+
+namespace epx::cuda {
+
+// Each kernel file's kernels, loaded into the current context (cudaFuncGetAttributes); preload_normal_kernels
+// calls them all.
+cudaError_t preload_layout_kernels();
+cudaError_t preload_notify_kernels();
+cudaError_t preload_ring_kernels();
+cudaError_t preload_copy_kernels();
+
+namespace {
+
+__device__ __forceinline__ bool aborted(const CommArgs& comm) {
+  return *reinterpret_cast<volatile int32_t*>(&comm.error[0].code) != kErrNone;
+}
+
+// Record [0] for the failures that abort every other wait of this rank, [1] for the others (normal_kernels.h).
+__device__ void record_error(const CommArgs& comm, int32_t code, int32_t where, int32_t peer, int32_t channel,
+                             int64_t expected, int64_t observed) {
+  record_error(comm.error + (code == kErrTimeout || code == kErrPeerAborted || code == kErrHandleMismatch ? 0 : 1),
+               code, where, comm.rank, peer, channel, expected, observed);
+}
+
+// True (and recorded) when a peer left the current call before it started, writing its rank into this rank's
+// abort word (CudaBuffer::abort_call): nothing it owes will come. Polled with the timeout checks.
+__device__ bool peer_left(const CommArgs& comm, int32_t site, int32_t channel) {
+  const uint64_t abort = *reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_abort);
+  if (abort == 0) return false;
+  record_error(comm, kErrPeerAborted, site, static_cast<int32_t>(abort - 1), channel, 0, 0);
+  return true;
+}
+
+// Spins until *p >= target (acquire). On budget expiry or a recorded failure elsewhere it records (if
+// first) and returns false. One thread calls it.
+__device__ bool wait_geq(const CommArgs& comm, const uint64_t* p, uint64_t target, int32_t site, int32_t peer,
+                         int32_t channel) {
+  return bounded_wait<256>(
+      p, comm.timeout_ns, [&](uint64_t v) { return v >= target; },
+      [&] { return aborted(comm) || peer_left(comm, site, channel); },
+      [&](uint64_t v) {
+        record_error(comm, kErrTimeout, site, peer, channel, static_cast<int64_t>(target), static_cast<int64_t>(v));
+      });
+}
+
+__device__ __forceinline__ uint64_t* sig(const CommArgs& comm, int rank, int64_t off, int idx) {
+  return reinterpret_cast<uint64_t*>(comm.peers[rank] + off) + idx;
+}
+
+__device__ __forceinline__ uint64_t read_epoch(const CommArgs& comm) {
+  return *reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_epoch);
+}
+
+// True when source r's operation `epoch` belongs to the same dispatch as this rank's (the handle ids agree). Call
+// after an acquire that saw rows of r's operation `epoch` (r wrote its id before them, advance_epoch_kernel).
+// Otherwise records kErrHandleMismatch (record [0]: every wait of this rank gives up), writes every peer's abort
+// word (their waits give up at once and name this rank) and returns false. One thread calls it.
+__device__ bool same_dispatch(const CommArgs& comm, uint64_t epoch, int r, uint64_t handle_id, int32_t site,
+                              int32_t channel) {
+  const int R = comm.num_ranks, me = comm.rank;
+  if (r == me) return true;
+  const uint64_t theirs =
+      *reinterpret_cast<volatile const uint64_t*>(sig(comm, me, comm.off_handle_id, static_cast<int>(epoch & 1) * R + r));
+  if (theirs == handle_id) return true;
+  record_error(comm, kErrHandleMismatch, site, r, channel, static_cast<int64_t>(handle_id),
+               static_cast<int64_t>(theirs));
+  for (int d = 0; d < R; ++d) {
+    if (d != me) *reinterpret_cast<volatile uint64_t*>(comm.peers[d] + comm.off_abort) = static_cast<uint64_t>(me) + 1;
+  }
+  __threadfence_system();
+  return false;
+}
+
+// Copies `bytes` (multiple of 16, both 16-byte aligned) with one warp; up to 8 loads in flight per lane.
+template <bool kCoherent>
+__device__ __forceinline__ int4 load16(const int4* p) {
+  if constexpr (kCoherent) {
+    return __ldcg(p);
+  } else {
+    return __ldg(p);
+  }
+}
+
+template <bool kCoherent>
+__device__ __forceinline__ void warp_copy16_impl(char* dst, const char* src, int64_t bytes, int lane) {
+  constexpr int kUnroll = 8;
+  const int64_t n = bytes / 16;
+  auto* d = reinterpret_cast<int4*>(dst);
+  const auto* s = reinterpret_cast<const int4*>(src);
+  // NOTE: the last round is predicated, not a loop of single loads: a 14 KB row is 4 rounds of loads
+  // per lane, not 3 plus 4 dependent ones.
+  for (int64_t i = lane; i < n; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (i + 32 * u < n) v[u] = load16<kCoherent>(s + i + 32 * u);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (i + 32 * u < n) d[i + 32 * u] = v[u];
+    }
+  }
+}
+
+__device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
+  warp_copy16_impl<false>(dst, src, bytes, lane);
+}
+
+// Same, but the source is a ring that another GPU writes into our memory: loads bypass L1 (.cg), which
+// could hold a stale copy of a reused slot; L2 is the point of coherence for our own memory.
+__device__ __forceinline__ void warp_copy16_coherent(char* dst, const char* src, int64_t bytes, int lane) {
+  warp_copy16_impl<true>(dst, src, bytes, lane);
+}
+
+__device__ __forceinline__ void warp_copy_bytes(char* dst, const char* src, int64_t bytes, int lane) {
+  if ((bytes & 3) == 0 && (reinterpret_cast<uintptr_t>(dst) & 3) == 0 && (reinterpret_cast<uintptr_t>(src) & 3) == 0) {
+    for (int64_t i = lane; i < bytes / 4; i += 32)
+      reinterpret_cast<int32_t*>(dst)[i] = reinterpret_cast<const volatile int32_t*>(src)[i];
+  } else {
+    for (int64_t i = lane; i < bytes; i += 32) dst[i] = reinterpret_cast<const volatile char*>(src)[i];
+  }
+}
+
+// ---- the top-k fields of a dispatch row (ring and copy-engine paths) ----------------------------------
+
+__device__ __forceinline__ int64_t topk_at(const DispatchKernelArgs& a, int64_t i) {
+  return a.topk_is_int64 ? static_cast<const int64_t*>(a.topk_idx)[i]
+                         : static_cast<int64_t>(static_cast<const int32_t*>(a.topk_idx)[i]);
+}
+
+// Column j of token t's top-k as destination `dst` sees it: its local expert id (-1 elsewhere) and weight.
+struct LocalTopk {
+  int32_t id;
+  float weight;
+};
+__device__ __forceinline__ LocalTopk local_topk(const DispatchKernelArgs& a, int64_t t, int j, int dst) {
+  const int64_t expert_begin = static_cast<int64_t>(dst) * a.num_local_experts;
+  const int64_t e = topk_at(a, t * a.num_topk + j);
+  if (e < expert_begin || e >= expert_begin + a.num_local_experts) return {-1, 0.f};
+  return {static_cast<int32_t>(e - expert_begin), a.topk_weights != nullptr ? a.topk_weights[t * a.num_topk + j] : 0.f};
+}
+
+__device__ __forceinline__ void store_topk_out(const DispatchKernelArgs& a, int64_t p, int lane, int32_t e, float w) {
+  if (a.topk_is_int64) {
+    static_cast<int64_t*>(a.out_topk_idx)[p * a.num_topk + lane] = e;
+  } else {
+    static_cast<int32_t*>(a.out_topk_idx)[p * a.num_topk + lane] = e;
+  }
+  if (a.out_topk_weights != nullptr) a.out_topk_weights[p * a.num_topk + lane] = w;
+}
+
+// ---- combine ----------------------------------------------------------------------------------
+
+// One warp: out[tt] = bf16(sum of the rows (fp32, in the given order) + bias_0 + bias_1), and the same
+// sum of the top-k weights rows. Rows may be written by other GPUs or copy engines: loads skip L1.
+// kPairs: two source rows' loads in flight before either is added (more registers: blocks of at most
+// kReduceThreads threads).
+template <bool kPairs>
+__device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t tt, const char* const* rows,
+                                             const float* const* wrows, int num_src, int lane) {
+  const int64_t H = a.hidden;
+  const int K = a.num_topk;
+  // kUnroll chunks per lane per step, so each source row has kUnroll loads in flight.
+  constexpr int kUnroll = 4;
+  const int64_t num_chunks = H / 8;
+  const uint16_t* biases[2] = {a.bias_0, a.bias_1};
+  for (int64_t v0 = lane; v0 < num_chunks; v0 += 32 * kUnroll) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+    }
+    auto load = [&](const int4* base, bool coherent, int4* in) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + 32 * u;
+        in[u] = v < num_chunks ? (coherent ? __ldcg(base + v) : __ldg(base + v)) : make_int4(0, 0, 0, 0);
+      }
+    };
+    auto add = [&](const int4* in) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t w[4] = {static_cast<uint32_t>(in[u].x), static_cast<uint32_t>(in[u].y),
+                               static_cast<uint32_t>(in[u].z), static_cast<uint32_t>(in[u].w)};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          acc[u][2 * q] += detail::bf16x2_lo(w[q]);
+          acc[u][2 * q + 1] += detail::bf16x2_hi(w[q]);
+        }
+      }
+    };
+    // The sum order stays j = 0, 1, 2, ... either way.
+    for (int j = 0; j < num_src; j += kPairs ? 2 : 1) {
+      int4 in0[kUnroll], in1[kUnroll];
+      load(reinterpret_cast<const int4*>(rows[j]), true, in0);
+      if (kPairs && j + 1 < num_src) load(reinterpret_cast<const int4*>(rows[j + 1]), true, in1);
+      add(in0);
+      if (kPairs && j + 1 < num_src) add(in1);
+    }
+    for (const uint16_t* bias : biases) {
+      if (bias == nullptr) continue;
+      int4 in[kUnroll];
+      load(reinterpret_cast<const int4*>(bias + tt * H), false, in);
+      add(in);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = v0 + 32 * u;
+      if (v >= num_chunks) continue;
+      int4 o;
+      // NOTE: rounds exactly as epx::float_to_bf16 (NaN included), so the host reference matches bit for bit.
+      o.x = static_cast<int>(detail::float2_to_bf16x2(acc[u][0], acc[u][1]));
+      o.y = static_cast<int>(detail::float2_to_bf16x2(acc[u][2], acc[u][3]));
+      o.z = static_cast<int>(detail::float2_to_bf16x2(acc[u][4], acc[u][5]));
+      o.w = static_cast<int>(detail::float2_to_bf16x2(acc[u][6], acc[u][7]));
+      reinterpret_cast<int4*>(a.out + tt * H)[v] = o;
+    }
+  }
+  if (a.out_topk_weights != nullptr && lane < K) {
+    float sum = 0.f;
+    for (int j = 0; j < num_src; ++j) sum += reinterpret_cast<const volatile float*>(wrows[j])[lane];
+    a.out_topk_weights[tt * K + lane] = sum;
+  }
+}
+
+}  // namespace
+}  // namespace epx::cuda
