@@ -45,6 +45,9 @@ int64_t run_rank(int rank, const ncclUniqueId& id) {
   ncclComm_t comm = nullptr;
   if (ncclCommInitRank(&comm, kRanks, id, rank) != ncclSuccess) throw Error(ErrorCode::kNcclError, "ncclCommInitRank");
   int64_t bad = 0;
+  // NOTE: tensors free on the stream they were made on, so the stream outlives the block that holds them.
+  cudaStream_t stream;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   {
     auto group = create_cuda_group(comm);
     const Device dev = group->device();
@@ -54,8 +57,6 @@ int64_t run_rank(int rank, const ncclUniqueId& id) {
     options.num_normal_bytes = normal_buffer_size_hint(H, kRanks, options.num_sms, T);
     options.num_low_latency_bytes = low_latency_buffer_size_hint(M, H, kRanks, E);
     auto buffer = Buffer::create(group, options);
-    cudaStream_t stream;
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
 
     // Inputs: small integers (exact sums), K distinct experts per token, some -1 slots.
     std::mt19937 rng(1234 + rank);
@@ -126,8 +127,9 @@ int64_t run_rank(int rank, const ncclUniqueId& id) {
     }
     group->barrier();
     buffer.reset();
-    cudaStreamDestroy(stream);
   }
+  cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
   ncclCommDestroy(comm);
   return bad;
 }
@@ -306,8 +308,14 @@ TEST(MultiProcess, PeerThatLeavesMakesBarrierAndBufferFailInBoundedTime) {
             &ms);
         fails += expect_bounded_error("dispatch", code, ms, {ErrorCode::kTimeout, ErrorCode::kPeerFailure});
         const auto start = std::chrono::steady_clock::now();
+        // NOTE: tensors free on the stream they were made on (a free on a destroyed stream crashed rank 0 here
+        // on 2x H200 at a2f60a6): release them, and the dispatch arguments' views, before the stream goes.
+        da = {};
+        x = {};
+        topk_d = {};
         buffer.reset();
         group.reset();
+        cudaStreamSynchronize(stream);
         cudaStreamDestroy(stream);
         ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
         if (ms > kFaultTimeoutMs + 8'000) {
@@ -386,7 +394,11 @@ TEST(MultiProcess, NormalTimeoutThenTheBufferResetsAndWorks) {
           ++fails;
         }
         group->barrier();
+        // NOTE: tensors free on the stream they were made on: release them before the stream goes.
+        xd = {};
+        topk_d = {};
         buffer.reset();
+        cudaStreamSynchronize(stream);
         cudaStreamDestroy(stream);
         return fails == 0 ? 0 : 1;
       },
