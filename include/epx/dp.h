@@ -144,8 +144,9 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 //
 // source kPartialSums (attention-TP partial sums, e.g. a row-parallel o_proj before its all-reduce): every rank of a
 // DP rank's attention-TP group holds a partial sum of the same rows, and global receives their sum: the TP
-// reduction and the DP gather in one collective. SUM_LEN plans only (a MAX_LEN gather cannot sum; kUnsupported
-// names the mode). Floats summed in fp32 in attention-TP rank order, then rounded once (host); the cuda backend sums
+// reduction and the DP gather in one collective, with either padding mode (MAX_LEN: the sums land in the padded
+// slots, the padding is zero; the cuda backend all-reduces the padded buffer, where SGLang reduce-scatters inside
+// attention TP and then all-gathers: the same rows, about twice the bytes). Floats summed in fp32 in attention-TP rank order, then rounded once (host); the cuda backend sums
 // in NCCL's order and may round bf16 partial sums with more than 2 ranks; integers sum exactly (wrapping).
 enum class DpGatherSource : uint8_t {
   kLeader,       // the DP rank's rows as its leader holds them (every attention-TP rank holds the same batch)

@@ -90,7 +90,7 @@ def dp_gather(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, loc
     """Collective: the global batch [plan.buffer_len, hidden] on every rank.
 
     Row block ``[offsets[d], offsets[d] + num_tokens[d])`` holds the first ``num_tokens[d]`` rows of DP rank
-    d's leader's ``local``; every other row is zero. ``partial_sums=True`` (SUM_LEN plans; SGLang's
+    d's leader's ``local``; every other row is zero. ``partial_sums=True`` (either padding mode; SGLang's
     ``dp_gather_partial``): every attention-TP rank's ``local`` is a partial sum and the block holds their sum
     (the TP reduction and the gather in one collective). ``local`` may have more rows than this rank's count
     (only the first count are read). ``out`` (allocated like ``local`` when None) is written and returned.

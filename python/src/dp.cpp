@@ -159,7 +159,7 @@ void bind_gather(nb::module_& m) {
   nb::enum_<DpGatherSource>(m, "DpGatherSource", "What dp_gather takes from a DP rank's attention-TP ranks.")
       .value("leader", DpGatherSource::kLeader, "The leader's rows (every TP rank holds the same batch).")
       .value("partial_sums", DpGatherSource::kPartialSums,
-             "The sum of the TP ranks' rows (partial sums, e.g. before the o_proj all-reduce); SUM_LEN plans only.");
+             "The sum of the TP ranks' rows (partial sums, e.g. before the o_proj all-reduce); either padding mode.");
 
   m.def(
       "dp_gather",
@@ -175,7 +175,7 @@ void bind_gather(nb::module_& m) {
       nb::arg("stream") = nb::none(), nb::arg("source") = DpGatherSource::kLeader,
       "Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] "
       "rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source "
-      "partial_sums, SUM_LEN only) at offsets[d]; other rows are zeroed. Contiguous. GIL released.");
+      "partial_sums, either padding mode) at offsets[d]; other rows are zeroed. Contiguous. GIL released.");
 
   nb::enum_<DpScatterKind>(m, "DpScatterKind", "What dp_scatter's global buffer holds.")
       .value("slice", DpScatterKind::kSlice, "The same buffer on every rank: take this DP rank's rows.")

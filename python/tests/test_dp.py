@@ -145,12 +145,17 @@ def test_gather_partial_sums_reduces_over_attention_tp():
     for out in epx.run_host_ranks(epx.host_groups(4), body):
         np.testing.assert_array_equal(out, want)
 
-    def max_len(rank, group):
-        local = partial(rank)
-        with pytest.raises(NotImplementedError, match="SUM_LEN"):
-            dp.dp_gather(group, layout, dp.plan_dp_gather(counts, "MAX_LEN", 2), local, partial_sums=True)
+    # MAX_LEN: the same sums in padded slots of max(counts) rows, zero padding.
+    max_plan = dp.plan_dp_gather(counts, "MAX_LEN", attn_tp_size=layout.attn_tp_size)
 
-    epx.run_host_ranks(epx.host_groups(4), max_len)
+    def max_len(rank, group):
+        return dp.dp_gather(group, layout, max_plan, partial(rank), partial_sums=True)
+
+    want_max = np.zeros((max_plan.buffer_len, 4), dtype=np.float32)
+    for d, rows in enumerate([partial(0) + partial(1), partial(2) + partial(3)]):
+        want_max[max_plan.offsets[d]:max_plan.offsets[d] + counts[d]] = rows
+    for out in epx.run_host_ranks(epx.host_groups(4), max_len):
+        np.testing.assert_array_equal(out, want_max)
 
 
 def test_reduce_batch_metadata():

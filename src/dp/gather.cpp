@@ -132,10 +132,6 @@ void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& p
   check_common(group, layout, plan, local, global, "dp_gather");
   EPX_CHECK_ARG(source == DpGatherSource::kLeader || source == DpGatherSource::kPartialSums,
                 "dp_gather: source must be kLeader or kPartialSums, got {}", static_cast<int>(source));
-  if (source == DpGatherSource::kPartialSums && plan.mode != DpPaddingMode::kSumLen) {
-    detail::raise(ErrorCode::kUnsupported,
-                  "dp_gather: partial sums need a SUM_LEN plan (an all-reduce sums them), got {}", to_string(plan.mode));
-  }
   switch (group.backend()) {
     case Backend::kHost:
       return host::dp_gather_host(group, layout, plan, local, global, source);

@@ -162,39 +162,53 @@ TEST(DpGather, SumLenBf16BitsMatchZeroPlusX) {
 }
 
 // Attention-TP partial sums (SGLang's dp_gather_partial): every TP rank of a DP rank holds a partial sum of its
-// rows, and the SUM_LEN gather returns their sum (fp32, TP-rank order, one rounding); MAX_LEN is refused on every
-// rank, and ranks that disagree on the source raise on every rank.
+// rows, and the gather returns their sum (fp32, TP-rank order, one rounding) in either padding mode, every other row
+// zero (MAX_LEN: the padding of each slot); ranks that disagree on the source raise on every rank.
 TEST(DpGather, PartialSumsReduceAndGatherInOneStep) {
   std::mt19937 rng(12);
   for (const Case c : {Case{4, 2}, Case{6, 2}, Case{8, 4}, Case{3, 3}}) {
     const auto layout = ParallelLayout::create({.world_size = c.world, .attn_dp_size = c.attn_dp});
     auto groups = create_host_groups(c.world);
     for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
-      std::vector<int64_t> counts(c.attn_dp);
-      for (auto& n : counts) n = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % 30);
-      const auto plan = plan_dp_gather(counts, DpPaddingMode::kSumLen, layout.attn_tp_size());
-      const uint64_t seed = rng();
-      auto partial = [&](int r) {  // rank r's partial sum of its DP rank's rows
-        return dp_rows(seed + 7919 * static_cast<uint64_t>(r), 0, counts[layout.coords(r).attn_dp_rank]);
-      };
-      run_host_ranks(groups, [&](int rank, Group& group) {
-        const int d = layout.coords(rank).attn_dp_rank;
-        HostBuf local(dtype, counts[d] + 1, partial(rank), kPoison);
-        HostBuf global(dtype, plan.buffer_len, {}, kPoison);
-        dp_gather(group, layout, plan, local.view(), global.view(), nullptr, DpGatherSource::kPartialSums);
-        for (int dd = 0; dd < c.attn_dp; ++dd) {
-          std::vector<float> sum(static_cast<size_t>(counts[dd] * kHidden), 0.f);
-          for (int t = 0; t < layout.attn_tp_size(); ++t) {
-            const auto p = partial(layout.attn_rank(dd, 0, t));
-            for (size_t i = 0; i < sum.size(); ++i) sum[i] += p[i];
+      for (DpPaddingMode mode : {DpPaddingMode::kSumLen, DpPaddingMode::kMaxLen}) {
+        std::vector<int64_t> counts(c.attn_dp);
+        for (auto& n : counts) n = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % 30);
+        const auto plan = plan_dp_gather(counts, mode, layout.attn_tp_size());
+        const uint64_t seed = rng();
+        auto partial = [&](int r) {  // rank r's partial sum of its DP rank's rows
+          return dp_rows(seed + 7919 * static_cast<uint64_t>(r), 0, counts[layout.coords(r).attn_dp_rank]);
+        };
+        run_host_ranks(groups, [&](int rank, Group& group) {
+          const int d = layout.coords(rank).attn_dp_rank;
+          HostBuf local(dtype, counts[d] + 1, partial(rank), kPoison);
+          HostBuf global(dtype, plan.buffer_len, {}, kPoison);
+          dp_gather(group, layout, plan, local.view(), global.view(), nullptr, DpGatherSource::kPartialSums);
+          for (int dd = 0; dd < c.attn_dp; ++dd) {
+            std::vector<float> sum(static_cast<size_t>(counts[dd] * kHidden), 0.f);
+            for (int t = 0; t < layout.attn_tp_size(); ++t) {
+              const auto p = partial(layout.attn_rank(dd, 0, t));
+              for (size_t i = 0; i < sum.size(); ++i) sum[i] += p[i];
+            }
+            for (size_t i = 0; i < sum.size(); ++i) {
+              const float want = dtype == DType::kFloat32 ? sum[i] : bf16_to_float(float_to_bf16(sum[i]));
+              ASSERT_EQ(global.at(plan.offsets[dd] * kHidden + static_cast<int64_t>(i)), want)
+                  << "rank " << rank << " DP rank " << dd << " element " << i << " " << to_string(mode);
+            }
           }
-          for (size_t i = 0; i < sum.size(); ++i) {
-            const float want = dtype == DType::kFloat32 ? sum[i] : bf16_to_float(float_to_bf16(sum[i]));
-            ASSERT_EQ(global.at(plan.offsets[dd] * kHidden + static_cast<int64_t>(i)), want)
-                << "rank " << rank << " DP rank " << dd << " element " << i;
+          // Every row outside the DP ranks' blocks (MAX_LEN: the slots' padding) is zero.
+          for (int64_t row = 0; row < plan.buffer_len; ++row) {
+            bool inside = false;
+            for (int dd = 0; dd < c.attn_dp; ++dd) {
+              inside = inside || (row >= plan.offsets[dd] && row < plan.offsets[dd] + counts[dd]);
+            }
+            if (inside) continue;
+            for (int64_t i = 0; i < kHidden; ++i) {
+              ASSERT_EQ(global.at(row * kHidden + i), 0.f)
+                  << "rank " << rank << " row " << row << " " << to_string(mode);
+            }
           }
-        }
-      });
+        });
+      }
     }
   }
   const auto layout = ParallelLayout::create({.world_size = 4, .attn_dp_size = 2});
@@ -202,15 +216,6 @@ TEST(DpGather, PartialSumsReduceAndGatherInOneStep) {
   run_host_ranks(groups, [&](int rank, Group& group) {
     HostBuf local(DType::kFloat32, 3, {}, 1.f);
     const std::vector<int64_t> three = {3, 3};
-    const auto max_plan = plan_dp_gather(three, DpPaddingMode::kMaxLen, 2);
-    HostBuf global(DType::kFloat32, max_plan.buffer_len, {}, 0.f);
-    try {
-      dp_gather(group, layout, max_plan, local.view(), global.view(), nullptr, DpGatherSource::kPartialSums);
-      ADD_FAILURE() << "MAX_LEN partial sums accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
-      EXPECT_NE(std::string(e.what()).find("SUM_LEN"), std::string::npos) << e.what();
-    }
     const auto sum_plan = plan_dp_gather(three, DpPaddingMode::kSumLen, 2);
     HostBuf sum_global(DType::kFloat32, sum_plan.buffer_len, {}, 0.f);
     const auto source = rank == 1 ? DpGatherSource::kLeader : DpGatherSource::kPartialSums;

@@ -208,12 +208,12 @@ class DpGatherSource(enum.Enum):
 
     partial_sums = 1
     """
-    The sum of the TP ranks' rows (partial sums, e.g. before the o_proj all-reduce); SUM_LEN plans only.
+    The sum of the TP ranks' rows (partial sums, e.g. before the o_proj all-reduce); either padding mode.
     """
 
 def dp_gather(group: epx._epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: object, global_buffer: object, stream: object | None = None, source: DpGatherSource = DpGatherSource.leader) -> None:
     """
-    Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source partial_sums, SUM_LEN only) at offsets[d]; other rows are zeroed. Contiguous. GIL released.
+    Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source partial_sums, either padding mode) at offsets[d]; other rows are zeroed. Contiguous. GIL released.
     """
 
 class DpScatterKind(enum.Enum):

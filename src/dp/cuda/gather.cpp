@@ -74,7 +74,8 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
   const int64_t count = plan.num_tokens[me.attn_dp_rank];
   const size_t elem = dtype_size(global.dtype);
   const size_t row_bytes = static_cast<size_t>(hidden) * elem;
-  if (plan.mode == DpPaddingMode::kMaxLen) {
+  // MAX_LEN partial sums take the all-reduce below (on the padded buffer, at the MAX_LEN offsets).
+  if (plan.mode == DpPaddingMode::kMaxLen && source == DpGatherSource::kLeader) {
     // NOTE: rank = attn_dp_rank * attn_tp + attn_tp_rank (attn_cp is 1 here), so this rank's share
     // [attn_tp_rank * chunk, + chunk) of its slot sits at rank * chunk: exactly where an in-place
     // all-gather expects its send buffer.
