@@ -1,4 +1,5 @@
-// Private building blocks of the placement policies, shared by placement.cpp and migration.cpp.
+// Private building blocks of the placement policies, shared by placement.cpp, placement_default.cpp and
+// migration.cpp.
 #pragma once
 
 #include <cstdint>

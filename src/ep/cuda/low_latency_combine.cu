@@ -205,12 +205,9 @@ void launch_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout
   const unsigned num_send = phase == ll::Phase::kRecv ? 0 : static_cast<unsigned>(layout.num_local_experts * parts);
   const unsigned num_recv = phase == ll::Phase::kSend ? 0 : combine_recv_blocks_for(args.num_tokens);
   const dim3 grid(num_send + num_recv);
-  if (args.topk_int64) {
-    ll::combine<int64_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts, phase);
-  } else {
-    ll::combine<int32_t><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts, phase);
-  }
-  check_launch(what);
+  launch_for_topk_type(args.topk_int64, what, [&](auto topk_id) {
+    ll::combine<decltype(topk_id)><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts, phase);
+  });
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // Device helpers of the low-latency kernel files (low_latency_dispatch.cu, low_latency_combine.cu) over the device
 // layer (src/comm/cuda/device/: memory ordering, the bounded wait, the error record, the last-block finisher): launch
-// constants, the tag wait and the grid finisher of this path, fp8 quantization and the combine's receive split;
-// the kernels' phase. Protocol: docs/low-latency.md.
+// constants, the unrolled copy loop, the tag wait and the grid finisher of this path, fp8 quantization and the
+// combine's receive split; the launch by topk id type; the kernels' phase. Protocol: docs/low-latency.md.
 // NOTE: inline, in an anonymous namespace, so that each kernel compiles as it did in one file.
 #pragma once
 
@@ -33,6 +33,22 @@ constexpr int kUnroll = 8;   // loads in flight per thread in the copy loops
 template <typename T>
 __device__ __forceinline__ T* at(char* base, int64_t offset) {
   return reinterpret_cast<T*>(base + offset);
+}
+
+// Walks the item space [0, num_items) over the block in rounds of kThreads * kUnroll items: each thread calls
+// load(item, v) for its kUnroll items of the round, then store(item, v) for each, so that kUnroll loads are in
+// flight per thread. NOTE: the loads are issued before the stores by hand: the compiler may not hoist a load
+// above a store that could alias it. The last round passes items past num_items too: the callbacks skip them,
+// so that a caller whose items span several ranges tests each bound once (as its own if-else chain).
+template <typename Index, typename Load, typename Store>
+__device__ __forceinline__ void copy_items(Index num_items, Load&& load, Store&& store) {
+  for (Index first = threadIdx.x; first < num_items; first += kThreads * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load(first + u * kThreads, v[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) store(first + u * kThreads, v[u]);
+  }
 }
 
 __device__ __forceinline__ LowLatencyControl* control_of(const LowLatencyPeers& peers, const LowLatencyLayout& layout) {
@@ -131,6 +147,19 @@ __device__ __forceinline__ float quantize_16(int4 lo, int4 hi, bool ue8m0, uint4
 void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) detail::raise(ErrorCode::kCudaError, "{} launch failed: {}", what, cudaGetErrorString(err));
+}
+
+// Launches the kernel instantiation for the call's topk id type: launch(topk_id) with topk_id an int64_t or an
+// int32_t (only its type matters); then reports a failed launch as `what`.
+// NOTE: both halves of a hook call must pick the same instantiation (one kernel name per call).
+template <typename Launch>
+void launch_for_topk_type(bool topk_int64, const char* what, Launch&& launch) {
+  if (topk_int64) {
+    launch(int64_t{});
+  } else {
+    launch(int32_t{});
+  }
+  check_launch(what);
 }
 
 }  // namespace

@@ -70,26 +70,19 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
   if (!args.use_fp8) {
     const int64_t row_vecs = H / 8;
     const int64_t items = count * row_vecs;
-    for (int64_t base = threadIdx.x; base < items; base += kThreads * kUnroll) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t item = base + u * kThreads;
-        if (item < items) {
+    copy_items(
+        items,
+        [&](int64_t item, int4& v) {
+          if (item >= items) return;
           const int64_t i = item / row_vecs;
           const int t = pair_list[i] / args.num_topk;
-          v[u] = __ldg(reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2) + (item - i * row_vecs));
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t item = base + u * kThreads;
-        if (item < items) {
+          v = __ldg(reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2) + (item - i * row_vecs));
+        },
+        [&](int64_t item, const int4& v) {
+          if (item >= items) return;
           const int64_t i = item / row_vecs;
-          at<int4>(dst_base, s.dispatch_data + (slot0 + i) * H * 2)[item - i * row_vecs] = v[u];
-        }
-      }
-    }
+          at<int4>(dst_base, s.dispatch_data + (slot0 + i) * H * 2)[item - i * row_vecs] = v;
+        });
   } else {
     // One item = four consecutive 128-channel blocks of one row, quantized by a warp: 8 lanes per block, 16
     // channels per lane, so each lane stores 16 fp8 bytes and the warp 512 contiguous bytes; lane 0 stores the
@@ -247,52 +240,47 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
     }
   };
   const bool staged_bytes = args.ue8m0;  // staged scales: exponent bytes, else fp32
-  for (int first = threadIdx.x; first < items; first += kThreads * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int item = first + u * kThreads;
-      if (item < data_items) {
-        const int row = item / row_vecs;
-        v[u] = __ldcg(data_in + static_cast<int64_t>(staged_row(row)) * row_vecs + (item - row * row_vecs));
-      } else if (item < data_items + scale_items) {
-        int row, unit;
-        scale_item(item - data_items, &row, &unit);
-        const int64_t staged = row0 + staged_row(row);
-        if (scale_words) {
-          v[u].x =
-              static_cast<int>(__ldcg(reinterpret_cast<const unsigned int*>(scales_in) + staged * scale_units + unit));
-        } else if (staged_bytes) {
-          v[u].x = __ldcg(reinterpret_cast<const unsigned char*>(scales_in) + staged * num_blocks + unit);
-          if (args.scales_fp32) v[u].x = v[u].x << 23;  // 2^(e - 127) as fp32 bits
-        } else {
-          v[u].x =
-              static_cast<int>(__ldcg(reinterpret_cast<const unsigned int*>(scales_in) + staged * num_blocks + unit));
+  copy_items(
+      items,
+      [&](int item, int4& v) {
+        if (item < data_items) {
+          const int row = item / row_vecs;
+          v = __ldcg(data_in + static_cast<int64_t>(staged_row(row)) * row_vecs + (item - row * row_vecs));
+        } else if (item < data_items + scale_items) {
+          int row, unit;
+          scale_item(item - data_items, &row, &unit);
+          const int64_t staged = row0 + staged_row(row);
+          if (scale_words) {
+            v.x = static_cast<int>(
+                __ldcg(reinterpret_cast<const unsigned int*>(scales_in) + staged * scale_units + unit));
+          } else if (staged_bytes) {
+            v.x = __ldcg(reinterpret_cast<const unsigned char*>(scales_in) + staged * num_blocks + unit);
+            if (args.scales_fp32) v.x = v.x << 23;  // 2^(e - 127) as fp32 bits
+          } else {
+            v.x =
+                static_cast<int>(__ldcg(reinterpret_cast<const unsigned int*>(scales_in) + staged * num_blocks + unit));
+          }
+        } else if (item < items) {
+          v.x = __ldcg(staged_src_info + staged_row(item - data_items - scale_items));
         }
-      } else if (item < items) {
-        v[u].x = __ldcg(staged_src_info + staged_row(item - data_items - scale_items));
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int item = first + u * kThreads;
-      if (item < data_items) {
-        data_out[item] = v[u];
-      } else if (item < data_items + scale_items) {
-        int row, unit;
-        scale_item(item - data_items, &row, &unit);
-        const int64_t out =
-            args.scales_column_major ? (e_local * scale_units + unit) * slots + row : (row0 + row) * scale_units + unit;
-        if (scale_words || args.scales_fp32) {
-          reinterpret_cast<int*>(scales_out)[out] = v[u].x;
-        } else {
-          reinterpret_cast<unsigned char*>(scales_out)[out] = static_cast<unsigned char>(v[u].x);
+      },
+      [&](int item, const int4& v) {
+        if (item < data_items) {
+          data_out[item] = v;
+        } else if (item < data_items + scale_items) {
+          int row, unit;
+          scale_item(item - data_items, &row, &unit);
+          const int64_t out = args.scales_column_major ? (e_local * scale_units + unit) * slots + row
+                                                       : (row0 + row) * scale_units + unit;
+          if (scale_words || args.scales_fp32) {
+            reinterpret_cast<int*>(scales_out)[out] = v.x;
+          } else {
+            reinterpret_cast<unsigned char*>(scales_out)[out] = static_cast<unsigned char>(v.x);
+          }
+        } else if (item < items) {
+          src_info[item - data_items - scale_items] = v.x;
         }
-      } else if (item < items) {
-        src_info[item - data_items - scale_items] = v[u].x;
-      }
-    }
-  }
+      });
 }
 
 }  // namespace
@@ -333,13 +321,9 @@ void launch_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layou
   const bool recv_only = phase == ll::Phase::kRecv;
   const dim3 grid(static_cast<unsigned>(recv_only ? layout.num_local_experts : layout.num_experts));
   const size_t smem = recv_only ? 0 : static_cast<size_t>(layout.max_tokens_per_rank) * sizeof(int);
-  // NOTE: both halves of a hook call must pick the same instantiation (one kernel name per call).
-  if (args.topk_int64) {
-    ll::dispatch<int64_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args, phase);
-  } else {
-    ll::dispatch<int32_t><<<grid, kThreads, smem, stream>>>(peers, layout, set, args, phase);
-  }
-  check_launch(what);
+  launch_for_topk_type(args.topk_int64, what, [&](auto topk_id) {
+    ll::dispatch<decltype(topk_id)><<<grid, kThreads, smem, stream>>>(peers, layout, set, args, phase);
+  });
 }
 
 }  // namespace
