@@ -18,16 +18,15 @@
 #include "epx/quant.h"
 #include "epx/routing.h"
 #include "epx/version.h"
+#include "testing/routing.h"
+#include "testing/stats.h"
 
 namespace epx::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using testing::median;
 
 // Per-rank inputs. x holds small integers so that sums of up to 2^8 copies are exact in bf16.
 struct RankInputs {
@@ -45,20 +44,7 @@ RankInputs make_inputs(std::mt19937_64& rng, int64_t num_tokens, int64_t hidden,
   in.x.resize(num_tokens * hidden);
   std::uniform_int_distribution<int> value(-8, 8);
   for (auto& v : in.x) v = float_to_bf16(static_cast<float>(value(rng)));
-  in.topk.resize(num_tokens * num_topk);
-  std::uniform_int_distribution<int64_t> expert(0, num_experts - 1);
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int k = 0; k < num_topk; ++k) {
-      int64_t e;
-      bool fresh;
-      do {
-        e = expert(rng);
-        fresh = std::none_of(in.topk.begin() + t * num_topk, in.topk.begin() + t * num_topk + k,
-                             [&](int64_t o) { return o == e; });
-      } while (!fresh && num_topk <= num_experts);
-      in.topk[t * num_topk + k] = e;
-    }
-  }
+  in.topk = testing::random_distinct_topk(rng, num_tokens, num_topk, num_experts);
   // Weights are multiples of 1/8 so the weighted sums are exact in fp32 and representable in bf16.
   std::uniform_int_distribution<int> w(1, 4);
   in.weights.resize(num_tokens * num_topk);

@@ -24,7 +24,8 @@
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "epx/quant.h"
-#include "gpu_test_util.h"
+#include "testing/gpu_util.h"
+#include "testing/routing.h"
 
 namespace epx {
 namespace {
@@ -193,7 +194,7 @@ void run_case(const Case& c) {
     DeviceBuffer local(local_bytes, dev), global(global_bytes, dev), part(global_bytes, dev), out(local_bytes, dev);
     cudaMemcpyAsync(local.ptr, host_local.data(), local_bytes, cudaMemcpyHostToDevice, stream);
     cudaMemcpyAsync(part.ptr, partial[r].data(), global_bytes, cudaMemcpyHostToDevice, stream);
-    cudaMemsetAsync(global.ptr, 0xAB, global_bytes, stream);
+    testing::poison(global.ptr, global_bytes, stream);
     const Device device = Device::cuda(dev);
     const auto global_view = TensorView::of(global.ptr, c.dtype, {plan.buffer_len, H}, device);
     const auto out_view = TensorView::of(out.ptr, c.dtype, {local_rows(r), H}, device);
@@ -201,12 +202,12 @@ void run_case(const Case& c) {
     got_global[r].resize(global_bytes);
     cudaMemcpyAsync(got_global[r].data(), global.ptr, global_bytes, cudaMemcpyDeviceToHost, stream);
 
-    cudaMemsetAsync(out.ptr, 0xAB, local_bytes, stream);
+    testing::poison(out.ptr, local_bytes, stream);
     dp_scatter(g, layout, plan, global_view, out_view, DpScatterKind::kSlice, stream);
     got_slice[r].resize(local_bytes);
     cudaMemcpyAsync(got_slice[r].data(), out.ptr, local_bytes, cudaMemcpyDeviceToHost, stream);
 
-    cudaMemsetAsync(out.ptr, 0xAB, local_bytes, stream);
+    testing::poison(out.ptr, local_bytes, stream);
     dp_scatter(g, layout, plan, TensorView::of(part.ptr, c.dtype, {plan.buffer_len, H}, device), out_view,
                DpScatterKind::kReduceScatter, stream);
     got_rs[r].resize(local_bytes);

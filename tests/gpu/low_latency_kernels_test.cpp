@@ -26,10 +26,14 @@
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "epx/quant.h"
-#include "gpu_test_util.h"
+#include "testing/gpu_util.h"
+#include "testing/routing.h"
+#include "testing/stats.h"
 
 namespace epx::cuda {
 namespace {
+
+using testing::download;
 
 #define CUDA_OK(call)                                                          \
   do {                                                                         \
@@ -37,12 +41,7 @@ namespace {
     ASSERT_EQ(err_, cudaSuccess) << #call << ": " << cudaGetErrorString(err_); \
   } while (0)
 
-#define CUDA_CHECK_THROW(call)                                                                               \
-  do {                                                                                                       \
-    const cudaError_t err_ = (call);                                                                         \
-    if (err_ != cudaSuccess) throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(err_)); \
-  } while (0)
-
+#define CUDA_CHECK_THROW(call) testing::cuda_ok((call), #call)
 
 struct Case {
   int num_ranks;
@@ -68,27 +67,12 @@ std::vector<RankInputs> make_inputs(const Case& c, std::mt19937& rng) {
   std::vector<RankInputs> in(c.num_ranks);
   const int64_t e_local = c.num_experts / c.num_ranks;
   std::uniform_real_distribution<float> value(-3.f, 3.f);
-  std::uniform_int_distribution<int64_t> expert(0, c.num_experts - 1);
-  std::bernoulli_distribution drop(0.05);
   for (int r = 0; r < c.num_ranks; ++r) {
     auto& v = in[r];
     v.num_tokens = (c.idle_rank1 && r == 1) ? 0 : c.num_tokens;
     v.x.resize(v.num_tokens * c.hidden);
     for (auto& e : v.x) e = float_to_bf16(value(rng));
-    v.topk.resize(v.num_tokens * c.num_topk);
-    for (int64_t t = 0; t < v.num_tokens; ++t) {
-      for (int k = 0; k < c.num_topk; ++k) {
-        int64_t e;
-        do {
-          e = expert(rng);
-        } while (std::find(v.topk.begin() + t * c.num_topk, v.topk.begin() + t * c.num_topk + k, e) !=
-                 v.topk.begin() + t * c.num_topk + k);
-        v.topk[t * c.num_topk + k] = e;
-      }
-      for (int k = 0; k < c.num_topk; ++k) {
-        if (drop(rng)) v.topk[t * c.num_topk + k] = -1;
-      }
-    }
+    v.topk = testing::random_distinct_topk(rng, v.num_tokens, c.num_topk, c.num_experts, /*p_masked=*/0.05);
     v.weights.resize(v.num_tokens * c.num_topk);
     for (auto& w : v.weights) w = value(rng);
     v.y.resize(e_local * c.num_ranks * c.max_tokens * c.hidden);
@@ -603,13 +587,6 @@ TEST_F(LowLatencyKernels, AbsentRankTimesOutAndIsMasked) {
 }
 
 template <typename T>
-std::vector<T> to_host(const Tensor& t) {
-  std::vector<T> v(t.nbytes() / sizeof(T));
-  if (!v.empty()) cudaMemcpy(v.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost);
-  return v;
-}
-
-template <typename T>
 void* to_device(const std::vector<T>& v) {
   void* p = nullptr;
   if (cudaMalloc(&p, std::max<size_t>(1, v.size() * sizeof(T))) != cudaSuccess) return nullptr;
@@ -687,12 +664,12 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
           out.recv_hook();
         }
         cudaStreamSynchronize(stream);
-        Outputs o{to_host<int32_t>(d.recv_count),
-                  to_host<int32_t>(d.recv_src_info),
-                  to_host<int64_t>(d.recv_layout_range),
-                  to_host<uint8_t>(d.recv_x),
-                  c.use_fp8 ? to_host<uint8_t>(d.recv_x_scales) : std::vector<uint8_t>{},
-                  to_host<uint16_t>(out.x)};
+        Outputs o{download<int32_t>(d.recv_count),
+                  download<int32_t>(d.recv_src_info),
+                  download<int64_t>(d.recv_layout_range),
+                  download<uint8_t>(d.recv_x),
+                  c.use_fp8 ? download<uint8_t>(d.recv_x_scales) : std::vector<uint8_t>{},
+                  download<uint16_t>(out.x)};
         EXPECT_EQ(compare_outputs(c, r, o, expected[r]), 0) << what;
       };
       check_round(false, "plain");
@@ -797,9 +774,12 @@ TEST_F(LowLatencyKernels, MismatchedHandlesAreReported) {
     auto d = dispatch(topk);
     auto out = combine(d, topk, weights);
     cudaStreamSynchronize(stream);
-    Outputs o{to_host<int32_t>(d.recv_count),   to_host<int32_t>(d.recv_src_info),
-              to_host<int64_t>(d.recv_layout_range), to_host<uint8_t>(d.recv_x),
-              std::vector<uint8_t>{},           to_host<uint16_t>(out.x)};
+    Outputs o{download<int32_t>(d.recv_count),
+              download<int32_t>(d.recv_src_info),
+              download<int64_t>(d.recv_layout_range),
+              download<uint8_t>(d.recv_x),
+              std::vector<uint8_t>{},
+              download<uint16_t>(out.x)};
     bad[r] = compare_outputs(c, r, o, expected[r]);
     for (void* p : {x, topk, topk2, weights, weights2, y}) cudaFree(p);
     buffer.reset();
@@ -895,9 +875,9 @@ TEST_F(LowLatencyKernels, ScaleOptionsMatchHostBackend) {
         const Got& w = want[i][r];
         ASSERT_EQ(d.recv_x_scales.sizes(), w.scale_shape);
         ASSERT_EQ(dtype_size(d.recv_x_scales.dtype()), w.scale_elem);
-        const auto count = to_host<int32_t>(d.recv_count);
-        const auto xs = to_host<uint8_t>(d.recv_x);
-        const auto sc = to_host<uint8_t>(d.recv_x_scales);
+        const auto count = download<int32_t>(d.recv_count);
+        const auto xs = download<uint8_t>(d.recv_x);
+        const auto sc = download<uint8_t>(d.recv_x_scales);
         ASSERT_EQ(count, w.count);
         const bool cm = options[i].layout == ScaleLayout::kColumnMajor;
         const int64_t units = cm ? w.scale_shape[1] : w.scale_shape[2];
@@ -965,35 +945,29 @@ TEST_F(LowLatencyKernels, Timing) {
         CUDA_OK(cudaGraphInstantiate(&execs[r], graph, 0));
         cudaGraphDestroy(graph);
       }
-      std::vector<float> samples;
-      cudaEvent_t start, stop;
+      std::vector<double> samples;
       cudaSetDevice(rig.rank(0).device);
-      cudaEventCreate(&start);
-      cudaEventCreate(&stop);
+      testing::EventTimer timer;
       for (int rep = 0; rep < 60; ++rep) {
         cudaSetDevice(rig.rank(0).device);
-        cudaEventRecord(start, rig.rank(0).stream);
+        timer.record(0, rig.rank(0).stream);
         for (int r = 0; r < c.num_ranks; ++r) {
           cudaSetDevice(rig.rank(r).device);
           CUDA_OK(cudaGraphLaunch(execs[r], rig.rank(r).stream));
         }
         cudaSetDevice(rig.rank(0).device);
-        cudaEventRecord(stop, rig.rank(0).stream);
+        timer.record(1, rig.rank(0).stream);
         rig.sync();
-        float ms = 0;
-        cudaEventElapsedTime(&ms, start, stop);
+        const double ms = timer.elapsed_ms();
         if (rep >= 10) samples.push_back(ms);
       }
-      std::sort(samples.begin(), samples.end());
       // A combine-only graph still holds one dispatch round: subtract it using the dispatch number.
-      double per = samples[samples.size() / 2] * 1e3;
+      double per = testing::median(samples) * 1e3;
       if (which == 1 || which == 4)
         per = (per - result[0]) / kInner;
       else
         per /= kInner;
       result[which] = per;
-      cudaEventDestroy(start);
-      cudaEventDestroy(stop);
       for (auto e : execs) cudaGraphExecDestroy(e);
     }
     EXPECT_EQ(rig.error(0).code, kErrNone);

@@ -28,7 +28,8 @@
 #include "epx/error.h"
 #include "epx/quant.h"
 #include "epx/tensor.h"
-#include "gpu_test_util.h"
+#include "testing/gpu_util.h"
+#include "testing/routing.h"
 
 namespace epx {
 namespace {
@@ -62,15 +63,11 @@ int64_t run_rank(int rank, const ncclUniqueId& id) {
     std::mt19937 rng(1234 + rank);
     std::vector<uint16_t> x(T * H);
     for (auto& v : x) v = float_to_bf16(static_cast<float>(static_cast<int>(rng() % 17) - 8));
-    std::vector<int64_t> topk(T * K);
+    const std::vector<int64_t> topk = testing::random_distinct_topk(rng, T, K, E, /*p_masked=*/0.1);
     std::vector<int> visits(T, 0);
     for (int64_t t = 0; t < T; ++t) {
-      std::vector<int64_t> pool(E);
-      for (int64_t e = 0; e < E; ++e) pool[e] = e;
-      std::shuffle(pool.begin(), pool.end(), rng);
       bool on_rank[kRanks] = {};
       for (int64_t k = 0; k < K; ++k) {
-        topk[t * K + k] = (rng() % 10 == 0) ? -1 : pool[k];
         if (topk[t * K + k] >= 0) on_rank[topk[t * K + k] / (E / kRanks)] = true;
       }
       for (bool b : on_rank) visits[t] += b;

@@ -26,7 +26,8 @@
 #include "epx/error.h"
 #include "epx/quant.h"
 #include "epx/routing.h"
-#include "gpu_test_util.h"
+#include "testing/gpu_util.h"
+#include "testing/routing.h"
 
 namespace epx {
 namespace {
@@ -47,17 +48,16 @@ CudaGroupOptions test_options() {
   return o;
 }
 
-
-// Fills every allocation with 0xAB bytes so that an element the kernels forget to write shows up.
-// Poisons every CUDA allocation; an empty one is null, as torch's allocator gives it (a kernel that touches an
-// empty output faults here instead of writing into a spare byte).
+// Poisons every CUDA allocation (testing::kPoisonByte) so that an element the kernels forget to write shows up; an
+// empty one is null, as torch's allocator gives it (a kernel that touches an empty output faults here instead of
+// writing into a spare byte).
 class PoisonAllocator final : public Allocator {
  public:
   std::shared_ptr<void> allocate(size_t bytes, Device device, Stream stream) override {
     if (!device.is_cuda()) return default_allocator()->allocate(bytes, device, stream);
     if (bytes == 0) return nullptr;
     auto p = detail::cuda_allocate(bytes, device, stream);
-    cudaMemsetAsync(p.get(), 0xAB, bytes, stream);
+    testing::poison(p.get(), bytes, stream);
     return p;
   }
 };
@@ -109,8 +109,6 @@ std::vector<RankInput> make_inputs(const Case& c, uint64_t seed) {
   std::mt19937 rng(static_cast<uint32_t>(seed));
   std::vector<RankInput> in(c.devices.size());
   std::uniform_real_distribution<float> val(-4.f, 4.f);
-  std::uniform_int_distribution<int64_t> expert(0, c.num_experts - 1);
-  std::bernoulli_distribution masked(c.p_masked);
   std::uniform_real_distribution<float> wdist(0.f, 1.f);
   for (size_t r = 0; r < in.size(); ++r) {
     const int64_t T = c.tokens[r], H = c.hidden, K = c.num_topk;
@@ -139,22 +137,7 @@ std::vector<RankInput> make_inputs(const Case& c, uint64_t seed) {
       in[r].x.resize(T * H * 2);
       std::memcpy(in[r].x.data(), bf.data(), in[r].x.size());
     }
-    in[r].topk64.resize(T * K);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int k = 0; k < K; ++k) {
-        int64_t e;
-        bool fresh;
-        do {
-          e = expert(rng);
-          fresh = true;
-          for (int j = 0; j < k; ++j) fresh = fresh && in[r].topk64[t * K + j] != e;
-        } while (!fresh && K <= c.num_experts);
-        in[r].topk64[t * K + k] = e;
-      }
-      for (int k = 0; k < K; ++k) {
-        if (masked(rng)) in[r].topk64[t * K + k] = -1;
-      }
-    }
+    in[r].topk64 = testing::random_distinct_topk(rng, T, c.num_topk, c.num_experts, c.p_masked);
     in[r].topk32.assign(in[r].topk64.begin(), in[r].topk64.end());
     in[r].weights.resize(T * K);
     for (auto& w : in[r].weights) w = wdist(rng);

@@ -16,23 +16,15 @@
 #include "epx/cuda.h"
 #include "epx/eplb/relocation.h"
 #include "epx/error.h"
-#include "gpu_test_util.h"
+#include "testing/gpu_util.h"
+#include "testing/routing.h"
 
 namespace epx::eplb {
 namespace {
 
 using testing::num_gpus;
+using testing::random_phy2log;
 
-
-// Every logical expert at least once, the other slots random replicas, shuffled.
-std::vector<int32_t> random_phy2log(std::mt19937& rng, int logical, int physical) {
-  std::vector<int32_t> p2l(physical);
-  std::iota(p2l.begin(), p2l.begin() + logical, 0);
-  std::uniform_int_distribution<int32_t> any(0, logical - 1);
-  for (int s = logical; s < physical; ++s) p2l[s] = any(rng);
-  std::shuffle(p2l.begin(), p2l.end(), rng);
-  return p2l;
-}
 
 // Word i of tensor t of logical expert e: distinct for every (e, t) as long as e < 2^16.
 uint32_t word(int32_t expert, int tensor, size_t i) {
@@ -80,7 +72,7 @@ std::vector<RankResult> run_case(const Case& c, std::mt19937& rng) {
           EXPECT_EQ(cudaMalloc(&o, host.size() * 4), cudaSuccess);
           EXPECT_EQ(cudaMalloc(&n, c.bytes[t] * c.new_per_rank), cudaSuccess);
           cudaMemcpy(o, host.data(), host.size() * 4, cudaMemcpyHostToDevice);
-          cudaMemset(n, 0xAB, c.bytes[t] * c.new_per_rank);
+          testing::poison(n, c.bytes[t] * c.new_per_rank, nullptr);
           old_bufs.push_back(o);
           new_bufs.push_back(n);
           w.old_slots.push_back(o);

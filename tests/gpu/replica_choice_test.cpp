@@ -13,7 +13,8 @@
 #include "epx/eplb/device_replicas.h"
 #include "epx/eplb/expert_location.h"
 #include "epx/error.h"
-#include "gpu_test_util.h"
+#include "testing/gpu_util.h"
+#include "testing/routing.h"
 
 namespace epx::eplb {
 namespace {
@@ -21,17 +22,10 @@ namespace {
 using testing::num_gpus;
 
 
-// Every logical expert at least once per layer, the other slots random replicas, shuffled.
+// Every layer a random placement (testing::random_phy2log).
 ExpertLocation random_location(std::mt19937& rng, int layers, int logical, int physical, int gpus) {
   ExpertLocation loc = ExpertLocation::trivial(layers, logical, physical, gpus);
-  for (int l = 0; l < layers; ++l) {
-    std::vector<int32_t> p2l(physical);
-    std::iota(p2l.begin(), p2l.begin() + logical, 0);
-    std::uniform_int_distribution<int32_t> any(0, logical - 1);
-    for (int s = logical; s < physical; ++s) p2l[s] = any(rng);
-    std::shuffle(p2l.begin(), p2l.end(), rng);
-    loc.set_layer(l, p2l);
-  }
+  for (int l = 0; l < layers; ++l) loc.set_layer(l, testing::random_phy2log(rng, logical, physical));
   return loc;
 }
 

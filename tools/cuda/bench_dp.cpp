@@ -30,8 +30,7 @@ struct Row {
 }  // namespace
 
 nlohmann::json run_cuda_dp_bench(const BenchConfig& config) {
-  int num_gpus = 0;
-  if (cudaGetDeviceCount(&num_gpus) != cudaSuccess) num_gpus = 0;
+  const int num_gpus = testing::num_gpus();
   if (num_gpus < 2) throw Error(ErrorCode::kUnsupported, "bench --dp needs at least 2 visible GPUs");
   const int R = config.num_ranks > 0 ? config.num_ranks : num_gpus;
   if (R > num_gpus || R < 2) {

@@ -130,44 +130,36 @@ nlohmann::json run_cuda_eplb_bench(const BenchConfig& config) {
       cuda_ok(cudaMemsetAsync(new_w.back().data(), 0, new_w.back().nbytes(), stream), "poison");
     }
     cuda_ok(cudaStreamSynchronize(stream), "setup");
-    cudaEvent_t start, stop;
-    cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-    cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
 
     auto run_phase = [&](int which, const ExpertLocation& location) {
       auto table = eplb::DeviceReplicaTable::upload(location, g.device(), stream);
       cuda_ok(cudaMemsetAsync(counts.data(), 0, counts.nbytes(), stream), "zero counts");
-      std::vector<double> samples;
-      for (int step = 0; step < kSteps; ++step) {
-        const TensorView ids = TensorView::of(
-            logical.data_as<int64_t>() + (static_cast<int64_t>(which) * kSteps + step) * T * K, DType::kInt64, {T, K},
-            g.device());
-        g.barrier();
-        cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
-        eplb::choose_replicas(*table, 0, ids, physical, r, {}, static_cast<int64_t>(step) * T, stream);
-        LowLatencyDispatchArgs a;
-        a.x = x;
-        a.topk_idx = physical;
-        a.max_tokens_per_rank = M;
-        a.num_experts = P;
-        a.use_fp8 = true;
-        a.cumulative_recv_counts = counts;
-        a.stream = stream;
-        auto res = buffer->low_latency_dispatch(a);
-        LowLatencyCombineArgs c;
-        c.x = y;
-        c.topk_idx = physical;
-        c.topk_weights = w;
-        c.handle = res.handle;
-        c.stream = stream;
-        buffer->low_latency_combine(c);
-        cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
-        cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-        float ms = 0;
-        cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-        samples.push_back(ms * 1e3);
-      }
-      step_us[which][r] = median(samples);
+      // Every step timed (no warm-up): each draws its own routing, and the counts cover all of them.
+      const double ms = median_event_ms(
+          stream, 0, kSteps, [&](int) { g.barrier(); },
+          [&](int step) {
+            const TensorView ids =
+                TensorView::of(logical.data_as<int64_t>() + (static_cast<int64_t>(which) * kSteps + step) * T * K,
+                               DType::kInt64, {T, K}, g.device());
+            eplb::choose_replicas(*table, 0, ids, physical, r, {}, static_cast<int64_t>(step) * T, stream);
+            LowLatencyDispatchArgs a;
+            a.x = x;
+            a.topk_idx = physical;
+            a.max_tokens_per_rank = M;
+            a.num_experts = P;
+            a.use_fp8 = true;
+            a.cumulative_recv_counts = counts;
+            a.stream = stream;
+            auto res = buffer->low_latency_dispatch(a);
+            LowLatencyCombineArgs c;
+            c.x = y;
+            c.topk_idx = physical;
+            c.topk_weights = w;
+            c.handle = res.handle;
+            c.stream = stream;
+            buffer->low_latency_combine(c);
+          });
+      step_us[which][r] = ms * 1e3;
       std::vector<int32_t> mine(P / R);
       cuda_ok(cudaMemcpy(mine.data(), counts.data(), counts.nbytes(), cudaMemcpyDeviceToHost), "download counts");
       std::vector<int64_t> all(P, 0);  // this rank's slots in place, the others 0: the sum is every slot's count
@@ -219,8 +211,6 @@ nlohmann::json run_cuda_eplb_bench(const BenchConfig& config) {
     const ExpertLocation after(1, E, P, R, 1, new_p2l);
     note(r, "decode steps after the rebalance");
     run_phase(1, after);
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
   });
 
   auto utilization = [&](const std::vector<int64_t>& slot_counts) {

@@ -47,23 +47,9 @@ LlRankData make_ll_data(int64_t T, int64_t H, int K, int64_t E, int R, int rank,
 // (outside the events).
 template <typename Launch>
 double per_call_us(Group& g, cudaStream_t stream, int warmup, int iters, Launch launch) {
-  cudaEvent_t start, stop;
-  cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-  cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
-  std::vector<double> samples;
-  for (int rep = 0; rep < warmup + iters; ++rep) {
-    g.barrier();
-    cuda_ok(cudaEventRecord(start, stream), "cudaEventRecord");
-    launch();
-    cuda_ok(cudaEventRecord(stop, stream), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    if (rep >= warmup) samples.push_back(ms * 1e3 / kInner);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return median(samples);
+  const double ms = median_event_ms(
+      stream, warmup, iters, [&](int) { g.barrier(); }, [&](int) { launch(); });
+  return ms * 1e3 / kInner;
 }
 
 // `body` captured kInner times into one graph per rank and replayed.
@@ -97,26 +83,22 @@ double eager_time(Group& g, cudaStream_t stream, int warmup, int iters, Body bod
 // Median times (us) of the two halves of an eager call: send = the call itself, receive = the hook.
 template <typename Call>
 std::pair<double, double> half_times(Group& g, cudaStream_t stream, int warmup, int iters, Call call) {
-  cudaEvent_t ev[3];
-  for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
+  EventTimer timer(3);
   std::vector<double> send, recv;
   for (int rep = 0; rep < warmup + iters; ++rep) {
     g.barrier();
-    cuda_ok(cudaEventRecord(ev[0], stream), "cudaEventRecord");
+    timer.record(0, stream);
     std::function<void()> hook = call();
-    cuda_ok(cudaEventRecord(ev[1], stream), "cudaEventRecord");
+    timer.record(1, stream);
     hook();
-    cuda_ok(cudaEventRecord(ev[2], stream), "cudaEventRecord");
-    cuda_ok(cudaEventSynchronize(ev[2]), "cudaEventSynchronize");
-    float a = 0, b = 0;
-    cuda_ok(cudaEventElapsedTime(&a, ev[0], ev[1]), "cudaEventElapsedTime");
-    cuda_ok(cudaEventElapsedTime(&b, ev[1], ev[2]), "cudaEventElapsedTime");
+    timer.record(2, stream);
+    const double b = timer.elapsed_ms(1, 2);
+    const double a = timer.elapsed_ms(0, 1);
     if (rep >= warmup) {
       send.push_back(a * 1e3);
       recv.push_back(b * 1e3);
     }
   }
-  for (auto& e : ev) cudaEventDestroy(e);
   return {median(send), median(recv)};
 }
 

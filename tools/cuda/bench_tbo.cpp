@@ -80,8 +80,7 @@ struct RankTimes {
 }  // namespace
 
 nlohmann::json run_cuda_tbo_bench(const BenchConfig& config) {
-  int num_gpus = 0;
-  if (cudaGetDeviceCount(&num_gpus) != cudaSuccess) num_gpus = 0;
+  const int num_gpus = testing::num_gpus();
   if (num_gpus < 2) throw Error(ErrorCode::kUnsupported, "bench --tbo needs at least 2 visible GPUs");
   const int R = config.num_ranks > 0 ? config.num_ranks : num_gpus;
   if (R > num_gpus || R < 2) {
@@ -172,13 +171,11 @@ nlohmann::json run_cuda_tbo_bench(const BenchConfig& config) {
     // computed[b] (compute -> comm).
     DispatchResult disp[2];
     CombineResult comb[2];
-    cudaEvent_t dispatched[2], computed[2], start, stop, joined;
+    cudaEvent_t dispatched[2], computed[2], joined;
     for (int b = 0; b < 2; ++b) {
       cuda_ok(cudaEventCreateWithFlags(&dispatched[b], cudaEventDisableTiming), "cudaEventCreate");
       cuda_ok(cudaEventCreateWithFlags(&computed[b], cudaEventDisableTiming), "cudaEventCreate");
     }
-    cuda_ok(cudaEventCreate(&start), "cudaEventCreate");
-    cuda_ok(cudaEventCreate(&stop), "cudaEventCreate");
     cuda_ok(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming), "cudaEventCreate");
     cublasHandle_t gemm_handle = limited;
     auto dispatch_op = [&](int b) {
@@ -211,23 +208,18 @@ nlohmann::json run_cuda_tbo_bench(const BenchConfig& config) {
                                            {"experts", experts_op},
                                            TboOperation::yield_point(),
                                            {"combine", combine_op}};
-    // Times one step on the GPU: `start` on comm, compute joins it; the end joins compute back.
+    // Times one step on the GPU: the start event on comm, compute joins it; the end joins compute back.
+    EventTimer step_timer;
     auto time_step = [&](auto body) {
-      std::vector<double> secs;
-      for (int i = 0; i < config.num_warmup + config.num_iters; ++i) {
-        g.barrier();
-        cuda_ok(cudaEventRecord(start, comm), "cudaEventRecord");
-        cuda_ok(cudaStreamWaitEvent(compute, start, 0), "cudaStreamWaitEvent");
-        body();
-        cuda_ok(cudaEventRecord(joined, compute), "cudaEventRecord");
-        cuda_ok(cudaStreamWaitEvent(comm, joined, 0), "cudaStreamWaitEvent");
-        cuda_ok(cudaEventRecord(stop, comm), "cudaEventRecord");
-        cuda_ok(cudaEventSynchronize(stop), "cudaEventSynchronize");
-        float ms = 0;
-        cuda_ok(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-        if (i >= config.num_warmup) secs.push_back(ms * 1e-3);
-      }
-      return median(secs);
+      const double ms = median_event_ms(
+          step_timer, comm, config.num_warmup, config.num_iters, [&](int) { g.barrier(); },
+          [&](int) {
+            cuda_ok(cudaStreamWaitEvent(compute, step_timer.event(0), 0), "cudaStreamWaitEvent");
+            body();
+            cuda_ok(cudaEventRecord(joined, compute), "cudaEventRecord");
+            cuda_ok(cudaStreamWaitEvent(comm, joined, 0), "cudaStreamWaitEvent");
+          });
+      return ms * 1e-3;
     };
     auto serial = [&] {
       for (int b = 0; b < 2; ++b) {
@@ -295,8 +287,6 @@ nlohmann::json run_cuda_tbo_bench(const BenchConfig& config) {
       cudaEventDestroy(dispatched[b]);
       cudaEventDestroy(computed[b]);
     }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
     cudaEventDestroy(joined);
     for (void* p : {w_up, w_down, mid[0], mid[1], y[0], y[1]}) cudaFree(p);
     buffer.reset();
