@@ -177,8 +177,10 @@ __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t
                                              const float* const* wrows, int num_src, int lane) {
   const int64_t H = a.hidden;
   const int K = a.num_topk;
-  // kUnroll chunks per lane per step, so each source row has kUnroll loads in flight.
-  constexpr int kUnroll = 4;
+  // kUnroll chunks per lane per step, so each source row has kUnroll loads in flight: 6 with pairs (6 KB per warp in
+  // flight, 128 registers without spills at 512 threads; bench/micro/reduce_engine.cu: 50 -> 68 GB/s per SM at
+  // 24 SMs, 8 spills here; docs/perf-notes.md R2), 4 in the 768-thread ring kernel, whose register budget is smaller.
+  constexpr int kUnroll = kPairs ? 6 : 4;
   const int64_t num_chunks = H / 8;
   const uint16_t* biases[2] = {a.bias_0, a.bias_1};
   for (int64_t v0 = lane; v0 < num_chunks; v0 += 32 * kUnroll) {
