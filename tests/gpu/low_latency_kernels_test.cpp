@@ -328,9 +328,10 @@ class Rig {
             ranks_[r].cumulative};
   }
   LowLatencyCombineLaunch combine_args(int r, int dispatch_set) const {
-    return {ranks_[r].y, ranks_[r].topk, true,         static_cast<const float*>(ranks_[r].weights), num_tokens_[r],
-            c_.num_topk, ranks_[r].out,  dispatch_set, LowLatencyConfig{}.combine_send_parts,
-            /*dispatch_id=*/0};
+    return {
+        ranks_[r].y,      ranks_[r].topk, true,         static_cast<const float*>(ranks_[r].weights), num_tokens_[r],
+        c_.num_topk,      ranks_[r].out,  dispatch_set, LowLatencyConfig{}.combine_send_parts,
+        /*dispatch_id=*/0};
   }
 
   // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive
@@ -345,23 +346,25 @@ class Rig {
       }
     };
     if (fused) {
-      each([&](int r, cudaStream_t st) { launch_low_latency_dispatch(peers_[r], layout_, set, dispatch_args(r), st); });
       each([&](int r, cudaStream_t st) {
-        launch_low_latency_combine(peers_[r], layout_, set, combine_args(r, set), st);
+        launch_low_latency_dispatch(ll::Phase::kBoth, peers_[r], layout_, set, dispatch_args(r), st);
+      });
+      each([&](int r, cudaStream_t st) {
+        launch_low_latency_combine(ll::Phase::kBoth, peers_[r], layout_, set, combine_args(r, set), st);
       });
       return;
     }
     each([&](int r, cudaStream_t st) {
-      launch_low_latency_dispatch_send(peers_[r], layout_, set, dispatch_args(r), st);
+      launch_low_latency_dispatch(ll::Phase::kSend, peers_[r], layout_, set, dispatch_args(r), st);
     });
     each([&](int r, cudaStream_t st) {
-      launch_low_latency_dispatch_recv(peers_[r], layout_, set, dispatch_args(r), st);
+      launch_low_latency_dispatch(ll::Phase::kRecv, peers_[r], layout_, set, dispatch_args(r), st);
     });
     each([&](int r, cudaStream_t st) {
-      launch_low_latency_combine_send(peers_[r], layout_, set, combine_args(r, set), st);
+      launch_low_latency_combine(ll::Phase::kSend, peers_[r], layout_, set, combine_args(r, set), st);
     });
     each([&](int r, cudaStream_t st) {
-      launch_low_latency_combine_recv(peers_[r], layout_, set, combine_args(r, set), st);
+      launch_low_latency_combine(ll::Phase::kRecv, peers_[r], layout_, set, combine_args(r, set), st);
     });
   }
 
@@ -519,12 +522,12 @@ TEST_F(LowLatencyKernels, GraphReplayWithNewData) {
     cudaSetDevice(d.device);
     CUDA_OK(cudaStreamBeginCapture(d.stream, cudaStreamCaptureModeThreadLocal));
     // Set 0: the split kernels; set 1 (the one checked): the fused ones.
-    launch_low_latency_dispatch_send(rig.peers(r), rig.layout(), 0, rig.dispatch_args(r), d.stream);
-    launch_low_latency_dispatch_recv(rig.peers(r), rig.layout(), 0, rig.dispatch_args(r), d.stream);
-    launch_low_latency_combine_send(rig.peers(r), rig.layout(), 0, rig.combine_args(r, 0), d.stream);
-    launch_low_latency_combine_recv(rig.peers(r), rig.layout(), 0, rig.combine_args(r, 0), d.stream);
-    launch_low_latency_dispatch(rig.peers(r), rig.layout(), 1, rig.dispatch_args(r), d.stream);
-    launch_low_latency_combine(rig.peers(r), rig.layout(), 1, rig.combine_args(r, 1), d.stream);
+    launch_low_latency_dispatch(ll::Phase::kSend, rig.peers(r), rig.layout(), 0, rig.dispatch_args(r), d.stream);
+    launch_low_latency_dispatch(ll::Phase::kRecv, rig.peers(r), rig.layout(), 0, rig.dispatch_args(r), d.stream);
+    launch_low_latency_combine(ll::Phase::kSend, rig.peers(r), rig.layout(), 0, rig.combine_args(r, 0), d.stream);
+    launch_low_latency_combine(ll::Phase::kRecv, rig.peers(r), rig.layout(), 0, rig.combine_args(r, 0), d.stream);
+    launch_low_latency_dispatch(ll::Phase::kBoth, rig.peers(r), rig.layout(), 1, rig.dispatch_args(r), d.stream);
+    launch_low_latency_combine(ll::Phase::kBoth, rig.peers(r), rig.layout(), 1, rig.combine_args(r, 1), d.stream);
     cudaGraph_t graph;
     CUDA_OK(cudaStreamEndCapture(d.stream, &graph));
     CUDA_OK(cudaGraphInstantiate(&execs[r], graph, 0));
@@ -926,18 +929,22 @@ TEST_F(LowLatencyKernels, Timing) {
         for (int i = 0; i < kInner; ++i) {
           const int set = i % 2;
           if (which == 3) {
-            launch_low_latency_dispatch_send(rig.peers(r), rig.layout(), set, rig.dispatch_args(r), d.stream);
+            launch_low_latency_dispatch(ll::Phase::kSend, rig.peers(r), rig.layout(), set, rig.dispatch_args(r),
+                                        d.stream);
             continue;
           }
           // The full calls use the fused kernels (what a call without a hook launches).
           if ((which != 1 && which != 4) || i == 0) {
-            launch_low_latency_dispatch(rig.peers(r), rig.layout(), set, rig.dispatch_args(r), d.stream);
+            launch_low_latency_dispatch(ll::Phase::kBoth, rig.peers(r), rig.layout(), set, rig.dispatch_args(r),
+                                        d.stream);
           }
           if (which == 4) {
-            launch_low_latency_combine_send(rig.peers(r), rig.layout(), set, rig.combine_args(r, 0), d.stream);
+            launch_low_latency_combine(ll::Phase::kSend, rig.peers(r), rig.layout(), set, rig.combine_args(r, 0),
+                                       d.stream);
           } else if (which != 0) {
             const int dset = which == 1 ? 0 : set;
-            launch_low_latency_combine(rig.peers(r), rig.layout(), set, rig.combine_args(r, dset), d.stream);
+            launch_low_latency_combine(ll::Phase::kBoth, rig.peers(r), rig.layout(), set, rig.combine_args(r, dset),
+                                       d.stream);
           }
         }
         cudaGraph_t graph;

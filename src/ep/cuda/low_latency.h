@@ -76,25 +76,24 @@ inline constexpr uint32_t kCombineIdMask = (1u << kCombineIdBits) - 1;
 
 // Loads the low-latency kernels into the current device's context; see preload_normal_kernels.
 cudaError_t preload_low_latency_kernels();
-// Send half of dispatch: quantize (optionally) and write every (token, expert) pair into the receiver's slot.
-void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream);
-// Receive half: wait for every unmasked source rank, copy the staged rows into the packed output, write counts,
-// ranges (begin = prefix of the counts) and src_info (-1 past the count).
-void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream);
-// Both halves of dispatch in one launch.
-void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                 const LowLatencyDispatchLaunch& args, cudaStream_t stream);
-// Send half of combine: each local expert's rows go back to their (token, k) row on the source rank.
-void launch_low_latency_combine_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                     const LowLatencyCombineLaunch& args, cudaStream_t stream);
-// Receive half: wait for the experts each token chose, then the weighted sum in fp32 (ascending k).
-void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                     const LowLatencyCombineLaunch& args, cudaStream_t stream);
+namespace ll {
+// Which half of a call a launch runs: with a receive hook, the send half now and the receive half when the hook
+// runs; without one, both in one launch.
+enum class Phase : int {
+  kSend = 1,  // the hook's first half
+  kRecv = 2,  // the hook's second half
+  kBoth = 3,  // no hook: both halves in one launch
+};
+}  // namespace ll
 
-// Both halves of combine in one launch.
-void launch_low_latency_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+// Dispatch. Send half: quantize (optionally) and write every (token, expert) pair into the receiver's slot. Receive
+// half: wait for every unmasked source rank, copy the staged rows into the packed output, write counts, ranges
+// (begin = prefix of the counts) and src_info (-1 past the count).
+void launch_low_latency_dispatch(ll::Phase phase, const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                 const LowLatencyDispatchLaunch& args, cudaStream_t stream);
+// Combine. Send half: each local expert's rows go back to their (token, k) row on the source rank. Receive half:
+// wait for the experts each token chose, then the weighted sum in fp32 (ascending k).
+void launch_low_latency_combine(ll::Phase phase, const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                 const LowLatencyCombineLaunch& args, cudaStream_t stream);
 
 }  // namespace epx::cuda

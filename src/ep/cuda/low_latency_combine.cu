@@ -212,19 +212,12 @@ void launch_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout
 
 }  // namespace
 
-void launch_low_latency_combine_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                     const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  launch_combine(peers, layout, set, args, ll::Phase::kSend, stream, "low-latency combine send");
-}
-
-void launch_low_latency_combine_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                     const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  launch_combine(peers, layout, set, args, ll::Phase::kRecv, stream, "low-latency combine receive");
-}
-
-void launch_low_latency_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+void launch_low_latency_combine(ll::Phase phase, const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                 const LowLatencyCombineLaunch& args, cudaStream_t stream) {
-  launch_combine(peers, layout, set, args, ll::Phase::kBoth, stream, "low-latency combine");
+  launch_combine(peers, layout, set, args, phase, stream,
+                 phase == ll::Phase::kSend   ? "low-latency combine send"
+                 : phase == ll::Phase::kRecv ? "low-latency combine receive"
+                                             : "low-latency combine");
 }
 
 }  // namespace epx::cuda

@@ -172,13 +172,5 @@ void launch_for_topk_type(bool topk_int64, const char* what, Launch&& launch) {
 // namespace, so that the demangled name reads epx::cuda::ll::dispatch<...>; no parameter type may contain the
 // other direction's word. The phase branch is uniform over the grid; the register count is the larger of the
 // two halves' (as the fused kernels' always was).
-namespace ll {
-
-enum class Phase : int {
-  kSend = 1,  // the hook's first half
-  kRecv = 2,  // the hook's second half
-  kBoth = 3,  // no hook: both halves in one launch
-};
-
-}  // namespace ll
+// (ll::Phase, the launch's half, is in low_latency.h.)
 }  // namespace epx::cuda

@@ -328,19 +328,12 @@ void launch_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layou
 
 }  // namespace
 
-void launch_low_latency_dispatch_send(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
-  launch_dispatch(peers, layout, set, args, ll::Phase::kSend, stream, "low-latency dispatch send");
-}
-
-void launch_low_latency_dispatch_recv(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                      const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
-  launch_dispatch(peers, layout, set, args, ll::Phase::kRecv, stream, "low-latency dispatch receive");
-}
-
-void launch_low_latency_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+void launch_low_latency_dispatch(ll::Phase phase, const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                  const LowLatencyDispatchLaunch& args, cudaStream_t stream) {
-  launch_dispatch(peers, layout, set, args, ll::Phase::kBoth, stream, "low-latency dispatch");
+  launch_dispatch(peers, layout, set, args, phase, stream,
+                  phase == ll::Phase::kSend   ? "low-latency dispatch send"
+                  : phase == ll::Phase::kRecv ? "low-latency dispatch receive"
+                                              : "low-latency dispatch");
 }
 
 }  // namespace epx::cuda

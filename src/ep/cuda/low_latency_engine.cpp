@@ -1,11 +1,12 @@
+#include "ep/cuda/low_latency_engine.h"
+
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
 #include <cstring>
 
-#include "core/timeout.h"
 #include "core/cuda/cuda_util.h"
-#include "ep/cuda/low_latency_engine.h"
+#include "core/timeout.h"
 #include "ep/low_latency_scales.h"
 #include "epx/log.h"
 
@@ -152,9 +153,9 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
       args.cumulative_recv_counts.defined() ? args.cumulative_recv_counts.data_as<int>() : nullptr};
   auto stream = reinterpret_cast<cudaStream_t>(args.stream);
   if (args.return_recv_hook) {
-    launch_low_latency_dispatch_send(peers_, layout_, set, launch, stream);
+    launch_low_latency_dispatch(ll::Phase::kSend, peers_, layout_, set, launch, stream);
   } else {
-    launch_low_latency_dispatch(peers_, layout_, set, launch, stream);
+    launch_low_latency_dispatch(ll::Phase::kBoth, peers_, layout_, set, launch, stream);
   }
 
   const LowLatencySet& s = layout_.sets[set];
@@ -183,7 +184,7 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
   if (args.return_recv_hook) {
     result.recv_hook = once([this, set, launch, stream] {
       DeviceGuard g(device_);
-      launch_low_latency_dispatch_recv(peers_, layout_, set, launch, stream);
+      launch_low_latency_dispatch(ll::Phase::kRecv, peers_, layout_, set, launch, stream);
     });
   }
   return result;
@@ -214,13 +215,13 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
                                        config_.combine_send_parts,
                                        handle->dispatch_id};
   if (!args.return_recv_hook) {
-    launch_low_latency_combine(peers_, layout_, set, launch, stream);
+    launch_low_latency_combine(ll::Phase::kBoth, peers_, layout_, set, launch, stream);
     return result;
   }
-  launch_low_latency_combine_send(peers_, layout_, set, launch, stream);
+  launch_low_latency_combine(ll::Phase::kSend, peers_, layout_, set, launch, stream);
   result.recv_hook = once([this, set, launch, stream] {
     DeviceGuard g(device_);
-    launch_low_latency_combine_recv(peers_, layout_, set, launch, stream);
+    launch_low_latency_combine(ll::Phase::kRecv, peers_, layout_, set, launch, stream);
   });
   return result;
 }
