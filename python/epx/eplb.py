@@ -243,9 +243,8 @@ def all_reduce_counts(group: _epx.Group, counts: Any) -> np.ndarray:
 # ---- SGLang's EPLB files ------------------------------------------------------------------------------
 
 
-def _read_input_file(path: Any, what: str) -> str:
-    """The text of a regular file of at most MAX_INPUT_FILE_BYTES, as the CLI reads its input files."""
-    path = os.fspath(path)
+def _check_input_file(path: str, what: str) -> None:
+    """Raises unless `path` is a regular file of at most MAX_INPUT_FILE_BYTES (as the CLI checks its inputs)."""
     bound = f"{MAX_INPUT_FILE_BYTES >> 30} GiB"
     try:
         st = os.stat(path)
@@ -260,6 +259,13 @@ def _read_input_file(path: Any, what: str) -> str:
     if st.st_size > MAX_INPUT_FILE_BYTES:
         raise invalid_argument(f"{what}: '{path}' holds {st.st_size} bytes, more than the {bound} an input file may "
                                "hold")
+
+
+def _read_input_file(path: Any, what: str) -> str:
+    """The text of a regular file of at most MAX_INPUT_FILE_BYTES, as the CLI reads its input files."""
+    path = os.fspath(path)
+    bound = f"{MAX_INPUT_FILE_BYTES >> 30} GiB"
+    _check_input_file(path, what)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -282,8 +288,9 @@ def _read_input_file(path: Any, what: str) -> str:
 
 
 def _sglang_text(source: Any, what: str, key: str) -> str:
-    """JSON text from SGLang's forms: a dict (e.g. what torch.load returns for its .pt files), JSON text, or a
-    path to a .json file. A .pt path is refused with the conversion to use (reading it needs torch's unpickler)."""
+    """JSON text from SGLang's forms: a dict (e.g. what torch.load returns for its .pt files), JSON text, a path to
+    a .json file, or a path to a .pt file (read with torch.load(weights_only=True) when torch is installed; without
+    torch it is refused with the conversion to use)."""
     if isinstance(source, Mapping):
         if key not in source:
             raise invalid_argument(f"{what}: the mapping has no key '{key}' (keys: {sorted(map(str, source))})")
@@ -297,10 +304,22 @@ def _sglang_text(source: Any, what: str, key: str) -> str:
         return source  # JSON text, as SGLang's --init-expert-location also takes it
     path = os.fspath(source)
     if str(path).endswith(".pt"):
-        raise invalid_argument(
-            f"{what}: '{path}' is a torch .pt file, which epx does not read (it needs torch's unpickler): pass "
-            f"torch.load('{path}') instead, or convert it once to JSON: "
-            f"json.dump({{'{key}': torch.load(p)['{key}'].tolist()}}, open('out.json', 'w'))")
+        _check_input_file(path, what)
+        try:
+            import torch
+        except ImportError:
+            raise invalid_argument(
+                f"{what}: '{path}' is a torch .pt file, which epx reads only with torch installed (it needs torch's "
+                f"unpickler): install torch, or convert it once to JSON where torch is: "
+                f"json.dump({{'{key}': torch.load(p)['{key}'].tolist()}}, open('out.json', 'w'))") from None
+        try:
+            # NOTE: weights_only: tensors, numbers and containers only, never arbitrary pickled objects.
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises pickle/runtime errors of several kinds for a bad file
+            raise invalid_argument(f"{what}: '{path}' is not a torch file of tensors and numbers ({e})") from None
+        if not isinstance(obj, Mapping):
+            raise invalid_argument(f"{what}: '{path}' holds a {type(obj).__name__}, not a dict with '{key}'")
+        return _sglang_text(obj, what, key)
     return _read_input_file(path, what)
 
 
@@ -309,8 +328,8 @@ def load_sglang_logical_count(source: Any) -> SglangLogicalCount:
 
     ``source``: a path to a JSON file ``{"logical_count": [...]}`` (2-D [num_layers, num_logical] or the dump's
     3-D [buffer_size, num_layers, num_logical]; the dump's ``rank`` and ``average_utilization_rate_over_window``
-    are kept when present), that JSON text, or the dict ``torch.load`` returns for SGLang's ``.pt`` dump (or its
-    ``dump_record(output_mode="object")``). ``.counts`` (int64 [num_layers, num_logical]) is ``rebalance``'s
+    are kept when present), that JSON text, SGLang's ``.pt`` dump itself (read with torch when it is installed), or
+    the dict ``torch.load`` returns for it (or its ``dump_record(output_mode="object")``). ``.counts`` (int64 [num_layers, num_logical]) is ``rebalance``'s
     ``weight``. Raises ``epx.InvalidArgumentError`` naming the field, index or file bound.
     """
     return parse_sglang_logical_count(_sglang_text(source, "logical_count", "logical_count"))
@@ -318,7 +337,8 @@ def load_sglang_logical_count(source: Any) -> SglangLogicalCount:
 
 def load_sglang_expert_location(source: Any) -> SglangExpertLocation:
     """SGLang's ``--init-expert-location`` placement ``{"physical_to_logical_map": [[...]]}``: a path to a JSON
-    file, the JSON text, or a dict (``torch.load`` of a ``.pt`` one).
+    file, a ``.pt`` one (read with torch when it is installed), the JSON text, or a dict (``torch.load`` of a
+    ``.pt`` one).
 
     ``.phy2log`` is int32 [num_layers, num_physical]; the file does not say num_logical, so build the location with
     the model's: ``ExpertLocation(num_gpus, num_nodes, loc.phy2log, num_logical)``.

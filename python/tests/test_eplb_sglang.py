@@ -3,6 +3,7 @@ the dict torch.load returns), its --init-expert-location physical_to_logical_map
 rebalance / ExpertLocation, and the file bounds (regular files, at most MAX_INPUT_FILE_BYTES). Fixtures are
 written by the tests."""
 
+import importlib.util
 import json
 import os
 
@@ -85,7 +86,13 @@ def test_bad_files_and_fields(tmp_path):
     with open(big, "wb") as f:
         f.truncate(eplb.MAX_INPUT_FILE_BYTES + 1)  # sparse: no disk space used
     raises(big, "more than the 1 GiB an input file may hold")
-    raises(tmp_path / "dump.pt", "is a torch .pt file, which epx does not read")
+    raises(tmp_path / "missing.pt", "cannot read")
+    if importlib.util.find_spec("torch") is None:
+        (tmp_path / "dump.pt").write_bytes(b"not read")
+        raises(tmp_path / "dump.pt", "is a torch .pt file, which epx reads only with torch installed")
+    else:
+        (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+        raises(tmp_path / "junk.pt", "is not a torch file of tensors and numbers")
     (tmp_path / "latin1.json").write_bytes(b'{"logical_count": [[1]], "x": "\xe9"}')
     raises(tmp_path / "latin1.json", "is not UTF-8 text")
     raises('{"logical_count": [[1, -2]]}', "logical_count[0][1] = -2 must be an integer")
@@ -99,3 +106,18 @@ def test_bad_files_and_fields(tmp_path):
         eplb.save_sglang_logical_count(tmp_path / "neg.json", np.array([[1, -1]]))
     with pytest.raises(epx.InvalidArgumentError, match="expected an integer array"):
         eplb.save_sglang_logical_count(tmp_path / "float.json", np.array([[1.5]]))
+
+
+def test_pt_dump_is_read_with_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    counts = torch.tensor([[[1, 0, 2], [0, 3, 1]], [[2, 1, 0], [1, 1, 1]]])  # [passes, layers, experts]
+    torch.save({"logical_count": counts, "rank": 0, "average_utilization_rate_over_window": 0.75},
+               tmp_path / "dump.pt")
+    got = eplb.load_sglang_logical_count(tmp_path / "dump.pt")
+    np.testing.assert_array_equal(np.asarray(got.counts), counts.sum(0).numpy())
+    torch.save({"physical_to_logical_map": torch.tensor([[0, 1, 2, 0]])}, tmp_path / "loc.pt")
+    loc = eplb.load_sglang_expert_location(str(tmp_path / "loc.pt"))
+    np.testing.assert_array_equal(np.asarray(loc.phy2log), [[0, 1, 2, 0]])
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(epx.InvalidArgumentError, match="holds a list, not a dict"):
+        eplb.load_sglang_logical_count(tmp_path / "list.pt")
