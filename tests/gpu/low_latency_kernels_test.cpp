@@ -423,6 +423,12 @@ class LowLatencyKernels : public ::testing::Test {
   // written, and a GPU does not promise to run four such grids at once (four ranks on one H200 timed out on
   // 2026-12-01), so such a case would test the scheduler, not the protocol. Grids of 1024 blocks (1024 experts)
   // need a GPU per rank for the same reason.
+  // One device per rank, round robin over the visible GPUs.
+  std::vector<int> devices_for(const Case& c) const {
+    std::vector<int> devices;
+    for (int r = 0; r < c.num_ranks; ++r) devices.push_back(r % num_gpus_);
+    return devices;
+  }
   bool runs_here(const Case& c, int max_ranks_per_gpu = 2) const {
     if (c.num_ranks <= max_ranks_per_gpu * num_gpus_) return true;
     std::printf("[ skipped  ] R=%d on %d GPU(s): more than %d rank(s) per GPU\n", c.num_ranks, num_gpus_,
@@ -589,6 +595,13 @@ TEST_F(LowLatencyKernels, AbsentRankTimesOutAndIsMasked) {
   EXPECT_EQ(rig.compare(0, 0, expected[0]), 0);
 }
 
+// A buffer with just the low-latency memory case `c` needs.
+std::unique_ptr<Buffer> low_latency_buffer(std::shared_ptr<Group> group, const Case& c) {
+  BufferOptions options;
+  options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
+  return Buffer::create(std::move(group), options);
+}
+
 template <typename T>
 void* to_device(const std::vector<T>& v) {
   void* p = nullptr;
@@ -606,15 +619,12 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
     const std::vector<bool> all(c.num_ranks, true);
     auto in = make_inputs(c, rng);
     const auto expected = host_reference(c, in, all);
-    std::vector<int> devices;
-    for (int r = 0; r < c.num_ranks; ++r) devices.push_back(r % num_gpus_);
+    const std::vector<int> devices = devices_for(c);
     auto groups = create_cuda_groups(devices);
     const int64_t e_local = c.num_experts / c.num_ranks;
     run_host_ranks(groups, [&](int r, Group& group) {
       cudaSetDevice(devices[r]);
-      BufferOptions options;
-      options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
-      auto buffer = Buffer::create(groups[r], options);
+      auto buffer = low_latency_buffer(groups[r], c);
       cudaStream_t stream;
       cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
       void* x = to_device(in[r].x);
@@ -716,8 +726,7 @@ TEST_F(LowLatencyKernels, MismatchedHandlesAreReported) {
   auto in = make_inputs(c, rng);
   auto in2 = make_inputs(c, rng);
   const auto expected = host_reference(c, in, all);
-  std::vector<int> devices;
-  for (int r = 0; r < c.num_ranks; ++r) devices.push_back(r % num_gpus_);
+  const std::vector<int> devices = devices_for(c);
   auto groups = create_cuda_groups(devices);
   const int64_t e_local = c.num_experts / c.num_ranks;
   std::vector<std::string> messages(c.num_ranks);
@@ -725,9 +734,7 @@ TEST_F(LowLatencyKernels, MismatchedHandlesAreReported) {
   std::vector<int64_t> bad(c.num_ranks, -1);
   run_host_ranks(groups, [&](int r, Group& group) {
     cudaSetDevice(devices[r]);
-    BufferOptions options;
-    options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
-    auto buffer = Buffer::create(groups[r], options);
+    auto buffer = low_latency_buffer(groups[r], c);
     cudaStream_t stream;
     cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     void* x = to_device(in[r].x);

@@ -15,6 +15,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <latch>
 #include <random>
 #include <thread>
@@ -82,6 +83,17 @@ struct Case {
   bool column_major_scales = false;  // x_scales as a [T, S] view of [S, T] storage
   NormalConfig normal;               // BufferOptions::normal of every rank
 };
+
+// Two ranks on `devices` with T tokens each, hidden H, top-K of E experts.
+Case ep2_case(const std::vector<int>& devices, int64_t T, int64_t H, int64_t K, int64_t E) {
+  Case c;
+  c.devices = devices;
+  c.tokens = {T, T};
+  c.hidden = H;
+  c.num_topk = K;
+  c.num_experts = E;
+  return c;
+}
 
 struct RankInput {
   std::vector<uint8_t> x;  // bf16 or fp8 bytes [T, H]
@@ -162,7 +174,6 @@ int64_t num_scale_cols(const Case& c) { return c.packed_ue8m0 ? (c.hidden / 128 
 struct DeviceInput {
   Tensor x, scales, topk, weights, bias_0, bias_1;
 };
-
 
 std::vector<int64_t> widen_topk(const Tensor& t, const std::vector<uint8_t>& bytes) {
   std::vector<int64_t> out;
@@ -586,12 +597,7 @@ TEST_F(NormalGpuTest, CachedDispatchMovesNewData) {
   const int64_t T = 1024, H = 4096, K = 8, E = 64;
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  Case c;
-  c.devices = devices;
-  c.tokens = {T, T};
-  c.hidden = H;
-  c.num_topk = K;
-  c.num_experts = E;
+  const Case c = ep2_case(devices, T, H, K, E);
   const auto in = make_inputs(c, seed);
   const auto in2 = make_inputs(c, seed + 7);  // new x; routes from `in`
   auto groups = create_cuda_groups(devices, test_options());
@@ -876,6 +882,34 @@ int64_t identity_round_mismatches(const RankIn& in, int64_t T, int64_t H, int64_
   return wrong;
 }
 
+// One identity-expert round (dispatch `a`, combine its outputs) on `buffer`: the wrong elements.
+template <typename RankIn>
+int64_t identity_round(Buffer& buffer, const DispatchArgs& a, const RankIn& in, int64_t T, int64_t H, int64_t K,
+                       int64_t E) {
+  DispatchResult res = buffer.dispatch(a);
+  CombineArgs ca;
+  ca.x = res.recv_x;
+  ca.handle = res.handle;
+  ca.stream = a.stream;
+  return identity_round_mismatches(in, T, H, K, E, download<uint16_t>(buffer.combine(ca).x, a.stream));
+}
+
+// After a failed call: rounds until one matches (each failed attempt is the other rank's reset still pending), at
+// most 4; every error must have one of the `allowed` codes. The last round's wrong elements (-1: none completed).
+template <typename RankIn>
+int64_t recover_round(Buffer& buffer, const DispatchArgs& a, const RankIn& in, int64_t T, int64_t H, int64_t K,
+                      int64_t E, std::initializer_list<ErrorCode> allowed) {
+  int64_t wrong = -1;
+  for (int attempt = 0; attempt < 4 && wrong != 0; ++attempt) {
+    try {
+      wrong = identity_round(buffer, a, in, T, H, K, E);
+    } catch (const Error& e) {
+      EXPECT_NE(std::find(allowed.begin(), allowed.end(), e.code()), allowed.end()) << e.what();
+    }
+  }
+  return wrong;
+}
+
 // A peer that never arrives: rank 0 gets Error(kTimeout) naming the wait; afterwards both ranks use
 // the same buffers again and get correct results.
 TEST_F(NormalGpuTest, TimeoutThenRecover) {
@@ -886,12 +920,7 @@ TEST_F(NormalGpuTest, TimeoutThenRecover) {
   options.timeout_ms = 2000;
   auto groups = create_cuda_groups(devices, options);
   const int64_t T = 256, H = 2048, K = 4, E = 16;
-  Case c;
-  c.devices = devices;
-  c.tokens = {T, T};
-  c.hidden = H;
-  c.num_topk = K;
-  c.num_experts = E;
+  const Case c = ep2_case(devices, T, H, K, E);
   const auto in = make_inputs(c, fresh_seed());
   std::latch timed_out(2);
   std::vector<int64_t> bad(2, -1);
@@ -998,12 +1027,7 @@ TEST_F(NormalGpuTest, InvalidArgumentsOnOneRankFailThePeerAtOnce) {
   options.timeout_ms = 20'000;
   auto groups = create_cuda_groups(devices, options);
   const int64_t T = 128, H = 1024, K = 2, E = 16;
-  Case c;
-  c.devices = devices;
-  c.tokens = {T, T};
-  c.hidden = H;
-  c.num_topk = K;
-  c.num_experts = E;
+  const Case c = ep2_case(devices, T, H, K, E);
   const auto in = make_inputs(c, fresh_seed());
   std::vector<int64_t> wait_ms(2, -1), bad(2, -1);
   std::vector<std::string> peer_message(2);
@@ -1019,27 +1043,7 @@ TEST_F(NormalGpuTest, InvalidArgumentsOnOneRankFailThePeerAtOnce) {
     a.topk_idx = topk;
     a.num_experts = E;
     a.stream = stream;
-    // One round; the number of wrong elements of the identity-expert result.
-    auto round = [&] {
-      DispatchResult res = buffer->dispatch(a);
-      CombineArgs ca;
-      ca.x = res.recv_x;
-      ca.handle = res.handle;
-      ca.stream = stream;
-      return identity_round_mismatches(in[r], T, H, K, E, download<uint16_t>(buffer->combine(ca).x, stream));
-    };
-    // Retries until a round matches (each failed attempt is the other rank's reset still pending).
-    auto recover = [&] {
-      int64_t wrong = -1;
-      for (int attempt = 0; attempt < 4 && wrong != 0; ++attempt) {
-        try {
-          wrong = round();
-        } catch (const Error& e) {
-          EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
-        }
-      }
-      return wrong;
-    };
+    auto recover = [&] { return recover_round(*buffer, a, in[r], T, H, K, E, {ErrorCode::kPeerFailure}); };
     const auto start = std::chrono::steady_clock::now();
     auto elapsed_ms = [&] {
       return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
@@ -1117,12 +1121,7 @@ TEST_F(NormalGpuTest, MismatchedHandlesAreReported) {
   CudaGroupOptions options;
   options.timeout_ms = 20'000;
   const int64_t T = 256, H = 1024, K = 4, E = 16;
-  Case c;
-  c.devices = devices;
-  c.tokens = {T, T};
-  c.hidden = H;
-  c.num_topk = K;
-  c.num_experts = E;
+  const Case c = ep2_case(devices, T, H, K, E);
   for (const bool copy_engines : {true, false}) {
     auto groups = create_cuda_groups(devices, options);
     const auto in = make_inputs(c, fresh_seed());
@@ -1149,14 +1148,6 @@ TEST_F(NormalGpuTest, MismatchedHandlesAreReported) {
       a.stream = stream;
       DispatchArgs a2 = a;
       a2.topk_idx = topk2;
-      auto round = [&] {
-        DispatchResult res = buffer->dispatch(a);
-        CombineArgs ca;
-        ca.x = res.recv_x;
-        ca.handle = res.handle;
-        ca.stream = stream;
-        return identity_round_mismatches(in[r], T, H, K, E, download<uint16_t>(buffer->combine(ca).x, stream));
-      };
       int64_t wrong = 0;
       for (int op = 0; op < 2; ++op) {
         DispatchResult d1 = buffer->dispatch(a);
@@ -1191,15 +1182,9 @@ TEST_F(NormalGpuTest, MismatchedHandlesAreReported) {
         d1 = {};
         d2 = {};
         // The next calls reset the signals (retries: the other rank's reset may still be pending).
-        int64_t w = -1;
-        for (int attempt = 0; attempt < 4 && w != 0; ++attempt) {
-          try {
-            w = round();
-          } catch (const Error& e) {
-            EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kInvalidArgument) << e.what();
-          }
-        }
-        wrong += w;
+        const int64_t w =
+            recover_round(*buffer, a, in[r], T, H, K, E, {ErrorCode::kPeerFailure, ErrorCode::kInvalidArgument});
+        wrong += w == 0 ? 0 : 1;
       }
       bad[r] = wrong;
       x = {};
@@ -1217,7 +1202,8 @@ TEST_F(NormalGpuTest, MismatchedHandlesAreReported) {
                     codes[op][r] == static_cast<int>(ErrorCode::kPeerFailure))
             << "rank " << r << ": " << messages[op][r];
         EXPECT_GE(wait_ms[op][r], 0);
-        EXPECT_LT(wait_ms[op][r], 5'000) << "rank " << r << " learned of the mismatch after " << wait_ms[op][r] << " ms";
+        EXPECT_LT(wait_ms[op][r], 5'000) << "rank " << r << " learned of the mismatch after " << wait_ms[op][r]
+                                         << " ms";
         if (messages[op][r].find("come from different dispatches") != std::string::npos) ++found;
       }
       EXPECT_GE(found, 1) << messages[op][0] << " | " << messages[op][1];
