@@ -1,6 +1,6 @@
 // `epx bench`: dispatch + combine of a DeepSeek-V3-shaped MoE step: normal and low-latency on the host
-// backend, or on GPUs (tools/cuda/bench_normal.cpp: normal kernels, tools/cuda/bench_low_latency.cpp: low-latency kernels).
-// On all visible GPUs with the CUDA backend; without a GPU (or with --host) on the host backend.
+// backend, or on GPUs (tools/cuda/bench_normal.cpp: normal kernels, tools/cuda/bench_low_latency.cpp: low-latency
+// kernels). On all visible GPUs with the CUDA backend; without a GPU (or with --host) on the host backend.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 
 #include "bench.h"
 #include "bench_dp.h"
+#include "bench_model.h"
 #include "command.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
@@ -330,14 +331,60 @@ void check_host_bench_memory(const BenchConfig& c) {
                                    c.num_experts, c.num_ll_tokens, c.hidden));
 }
 
+// `epx bench --model`: flags checked (each bad value names its flag), the model run, the table printed and the
+// JSON written. Pure arithmetic, so it runs whatever the build or the machine.
+void run_model_command(const BenchConfig& c, ModelConfig m, const std::string& nodes, bool nodes_given,
+                       bool experts_given, const std::string& json_path,
+                       const std::vector<std::pair<CLI::Option*, const char*>>& not_with_model) {
+  for (const auto& [opt, name] : not_with_model) {
+    if (opt->count() > 0) throw BadInput(fmt::format("{} does not apply to --model (a prediction, not a run)", name));
+  }
+  if (nodes_given) {
+    m.num_nodes.clear();
+    size_t begin = 0;
+    while (true) {
+      const size_t comma = nodes.find(',', begin);
+      const std::string item = nodes.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+      const auto v = parse_decimal_int(item);
+      if (!v || *v < 1 || *v > 1024) {
+        throw BadInput(fmt::format("--nodes: '{}' (item {}) is not an integer in [1, 1024]", item, m.num_nodes.size()));
+      }
+      if (m.num_nodes.size() == 64) throw BadInput("--nodes: more than 64 items");
+      m.num_nodes.push_back(static_cast<int>(*v));
+      if (comma == std::string::npos) break;
+      begin = comma + 1;
+    }
+  }
+  m.num_tokens = c.num_tokens;
+  m.num_ll_tokens = c.num_ll_tokens;
+  m.hidden = c.hidden;
+  m.num_topk = c.num_topk;
+  m.num_experts = experts_given ? c.num_experts : 0;
+  m.seed = c.seed;
+  model_experts(m);  // every shape checked before any work
+  if (validate_only()) return;
+  std::ofstream json_file;
+  if (!json_path.empty()) {
+    json_file.open(json_path);
+    if (!json_file) throw BadInput(fmt::format("--json: cannot write '{}'", json_path));
+  }
+  const nlohmann::json report = run_model(m);
+  print_model_report(report);
+  if (json_file.is_open()) {
+    json_file << report.dump(2) << "\n";
+    json_file.close();
+    if (!json_file) throw Error(ErrorCode::kInternal, fmt::format("--json: writing '{}' failed", json_path));
+  }
+}
+
 void add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench",
                                  "Run dispatch + combine of a DeepSeek-V3-shaped MoE step, normal and low-latency: on "
                                  "all visible GPUs (one rank each), or on the host backend without a GPU");
   auto config = std::make_shared<BenchConfig>();
   auto json_path = std::make_shared<std::string>();
-  cmd->add_option("--ranks", config->num_ranks, "Ranks (default: all visible GPUs; host backend: 4)")
-      ->check(int_in(1, 1024));
+  auto* ranks = cmd->add_option("--ranks", config->num_ranks, "Ranks (default: all visible GPUs; host backend: 4)")
+                    ->check(int_in(1, 1024));
   auto* tokens = cmd->add_option("--tokens", config->num_tokens,
                                  "Tokens per rank, normal mode (default 4096; host "
                                  "backend 512)")
@@ -346,8 +393,10 @@ void add_bench(CLI::App& app) {
       cmd->add_option("--hidden", config->hidden, "Hidden size, a multiple of 128 (default 7168; host backend 2048)")
           ->check(int_in(128, 65536));
   cmd->add_option("--topk", config->num_topk, "Experts per token (default 8)")->check(int_in(1, 16));
-  cmd->add_option("--experts", config->num_experts, "Experts, a multiple of the ranks (default 256)")
-      ->check(int_in(1, 4096));
+  auto* experts = cmd->add_option("--experts", config->num_experts,
+                                  "Experts, a multiple of the ranks (default 256; --model: per configuration the "
+                                  "smallest multiple of the ranks and --groups >= 256, e.g. 288 for EP72)")
+                      ->check(int_in(1, 4096));
   cmd->add_option("--ll-tokens", config->num_ll_tokens,
                   "Tokens per rank, low-latency mode (default 128; on GPUs also 1, 32, 64 and 256)")
       ->check(int_in(1, 4096));
@@ -356,10 +405,11 @@ void add_bench(CLI::App& app) {
   auto* sms_opt = cmd->add_option("--sms", *sms,
                                   "SM counts to sweep for the normal kernels, comma-separated, each in [1, 1024] "
                                   "(cuda; default 24)");
-  cmd->add_option("--warmup", config->num_warmup, "Warm-up iterations (default 5)")->check(int_in(0, 10000));
-  cmd->add_option("--iters", config->num_iters, "Timed iterations; the median is reported (default 20)")
-      ->check(int_in(1, 100000));
-  cmd->add_flag("--host", config->host, "Use the host backend even when GPUs are visible");
+  auto* warmup =
+      cmd->add_option("--warmup", config->num_warmup, "Warm-up iterations (default 5)")->check(int_in(0, 10000));
+  auto* iters = cmd->add_option("--iters", config->num_iters, "Timed iterations; the median is reported (default 20)")
+                    ->check(int_in(1, 100000));
+  auto* host = cmd->add_flag("--host", config->host, "Use the host backend even when GPUs are visible");
   cmd->add_option("--seed", config->seed, "Random seed (default 1)")->check(uint64_any());
   cmd->add_option("--json", *json_path, "Also write the report as JSON to this file");
   auto* quiet = cmd->add_flag("--quiet")->description("No progress lines on stderr");
@@ -373,6 +423,33 @@ void add_bench(CLI::App& app) {
       "Instead: EPLB live: low-latency decode steps on Zipf routing, one rebalance from the recorded counts, the "
       "relocation of one layer's expert weights between the GPUs, the steps again (GPUs only; --ranks may exceed "
       "the GPUs, --ll-tokens, --experts, --topk, --hidden)");
+  // ---- the scale model (issue 17) ----
+  auto model_config = std::make_shared<ModelConfig>();
+  auto* model = cmd->add_flag("--model")->description(
+      "Instead: the scale model (no GPU needed): predicted dispatch/combine times for --nodes x --gpus-per-node from "
+      "the routing statistics of group-limited top-k (docs/multi-node.md, \"Scale model\")");
+  auto nodes = std::make_shared<std::string>();
+  auto* nodes_opt = cmd->add_option("--nodes", *nodes,
+                                    "--model: node counts, comma-separated, each in [1, 1024] (default 1,2,4,9: EP8, "
+                                    "EP16, EP32, EP72)");
+  auto* gpus_per_node =
+      cmd->add_option("--gpus-per-node", model_config->gpus_per_node, "--model: GPUs per node (default 8)")
+          ->check(int_in(1, 72));
+  auto* net_gbps = cmd->add_option("--net-gbps", model_config->links.network_gbps,
+                                   "--model: network GB/s per GPU, each way (default 50: 400 Gb/s)")
+                       ->check(number_in(0.1, 1e5));
+  auto* nvlink_gbps = cmd->add_option("--nvlink-gbps", model_config->links.nvlink_gbps,
+                                      "--model: NVLink GB/s per GPU, each way (default 385, the copy-engine rate "
+                                      "measured on 2x H200)")
+                          ->check(number_in(0.1, 1e5));
+  auto* latency_us = cmd->add_option("--latency-us", model_config->links.latency_us,
+                                     "--model: latency of a network message, us (default 5)")
+                         ->check(number_in(0, 1e6));
+  auto* groups = cmd->add_option("--groups", model_config->num_groups, "--model: expert groups (n_group; default 8)")
+                     ->check(int_in(1, 256));
+  auto* topk_group = cmd->add_option("--topk-group", model_config->num_topk_groups,
+                                     "--model: groups a token picks its experts in (topk_group; default 4)")
+                         ->check(int_in(1, 256));
   cmd->callback([=] {
     BenchConfig c = *config;
     c.progress = quiet->count() == 0;
@@ -393,6 +470,26 @@ void add_bench(CLI::App& app) {
     }
     if (c.hidden % kFp8BlockSize != 0) {
       throw BadInput(fmt::format("--hidden must be a multiple of {}, got {}", kFp8BlockSize, c.hidden));
+    }
+    const std::vector<std::pair<CLI::Option*, const char*>> model_only = {
+        {nodes_opt, "--nodes"},         {gpus_per_node, "--gpus-per-node"}, {net_gbps, "--net-gbps"},
+        {nvlink_gbps, "--nvlink-gbps"}, {latency_us, "--latency-us"},       {groups, "--groups"},
+        {topk_group, "--topk-group"}};
+    if (model->count() == 0) {
+      for (const auto& [opt, name] : model_only) {
+        if (opt->count() > 0) throw BadInput(fmt::format("{} applies only to --model", name));
+      }
+    } else {
+      run_model_command(c, *model_config, *nodes, nodes_opt->count() > 0, experts->count() > 0, *json_path,
+                        {{ranks, "--ranks"},
+                         {sms_opt, "--sms"},
+                         {warmup, "--warmup"},
+                         {iters, "--iters"},
+                         {host, "--host"},
+                         {dp, "--dp"},
+                         {tbo, "--tbo"},
+                         {eplb, "--eplb"}});
+      return;
     }
     bool use_cuda = false;
 #ifdef EPX_WITH_CUDA
@@ -428,7 +525,9 @@ void add_bench(CLI::App& app) {
     }
 #ifdef EPX_WITH_CUDA
     if (extra) {
-      report = dp->count() > 0 ? run_cuda_dp_bench(c) : tbo->count() > 0 ? run_cuda_tbo_bench(c) : run_cuda_eplb_bench(c);
+      report = dp->count() > 0    ? run_cuda_dp_bench(c)
+               : tbo->count() > 0 ? run_cuda_tbo_bench(c)
+                                  : run_cuda_eplb_bench(c);
     } else if (use_cuda) {
       report = run_cuda_bench(c);
     }
