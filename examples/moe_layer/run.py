@@ -296,6 +296,7 @@ def _rank_body(rank_idx, group, args, cfg, inputs, exchange, device, use_epx_dp,
             return max(exchange.all_gather(rank_idx, time.perf_counter() - t0))
 
         def recapture():
+            state["graph"] = None  # the old graph reads the old slots and replica table: drop it first
             state["graph"] = capture(False) if use_graph else None
 
         max_check = rank.slots_per_rank if cfg.hidden * cfg.inter <= 1 << 24 else 8
@@ -368,7 +369,8 @@ def report(args, cfg, results, checks, fallbacks) -> Dict:
     print(f"\ndecode: batch per rank {[r['decode_tokens'] for r in results]}")
     for name, e in results[0]["decode"].items():
         summary["decode"][name] = {"step_us": e["seconds"] * 1e6, **{k: v for k, v in e.items() if k != "seconds"}}
-        extra = " (CUDA graph)" if e.get("graph") else " (eager)"
+        extra = " (CUDA graph" + (f", replay vs eager max |diff| {e['graph_vs_eager_max_abs']:.2e})"
+                                  if "graph_vs_eager_max_abs" in e else ")") if e.get("graph") else " (eager)"
         print(f"  {name:12} {e['seconds'] * 1e6:9.1f} us per step{extra}")
     if "eplb" in results[0]:
         ev = results[0]["eplb"]
@@ -385,10 +387,13 @@ def report(args, cfg, results, checks, fallbacks) -> Dict:
         print(f"\nEPLB live (Zipf {args.zipf}, {len(tl)} decode steps, rebalance after step {cut}):")
         print(f"  GPU utilization (mean/max pairs per GPU) before {s['utilization_before']:.3f} -> after "
               f"{s['utilization_after']:.3f}; step {s['step_us_before']:.1f} -> {s['step_us_after']:.1f} us")
-        for r in ev["relocations"]:
-            print(f"  relocation at step {r['step']}: {r['moved_experts']} slots moved, rank 0 received "
-                  f"{r['bytes_received'] / 1e6:.2f} MB in {r['seconds'] * 1e3:.1f} ms, {r['checked_slots']} slots "
-                  "checked")
+        for i, r in enumerate(ev["relocations"]):
+            received = sum(res["eplb"]["relocations"][i]["bytes_received"] for res in results)
+            checked = sum(res["eplb"]["relocations"][i]["checked_slots"] for res in results)
+            summary["eplb"]["relocations"][i]["bytes_received_all_ranks"] = received
+            print(f"  relocation at step {r['step']}: {r['moved_experts']} slots moved, {received / 1e6:.2f} MB "
+                  f"received over all ranks, {r['seconds'] * 1e3:.1f} ms on rank 0; {checked} slots checked "
+                  "byte for byte against their new expert")
     for f in fallbacks:
         print(f"note: {f}")
     return summary
@@ -429,6 +434,7 @@ def main(argv=None) -> int:
     cfg = Config(hidden=args.hidden, num_experts=args.experts, num_redundant=args.redundant, inter=args.inter,
                  shared_inter=args.inter, layers=args.layers, seed=args.seed)
     fallbacks = []
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast for the DP communicators
     if args.backend == "host":
         torch.set_num_threads(1)  # ranks are threads: one torch thread each
         devices = ["cpu"] * args.ranks
