@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 import torch
 
@@ -110,7 +110,3 @@ def record(num_tokens: int, mode: dp.ForwardMode, can_run_graph: bool = True,
     return dp.BatchMetadata(num_tokens=num_tokens, num_tokens_for_logprob=num_tokens, forward_mode=mode,
                             is_extend_in_batch=mode == dp.ForwardMode.EXTEND, can_run_decode_graph=can_run_graph,
                             can_run_tbo=can_run_tbo)
-
-
-def maybe(value: Optional[Any], default: Any) -> Any:
-    return default if value is None else value

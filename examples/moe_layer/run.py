@@ -264,6 +264,9 @@ def _rank_body(rank_idx, group, args, cfg, inputs, exchange, device, use_epx_dp,
             graph.replay()
             rank.end_step()
             entry["graph_vs_eager_max_abs"] = (xsd[-1].float() - eager_out.float()).abs().max().item()
+            limit = TOLERANCE["bf16"] * eager_out.float().abs().max().item()
+            assert entry["graph_vs_eager_max_abs"] <= limit, \
+                f"rank {rank_idx}: decode {name}: the CUDA graph's output differs from the eager step's: {entry}"
             entry["seconds"] = timed(lambda: (dpc.sync(record(b, dp.ForwardMode.DECODE)), graph.replay()))
             entry["graph"] = True
             del graph
@@ -355,7 +358,7 @@ def report(args, cfg, results, checks, fallbacks) -> Dict:
     summary = {"config": cfg.as_dict(), "backend": args.backend, "devices": args.devices if args.backend == "cuda"
                else f"{len(results)} host ranks", "fallbacks": fallbacks, "checks": checks,
                "prefill": {}, "decode": {}}
-    print(f"\ncorrectness (max |out - ref|, mean, tolerance x max |ref|): all passed")
+    print("\ncorrectness (max |out - ref|, mean, tolerance x max |ref|): all passed")
     for name, c in checks.items():
         print(f"  {name:28} moe max {c['moe_max_abs_err']:.3e} mean {c['moe_mean_abs_err']:.3e} "
               f"(max |ref| {c['max_abs_ref']:.3g}, tol {c['tolerance']:.4f})"
