@@ -1,6 +1,7 @@
 // `epx bench` on GPUs: the normal dispatch/combine of the cuda backend, timed with CUDA events, next to
 // the floor measured in the same run (copy-engine peer copy, local copy) and a baseline a user would
-// write (per-destination rows through ncclSend/ncclRecv); then the low-latency phases (tools/cuda/bench_low_latency.cpp).
+// write (per-destination rows through ncclSend/ncclRecv); then the low-latency phases
+// (tools/cuda/bench_low_latency.cpp).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nccl.h>
@@ -218,6 +219,16 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
       const double layout_s =
           time_on_stream(stream, warm, iters, [&](int) { layout = buffer->get_dispatch_layout(topk, E, stream); });
       host_s[0] = t_last_host_s;
+      // The layout again, one rank at a time: it is a local kernel, and rank threads calling the CUDA driver at
+      // once contend for its locks (a call's host time doubles), which one process per GPU does not.
+      double layout_alone_s = 0;
+      for (int q = 0; q < R; ++q) {
+        g.barrier();
+        if (q == r) {
+          layout_alone_s =
+              time_on_stream(stream, warm, iters, [&] { layout = buffer->get_dispatch_layout(topk, E, stream); });
+        }
+      }
       DispatchResult res;
       g.barrier();
       const double disp_s = time_on_stream(stream, warm, iters, [&](int i) {
@@ -291,7 +302,7 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
       }
       mismatches[r] = bad;
       num_recv[r] = res.handle->num_recv_tokens();
-      t_layout[r] = {layout_s, host_s[0], pipe_s[0]};
+      t_layout[r] = {layout_s, host_s[0], pipe_s[0], layout_alone_s};
       t_disp[r] = {disp_s, host_s[1], 0};
       t_cached[r] = {cached_s, host_s[2], pipe_s[2]};
       t_fp8[r] = {fp8_s, host_s[3], pipe_s[3]};
@@ -337,6 +348,11 @@ nlohmann::json run_cuda_bench(const BenchConfig& config) {
       return j;
     };
     phases.push_back(phase("layout", worst(t_layout), 0));
+    {
+      double alone = 0;  // slowest rank, timed while the others wait
+      for (const auto& x : t_layout) alone = std::max(alone, x[3]);
+      phases.back()["alone_us"] = alone * 1e6;
+    }
     phases.push_back(phase("dispatch_bf16", worst(t_disp), bf16_bytes));
     phases.push_back(phase("dispatch_bf16_cached", worst(t_cached), bf16_bytes));
     phases.push_back(phase("dispatch_fp8_cached", worst(t_fp8), fp8_bytes));

@@ -1,3 +1,5 @@
+#include "core/cuda/alloc.h"
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -5,7 +7,6 @@
 #include <set>
 
 #include "core/check.h"
-#include "core/cuda/alloc.h"
 
 namespace epx::detail {
 
@@ -33,11 +34,11 @@ void keep_pool_memory(int device) {
 std::shared_ptr<void> cuda_allocate(size_t bytes, Device device, Stream stream) {
   int previous = 0;
   cudaGetDevice(&previous);
-  cudaSetDevice(device.index);
+  if (previous != device.index) cudaSetDevice(device.index);
   keep_pool_memory(device.index);
   void* p = nullptr;
   const cudaError_t err = cudaMallocAsync(&p, bytes > 0 ? bytes : 1, stream);
-  cudaSetDevice(previous);
+  if (previous != device.index) cudaSetDevice(previous);
   if (err != cudaSuccess) {
     cudaGetLastError();
     raise(err == cudaErrorMemoryAllocation ? ErrorCode::kOutOfMemory : ErrorCode::kCudaError,
@@ -46,9 +47,9 @@ std::shared_ptr<void> cuda_allocate(size_t bytes, Device device, Stream stream) 
   return {p, [stream, device](void* q) {
             int prev = 0;
             cudaGetDevice(&prev);
-            cudaSetDevice(device.index);
+            if (prev != device.index) cudaSetDevice(device.index);
             cudaFreeAsync(q, stream);
-            cudaSetDevice(prev);
+            if (prev != device.index) cudaSetDevice(prev);
           }};
 }
 

@@ -61,16 +61,19 @@ inline void check_cuda(cudaError_t err, const char* what) {
 // Sets the current device for a scope and restores the previous one.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
+  explicit DeviceGuard(int device) : device_(device) {
     cudaGetDevice(&previous_);
     if (previous_ != device) cudaSetDevice(device);
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
   int previous_ = 0;
+  int device_ = 0;
 };
 
 }  // namespace epx::cuda

@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "core/limits.h"
 #include "comm/cuda/device/error_record.h"
+#include "core/limits.h"
 #include "ep/normal_region.h"
 
 namespace epx::cuda {
@@ -42,7 +42,7 @@ struct CommArgs {
   // uint64 [R src]: rows (or tokens) the source's copy engine delivered into my staging, tagged with the
   // copy-engine operation count (ce_tag: a host counter, so a stream can write it without a kernel).
   int64_t off_ce_tail;
-  int64_t off_abort;   // uint64: 1 + a rank that left the call before it started (it writes every peer's word)
+  int64_t off_abort;  // uint64: 1 + a rank that left the call before it started (it writes every peer's word)
   // uint64 [2][R src]: the id of the dispatch the source's operation belongs to (its handle's, or the new
   // handle's), in slot [epoch & 1]: written by the source at the operation's start (launch_advance_epoch),
   // compared by receivers with their own when they see the source's rows (same_dispatch). Two slots as for
@@ -168,10 +168,13 @@ struct CombineKernelArgs {
 // Layout: counts and is_token_in_rank; an entry outside [-1, num_experts) is recorded in `error` and
 // treated as -1.
 // With num_tokens * num_topk <= kLayoutClusterEntries one thread-block cluster does it all and stores
-// the counts (no zeroing needed); otherwise the counts must be zeroed first.
+// the counts (no zeroing needed); otherwise the counts must be zeroed first. cluster_threads: the threads per
+// block of the cluster kernel; 0 sizes them to the tokens (one token per thread, at least 128), which
+// bench/micro/layout_cost.cu compares with a fixed 1024.
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
                    int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,
-                   uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream);
+                   uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream,
+                   int cluster_threads = 0);
 // Per destination: the exclusive prefix of is_token_in_rank, the token lists, the channel prefixes.
 void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ranks, int num_channels,
                  int32_t* excl_pos, int32_t* list_tok, int32_t* chan_start, cudaStream_t stream);

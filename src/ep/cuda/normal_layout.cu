@@ -3,6 +3,8 @@
 // Protocol: docs/normal-kernels.md.
 #include <cooperative_groups.h>
 
+#include <algorithm>
+
 #include "core/cuda/cuda_util.h"
 #include "ep/cuda/normal_device.cuh"
 
@@ -24,7 +26,7 @@ __device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64,
   for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) s_expert[i] = 0;
   if (threadIdx.x < kNormalMaxRanks) s_rank[threadIdx.x] = 0;
   __syncthreads();
-  const int64_t per = num_experts / num_ranks;
+  const int per = static_cast<int>(num_experts / num_ranks);  // experts <= kNormalMaxExperts: 32-bit division
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < num_tokens;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t e[kNormalMaxTopk];
@@ -46,12 +48,17 @@ __device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64,
       }
       if (e[k] < 0) continue;
       atomicAdd(&s_expert[e[k]], 1);
-      mask |= 1u << static_cast<int>(e[k] / per);
+      mask |= 1u << (static_cast<int>(e[k]) / per);
     }
+    // Most tokens go to every rank at small R: one atomic per warp and rank, not one per token (all the warp's
+    // lanes on one shared address serialize).
+    const unsigned active = __activemask();
+    const int leader = __ffs(active) - 1;
     for (int r = 0; r < num_ranks; ++r) {
       const bool in = (mask >> r) & 1u;
       in_rank[t * num_ranks + r] = in;
-      if (in) atomicAdd(&s_rank[r], 1);
+      const int count = __popc(__ballot_sync(active, in));
+      if ((threadIdx.x & 31) == leader && count != 0) atomicAdd(&s_rank[r], count);
     }
   }
   __syncthreads();
@@ -60,13 +67,24 @@ __device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64,
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();  // every block's shared counts are final
     if (cluster.block_rank() == 0) {
-      const unsigned num_blocks = cluster.num_blocks();
+      // All the cluster's loads of an entry in flight at once: a loop over a runtime block count issued them
+      // one distributed-shared-memory round trip after the other (perf-notes L2).
+      const int32_t* remote_expert[kLayoutClusterBlocks];
+      const int32_t* remote_rank[kLayoutClusterBlocks];
+#pragma unroll
+      for (int b = 0; b < kLayoutClusterBlocks; ++b) {
+        remote_expert[b] = cluster.map_shared_rank(s_expert, b);
+        remote_rank[b] = cluster.map_shared_rank(s_rank, b);
+      }
       for (int64_t i = threadIdx.x; i < num_experts + num_ranks; i += blockDim.x) {
-        int32_t sum = 0;
-        for (unsigned b = 0; b < num_blocks; ++b) {
-          sum += i < num_experts ? cluster.map_shared_rank(s_expert, b)[i]
-                                 : cluster.map_shared_rank(s_rank, b)[i - num_experts];
+        int32_t v[kLayoutClusterBlocks];
+#pragma unroll
+        for (int b = 0; b < kLayoutClusterBlocks; ++b) {
+          v[b] = i < num_experts ? remote_expert[b][i] : remote_rank[b][i - num_experts];
         }
+        int32_t sum = 0;
+#pragma unroll
+        for (int b = 0; b < kLayoutClusterBlocks; ++b) sum += v[b];
         if (i < num_experts) {
           per_expert[i] = sum;
         } else {
@@ -177,9 +195,18 @@ cudaError_t preload_layout_kernels() {
 
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
                    int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,
-                   uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream) {
+                   uint8_t* is_token_in_rank, ErrorRecord* value_error, int rank, cudaStream_t stream,
+                   int cluster_threads) {
   if (num_tokens * num_topk <= kLayoutClusterEntries) {
-    layout_cluster_kernel<<<kLayoutClusterBlocks, kLayoutClusterThreads, num_experts * sizeof(int32_t), stream>>>(
+    // One token per thread where the tokens allow: a block of 1024 threads for 4096 tokens left half the
+    // cluster idle and doubled the shared-memory atomics per busy block (docs/perf-notes.md, L1).
+    // At least one thread per count, so block 0 gathers every count in one distributed-shared-memory round.
+    if (cluster_threads <= 0) {
+      const int64_t per_block = (num_tokens + kLayoutClusterBlocks - 1) / kLayoutClusterBlocks;
+      const int64_t threads = std::max(per_block, num_experts + num_ranks);
+      cluster_threads = static_cast<int>(std::clamp<int64_t>((threads + 31) / 32 * 32, 128, kLayoutClusterThreads));
+    }
+    layout_cluster_kernel<<<kLayoutClusterBlocks, cluster_threads, num_experts * sizeof(int32_t), stream>>>(
         topk_idx, is_int64, num_tokens, num_topk, num_experts, num_ranks, num_tokens_per_rank, num_tokens_per_expert,
         is_token_in_rank, value_error, rank);
     return;
