@@ -9,8 +9,8 @@
 // Shapes: --tokens 4096, top-8 of 256 experts, 2 ranks (the layout of EP2), int64 top-k.
 //
 // Build (GPU machine, after a CUDA build of epx in build-gpu):
-//   nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc -Ibuild-gpu/include -o layout_cost bench/micro/layout_cost.cu \
-//        build-gpu/libepx.a -lcuda
+//   nvcc -O3 -std=c++17 -arch=sm_90 -DEPX_WITH_CUDA=1 -Iinclude -Isrc -o layout_cost bench/micro/layout_cost.cu \
+//        build-gpu/libepx.a -ldl
 // Run: ./layout_cost [tokens=4096]. Not part of the CMake build; results and the decision: docs/perf-notes.md.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
