@@ -21,9 +21,10 @@ from epx import dp
 class Exchange:
     """A rendezvous of the rank threads of this process (shared by all ranks)."""
 
-    def __init__(self, num_ranks: int):
+    def __init__(self, num_ranks: int, timeout_s: float = 120.0):
         self.num_ranks = num_ranks
-        self.barrier = threading.Barrier(num_ranks)
+        # NOTE: bounded, so a rank that died leaves its peers a BrokenBarrierError instead of a hang.
+        self.barrier = threading.Barrier(num_ranks, timeout=timeout_s)
         self.slots: List[Any] = [None] * num_ranks
 
     def all_gather(self, rank: int, value: Any) -> List[Any]:

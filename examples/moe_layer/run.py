@@ -457,7 +457,7 @@ def main(argv=None) -> int:
           f"(+{cfg.num_physical(num_ranks) - cfg.num_experts} redundant slots), top-{cfg.topk} of {cfg.num_groups} "
           f"groups (top-{cfg.topk_groups}), inter {cfg.inter}, {cfg.layers} layer(s)")
     inputs = make_inputs(args, cfg, num_ranks)
-    exchange = Exchange(num_ranks)
+    exchange = Exchange(num_ranks, timeout_s=args.timeout_ms / 1000)
     t0 = time.perf_counter()
     results = epx.run_host_ranks(groups, lambda r, g: dict(rank=r, **rank_main(
         r, g, args, cfg, inputs, exchange, devices, use_epx_dp, print)))
