@@ -81,7 +81,8 @@ __all__ = [
     "balancedness", "balancedness_per_layer", "choose_replicas", "count_moved_experts", "gpu_loads",
     "load_sglang_expert_location", "load_sglang_logical_count", "make_manager", "make_recorder",
     "parse_sglang_expert_location", "parse_sglang_logical_count", "placement_from_phy2log", "plan_relocation",
-    "rebalance", "rebalance_migration_aware", "relocate_weights", "save_sglang_expert_location",
+    "rebalance", "rebalance_migration_aware", "relocate_weights", "save_expert_distribution_records",
+    "save_sglang_expert_location",
     "save_sglang_logical_count", "simulate", "to_sglang_expert_location_json", "to_sglang_logical_count_json",
     "trivial_phy2log", "zipf_loads",
 ]
@@ -198,9 +199,27 @@ def choose_replicas(location: Union[ExpertLocation, DeviceReplicaTable], layer: 
 
 
 def make_recorder(num_layers: int, num_logical: int, num_physical: int, num_gpus: int, buffer_steps: int = 1000,
-                  mode: Union[RecordMode, str] = "stat") -> LoadRecorder:
-    """A LoadRecorder, with the mode given by enum or name (``"stat"``, ``"stat_approx"``, ``"per_pass"``, ``"per_token"``)."""
-    return LoadRecorder(num_layers, num_logical, num_physical, num_gpus, buffer_steps, enum_arg(RecordMode, mode, "mode"))
+                  mode: Union[RecordMode, str] = "stat", *, rank: int = 0,
+                  max_record_bytes: int = 256 << 20) -> LoadRecorder:
+    """A LoadRecorder, with the mode given by enum or name (``"stat"``, ``"stat_approx"``, ``"per_pass"``, ``"per_token"``).
+
+    ``per_pass`` / ``per_token`` keep one record per forward pass (SGLang's modes of the same names), written with
+    ``rank``, in at most ``max_record_bytes``; passes beyond it are counted in ``dropped_passes``.
+    """
+    return LoadRecorder(num_layers, num_logical, num_physical, num_gpus, buffer_steps, enum_arg(RecordMode, mode, "mode"),
+                        rank, max_record_bytes)
+
+
+def save_expert_distribution_records(path: Any, recorder: LoadRecorder, last_location: ExpertLocation,
+                                     clear: bool = True) -> None:
+    """Writes a per_pass / per_token recorder's records as SGLang's dump (``records``, ``last_physical_to_logical_map``),
+    in JSON, to ``path``; then clears the recorder when ``clear`` (SGLang's ``dump_record`` resets its recorder).
+    Raises ``epx.InvalidArgumentError`` in stat / stat_approx mode (their dump is ``save_sglang_logical_count``)."""
+    text = recorder.records_json(last_location)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    if clear:
+        recorder.clear()
 
 
 def make_manager(initial: ExpertLocation, *, buffer_steps: int = 1000, record_mode: Union[RecordMode, str] = "stat",

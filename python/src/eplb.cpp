@@ -31,6 +31,7 @@
 #include "epx/eplb/sglang_format.h"
 #include "epx/eplb/synthetic.h"
 #include "epx/error.h"
+#include "epx/forward_mode.h"
 #include "epx/group.h"
 
 namespace epx::py {
@@ -441,8 +442,9 @@ void bind_recorder(nb::module_& m) {
       .value("stat", RecordMode::kStat, "Per-step counts only.")
       .value("stat_approx", RecordMode::kStatApprox,
              "As stat, for normal-dispatch receive counts rounded up to expert_alignment (SGLang's stat_approx).")
-      .value("per_pass", RecordMode::kPerPass, "Also each forward pass's counts (passes()).")
-      .value("per_token", RecordMode::kPerToken, "Also each token's chosen slots (tokens()).");
+      .value("per_pass", RecordMode::kPerPass, "Also one record per forward pass: id, rank, counts (records()).")
+      .value("per_token", RecordMode::kPerToken,
+             "Also one record per forward pass with every token's top-k slots per layer (records()).");
 
   nb::class_<LoadRecorder>(m, "LoadRecorder",
                            "Per-step, per-layer, per-slot expert counts in a ring of buffer_steps steps. Not "
@@ -450,25 +452,48 @@ void bind_recorder(nb::module_& m) {
       .def(
           "__init__",
           [](LoadRecorder* self, int num_layers, int num_logical, int num_physical, int num_gpus, int buffer_steps,
-             RecordMode mode) {
-            new (self) LoadRecorder(num_layers, num_logical, num_physical, num_gpus, {buffer_steps, mode});
+             RecordMode mode, int rank, int64_t max_record_bytes) {
+            new (self) LoadRecorder(num_layers, num_logical, num_physical, num_gpus,
+                                    {buffer_steps, mode, rank, max_record_bytes});
           },
           nb::arg("num_layers"), nb::arg("num_logical"), nb::arg("num_physical"), nb::arg("num_gpus"),
-          nb::arg("buffer_steps") = 1000, nb::arg("mode") = RecordMode::kStat)
+          nb::arg("buffer_steps") = 1000, nb::arg("mode") = RecordMode::kStat, nb::arg("rank") = 0,
+          nb::arg("max_record_bytes") = RecorderOptions{}.max_record_bytes)
       .def(
           "record_pass",
-          [](LoadRecorder& r, const ExpertLocation& location, nb::handle physical_counts) {
-            r.record_pass(location, read_ints<int64_t>(physical_counts, "physical_counts", -1));
+          [](LoadRecorder& r, const ExpertLocation& location, nb::handle physical_counts, int64_t forward_pass_id,
+             std::optional<ForwardMode> forward_mode) {
+            PassInfo info;
+            info.forward_pass_id = forward_pass_id;
+            info.forward_mode = forward_mode;
+            r.record_pass(location, read_ints<int64_t>(physical_counts, "physical_counts", -1), info);
           },
-          nb::arg("location"), nb::arg("physical_counts"),
-          "Adds one forward pass's counts [num_layers, num_physical] (mapped to experts by location).")
+          nb::arg("location"), nb::arg("physical_counts"), nb::arg("forward_pass_id") = -1,
+          nb::arg("forward_mode").none() = nb::none(),
+          "Adds one forward pass's counts [num_layers, num_physical] (mapped to experts by location); per_pass mode "
+          "also keeps its record (forward_pass_id -1: the previous id + 1, from 1).")
       .def(
-          "record_tokens",
-          [](LoadRecorder& r, const ExpertLocation& location, int layer, nb::handle topk_physical) {
-            r.record_tokens(location, layer, read_ints<int64_t>(topk_physical, "topk_physical", -1));
+          "record_token_pass",
+          [](LoadRecorder& r, const ExpertLocation& location, nb::handle topk_ids, int64_t forward_pass_id,
+             std::optional<ForwardMode> forward_mode, std::optional<std::vector<int64_t>> input_ids,
+             std::optional<std::vector<int64_t>> positions, std::optional<std::vector<int64_t>> extend_seq_lens) {
+            const RoArray array = host_array(topk_ids, "topk_ids", 3);
+            const auto ids = values_of<int64_t>(array, "topk_ids", false);
+            PassInfo info;
+            info.forward_pass_id = forward_pass_id;
+            info.forward_mode = forward_mode;
+            if (input_ids) info.input_ids = std::move(*input_ids);
+            if (positions) info.positions = std::move(*positions);
+            if (extend_seq_lens) info.extend_seq_lens = std::move(*extend_seq_lens);
+            r.record_token_pass(location, ids, static_cast<int64_t>(array.shape(1)), static_cast<int>(array.shape(2)),
+                                info);
           },
-          nb::arg("location"), nb::arg("layer"), nb::arg("topk_physical"),
-          "per_token mode: the slots this pass's tokens chose in `layer` ([num_tokens, num_topk], -1 ignored).")
+          nb::arg("location"), nb::arg("topk_ids"), nb::arg("forward_pass_id") = -1,
+          nb::arg("forward_mode").none() = nb::none(), nb::arg("input_ids").none() = nb::none(),
+          nb::arg("positions").none() = nb::none(), nb::arg("extend_seq_lens").none() = nb::none(),
+          "per_token mode: one pass's top-k physical slots of every layer, topk_ids [num_layers, num_tokens, "
+          "num_topk] (-1: none); the counts are derived from them. input_ids / positions [num_tokens] and "
+          "extend_seq_lens are optional metadata kept in the record.")
       .def("end_step", &LoadRecorder::end_step, "Closes the step; it enters the ring (evicting the oldest).")
       .def_prop_ro("num_steps", &LoadRecorder::num_steps, "Steps closed so far.")
       .def_prop_ro("buffer_steps", &LoadRecorder::buffer_steps)
@@ -512,28 +537,38 @@ void bind_recorder(nb::module_& m) {
       .def_prop_ro("last_step_count_sum", &LoadRecorder::last_step_count_sum,
                    "The last closed step's counts summed (SGLang's gpu_physical_count_sum).")
       .def(
-          "passes",
+          "records",
           [](const LoadRecorder& r) {
             nb::list out;
             const size_t num_layers = num_layers_of(r);
-            for (auto& p : r.passes()) {
-              const size_t n = p.counts.size();
-              out.append(nb::make_tuple(p.step, to_numpy(std::move(p.counts), {num_layers, n / num_layers})));
+            for (const PassRecord& p : r.records()) {
+              nb::dict d;
+              d["forward_pass_id"] = p.forward_pass_id;
+              d["rank"] = p.rank;
+              d["step"] = p.step;
+              d["forward_mode"] = p.forward_mode ? nb::cast(*p.forward_mode) : nb::none();
+              const size_t n = p.global_physical_count.size();
+              d["global_physical_count"] = to_numpy(p.global_physical_count, {num_layers, n / num_layers});
+              if (r.mode() == RecordMode::kPerToken) {
+                d["topk_ids_of_layer"] =
+                    to_numpy(p.topk_ids, {num_layers, sz(p.num_tokens), static_cast<size_t>(p.num_topk)});
+                d["input_ids"] = to_numpy(p.input_ids, {p.input_ids.size()});
+                d["positions"] = to_numpy(p.positions, {p.positions.size()});
+                d["extend_seq_lens"] = to_numpy(p.extend_seq_lens, {p.extend_seq_lens.size()});
+              }
+              out.append(d);
             }
             return out;
           },
-          "per_pass mode: [(step, int32 [num_layers, num_physical])], oldest first.")
-      .def(
-          "tokens",
-          [](const LoadRecorder& r) {
-            nb::list out;
-            for (auto& t : r.tokens()) {
-              const size_t n = t.topk_physical.size();
-              out.append(nb::make_tuple(t.step, t.layer, to_numpy(std::move(t.topk_physical), {n})));
-            }
-            return out;
-          },
-          "per_token mode: [(step, layer, int32 topk_physical (flat))], oldest first.")
+          "per_pass / per_token mode: the records since construction or clear(), oldest first, as dicts with "
+          "SGLang's keys (forward_pass_id, rank, global_physical_count int32 [num_layers, num_physical]; per_token "
+          "also topk_ids_of_layer int32 [num_layers, num_tokens, num_topk], input_ids, positions, extend_seq_lens) "
+          "plus step and forward_mode (a ForwardMode or None).")
+      .def_prop_ro("dropped_passes", &LoadRecorder::dropped_passes,
+                   "Passes whose record did not fit in max_record_bytes (their counts still count).")
+      .def_prop_ro("record_bytes", &LoadRecorder::record_bytes, "Memory the records take, as max_record_bytes counts.")
+      .def("records_json", &LoadRecorder::records_json, nb::arg("last_location"),
+           "The records as SGLang's per_pass / per_token dump, in JSON (include/epx/eplb/recorder.h).")
       .def("clear", &LoadRecorder::clear, "Drops everything recorded (num_steps keeps counting).");
 }
 

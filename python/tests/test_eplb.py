@@ -140,9 +140,9 @@ def test_recorder_loads_and_utilization():
     gpu = (counts[2].reshape(2, 2, 2).sum(axis=2)).astype(float)
     np.testing.assert_allclose(rec.utilization_per_layer(1), (gpu.mean(1) + 1e-5) / (gpu.max(1) + 1e-5))
     assert rec.utilization(1) == pytest.approx(rec.utilization_per_layer(1).mean())
-    passes = rec.passes()
-    assert [s for s, _ in passes] == [1, 2]
-    np.testing.assert_array_equal(passes[1][1], counts[2])
+    records = rec.records()  # every pass since construction (not only the buffered steps), as SGLang keeps them
+    assert [r["step"] for r in records] == [0, 1, 2] and [r["forward_pass_id"] for r in records] == [1, 2, 3]
+    np.testing.assert_array_equal(records[2]["global_physical_count"], counts[2])
     rec.clear()
     assert rec.steps_in_buffer == 0 and rec.num_steps == 3
     with pytest.raises(epx.InvalidArgumentError):

@@ -15,7 +15,7 @@ DispatchCounts::DispatchCounts(int num_layers, int num_physical, int num_gpus, i
                 num_physical, num_gpus);
   EPX_CHECK_ARG(rank >= 0 && rank < num_gpus, "rank must be in [0, {}), got {}", num_gpus, rank);
   EPX_CHECK_ARG(mode != RecordMode::kPerToken,
-                "DispatchCounts does not serve per_token mode (use LoadRecorder::record_tokens)");
+                "DispatchCounts does not serve per_token mode (use LoadRecorder::record_token_pass)");
   slots_per_gpu_ = num_physical / num_gpus;
   counts_.assign(static_cast<size_t>(num_layers) * num_physical, 0);
   ll_baseline_.assign(static_cast<size_t>(num_layers) * slots_per_gpu_, 0);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 
@@ -43,6 +44,8 @@ LoadRecorder::LoadRecorder(int num_layers, int num_logical, int num_physical, in
   EPX_CHECK_ARG(num_gpus >= 1 && num_physical % num_gpus == 0, "num_physical ({}) must be divisible by num_gpus ({})",
                 num_physical, num_gpus);
   EPX_CHECK_ARG(options.buffer_steps >= 1, "buffer_steps must be >= 1, got {}", options.buffer_steps);
+  EPX_CHECK_ARG(options.rank >= 0, "rank must be >= 0, got {}", options.rank);
+  EPX_CHECK_ARG(options.max_record_bytes >= 0, "max_record_bytes must be >= 0, got {}", options.max_record_bytes);
   open_.counts.assign(static_cast<size_t>(num_layers) * num_physical, 0);
   buffer_sum_.assign(open_.counts.size(), 0);
 }
@@ -56,9 +59,52 @@ void LoadRecorder::check_location(const ExpertLocation& location) const {
       num_logical_, num_physical_, num_gpus_);
 }
 
-void LoadRecorder::record_pass(const ExpertLocation& location, std::span<const int64_t> physical_counts) {
-  EPX_CHECK_ARG(options_.mode != RecordMode::kPerToken, "record_pass is not allowed in per_token mode");
+void LoadRecorder::use_placement(const ExpertLocation& location) {
+  if (open_.phy2log && open_.phy2log != location.phy2log_table()) {
+    EPX_CHECK_ARG(*open_.phy2log == *location.phy2log_table(),
+                  "all passes of a step must use the same placement (end_step() between placement changes)");
+  }
+  open_.phy2log = location.phy2log_table();
+}
+
+int64_t LoadRecorder::next_pass_id(const PassInfo& info) {
+  last_pass_id_ = info.forward_pass_id >= 0 ? info.forward_pass_id : last_pass_id_ + 1;
+  return last_pass_id_;
+}
+
+namespace {
+
+int64_t record_size(const PassRecord& r) {
+  return static_cast<int64_t>(sizeof(PassRecord)) +
+         static_cast<int64_t>(r.global_physical_count.size() + r.topk_ids.size()) * 4 +
+         static_cast<int64_t>(r.input_ids.size() + r.positions.size() + r.extend_seq_lens.size()) * 8;
+}
+
+void check_pass_info(const PassInfo& info) {
+  EPX_CHECK_ARG(info.forward_pass_id >= -1, "info.forward_pass_id must be >= 0 (or -1: the next id), got {}",
+                info.forward_pass_id);
+}
+
+}  // namespace
+
+void LoadRecorder::keep_record(PassRecord record) {
+  const int64_t bytes = record_size(record);
+  if (bytes > options_.max_record_bytes - record_bytes_) {
+    ++dropped_passes_;
+    return;
+  }
+  record_bytes_ += bytes;
+  records_.push_back(std::move(record));
+}
+
+void LoadRecorder::record_pass(const ExpertLocation& location, std::span<const int64_t> physical_counts,
+                               const PassInfo& info) {
+  EPX_CHECK_ARG(options_.mode != RecordMode::kPerToken,
+                "record_pass is not allowed in per_token mode (record_token_pass records the top-k ids)");
   check_location(location);
+  check_pass_info(info);
+  EPX_CHECK_ARG(info.input_ids.empty() && info.positions.empty() && info.extend_seq_lens.empty(),
+                "record_pass: info.input_ids, positions and extend_seq_lens are per_token fields and must be empty");
   EPX_CHECK_ARG(physical_counts.size() == open_.counts.size(),
                 "physical_counts must have num_layers * num_physical = {} entries, got {}", open_.counts.size(),
                 physical_counts.size());
@@ -68,39 +114,80 @@ void LoadRecorder::record_pass(const ExpertLocation& location, std::span<const i
     EPX_CHECK_ARG(c >= 0 && c + open_.counts[i] <= kMax, "physical_counts[{}] must be in [0, {}] for the step, got {}",
                   i, kMax - open_.counts[i], c);
   }
-  if (open_.phy2log && open_.phy2log != location.phy2log_table()) {
-    EPX_CHECK_ARG(*open_.phy2log == *location.phy2log_table(),
-                  "all passes of a step must use the same placement (end_step() between placement changes)");
-  }
-  open_.phy2log = location.phy2log_table();
+  use_placement(location);
   for (size_t i = 0; i < physical_counts.size(); ++i) open_.counts[i] += static_cast<int32_t>(physical_counts[i]);
   if (options_.mode == RecordMode::kPerPass) {
-    open_.passes.push_back({num_steps_, std::vector<int32_t>(physical_counts.begin(), physical_counts.end())});
+    PassRecord record;
+    record.forward_pass_id = next_pass_id(info);
+    record.rank = options_.rank;
+    record.step = num_steps_;
+    record.forward_mode = info.forward_mode;
+    record.global_physical_count.assign(physical_counts.begin(), physical_counts.end());
+    record.phy2log = open_.phy2log;
+    keep_record(std::move(record));
   }
 }
 
-void LoadRecorder::record_tokens(const ExpertLocation& location, int layer, std::span<const int64_t> topk_physical) {
-  EPX_CHECK_ARG(options_.mode == RecordMode::kPerToken, "record_tokens needs per_token mode, the recorder is in {}",
+void LoadRecorder::record_token_pass(const ExpertLocation& location, std::span<const int64_t> topk_physical,
+                                     int64_t num_tokens, int num_topk, const PassInfo& info) {
+  EPX_CHECK_ARG(options_.mode == RecordMode::kPerToken, "record_token_pass needs per_token mode, the recorder is in {}",
                 to_string(options_.mode));
   check_location(location);
-  EPX_CHECK_ARG(layer >= 0 && layer < num_layers_, "layer must be in [0, {}), got {}", num_layers_, layer);
+  check_pass_info(info);
+  EPX_CHECK_ARG(num_tokens >= 0 && num_tokens <= std::numeric_limits<int32_t>::max(),
+                "num_tokens must be in [0, 2^31), got {}", num_tokens);
+  EPX_CHECK_ARG(num_topk >= 1 && num_topk <= 1024, "num_topk must be in [1, 1024], got {}", num_topk);
+  const int64_t per_layer = num_tokens * num_topk;
+  EPX_CHECK_ARG(static_cast<int64_t>(topk_physical.size()) == num_layers_ * per_layer,
+                "topk_physical must have num_layers * num_tokens * num_topk = {} * {} * {} = {} entries, got {}",
+                num_layers_, num_tokens, num_topk, num_layers_ * per_layer, topk_physical.size());
+  EPX_CHECK_ARG(info.input_ids.empty() || static_cast<int64_t>(info.input_ids.size()) == num_tokens,
+                "info.input_ids must be empty or hold num_tokens = {} ids, got {}", num_tokens, info.input_ids.size());
+  EPX_CHECK_ARG(info.positions.empty() || static_cast<int64_t>(info.positions.size()) == num_tokens,
+                "info.positions must be empty or hold num_tokens = {} positions, got {}", num_tokens,
+                info.positions.size());
+  int64_t extend_sum = 0;
+  for (size_t i = 0; i < info.extend_seq_lens.size(); ++i) {
+    EPX_CHECK_ARG(info.extend_seq_lens[i] >= 0 && info.extend_seq_lens[i] <= num_tokens - extend_sum,
+                  "info.extend_seq_lens[{}] = {} must be >= 0 and keep the sum within num_tokens = {}", i,
+                  info.extend_seq_lens[i], num_tokens);
+    extend_sum += info.extend_seq_lens[i];
+  }
+  std::vector<int32_t> counts(open_.counts.size(), 0);
   for (size_t i = 0; i < topk_physical.size(); ++i) {
-    EPX_CHECK_ARG(topk_physical[i] >= -1 && topk_physical[i] < num_physical_,
-                  "topk_physical[{}] must be in [-1, {}), got {}", i, num_physical_, topk_physical[i]);
+    const int64_t s = topk_physical[i];
+    EPX_CHECK_ARG(s >= -1 && s < num_physical_, "topk_physical[{}] must be in [-1, {}), got {}", i, num_physical_, s);
+    if (s >= 0) ++counts[static_cast<int64_t>(i) / per_layer * num_physical_ + s];
   }
-  if (open_.phy2log && open_.phy2log != location.phy2log_table()) {
-    EPX_CHECK_ARG(*open_.phy2log == *location.phy2log_table(),
-                  "all passes of a step must use the same placement (end_step() between placement changes)");
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  for (size_t i = 0; i < counts.size(); ++i) {
+    EPX_CHECK_ARG(static_cast<int64_t>(open_.counts[i]) + counts[i] <= kMax,
+                  "the step's count of layer {} slot {} would exceed 2^31 - 1", i / num_physical_, i % num_physical_);
   }
-  open_.phy2log = location.phy2log_table();
-  TokenRecord record{num_steps_, layer, {}};
-  record.topk_physical.reserve(topk_physical.size());
-  int32_t* counts = open_.counts.data() + static_cast<int64_t>(layer) * num_physical_;
-  for (int64_t s : topk_physical) {
-    record.topk_physical.push_back(static_cast<int32_t>(s));
-    if (s >= 0) ++counts[s];
+  use_placement(location);
+  for (size_t i = 0; i < counts.size(); ++i) open_.counts[i] += counts[i];
+  PassRecord record;
+  record.forward_pass_id = next_pass_id(info);
+  record.rank = options_.rank;
+  record.step = num_steps_;
+  record.forward_mode = info.forward_mode;
+  record.num_tokens = num_tokens;
+  record.num_topk = num_topk;
+  // NOTE: the size is known before the copies; a record over the cap is dropped without building it.
+  const int64_t bytes =
+      static_cast<int64_t>(sizeof(PassRecord)) + static_cast<int64_t>(counts.size() + topk_physical.size()) * 4 +
+      static_cast<int64_t>(info.input_ids.size() + info.positions.size() + info.extend_seq_lens.size()) * 8;
+  if (bytes > options_.max_record_bytes - record_bytes_) {
+    ++dropped_passes_;
+    return;
   }
-  open_.tokens.push_back(std::move(record));
+  record.global_physical_count = std::move(counts);
+  record.phy2log = open_.phy2log;
+  record.topk_ids.assign(topk_physical.begin(), topk_physical.end());
+  record.input_ids = info.input_ids;
+  record.positions = info.positions;
+  record.extend_seq_lens = info.extend_seq_lens;
+  keep_record(std::move(record));
 }
 
 void LoadRecorder::end_step() {
@@ -138,6 +225,10 @@ void LoadRecorder::clear() {
   last_step_count_sum_ = 0;
   open_ = Step{};
   open_.counts.assign(static_cast<size_t>(num_layers_) * num_physical_, 0);
+  records_.clear();
+  records_.shrink_to_fit();
+  record_bytes_ = 0;
+  dropped_passes_ = 0;
 }
 
 std::vector<const LoadRecorder::Step*> LoadRecorder::window_steps(int window) const {
@@ -236,20 +327,83 @@ double LoadRecorder::utilization(int window) const {
   return sum / num_layers_;
 }
 
-std::vector<LoadRecorder::PassRecord> LoadRecorder::passes() const {
-  std::vector<PassRecord> out;
-  for (const Step* step : window_steps(std::max(1, steps_in_buffer()))) {
-    out.insert(out.end(), step->passes.begin(), step->passes.end());
+int sglang_forward_mode_value(ForwardMode mode) noexcept {
+  switch (mode) {
+    case ForwardMode::kExtend:
+      return 1;
+    case ForwardMode::kDecode:
+      return 2;
+    case ForwardMode::kMixed:
+      return 3;
+    case ForwardMode::kIdle:
+      return 4;
+    case ForwardMode::kTargetVerify:
+      return 5;
+    case ForwardMode::kDraftExtend:
+      return 6;
+    case ForwardMode::kPrebuilt:
+      return 7;
   }
-  return out;
+  return 0;
 }
 
-std::vector<LoadRecorder::TokenRecord> LoadRecorder::tokens() const {
-  std::vector<TokenRecord> out;
-  for (const Step* step : window_steps(std::max(1, steps_in_buffer()))) {
-    out.insert(out.end(), step->tokens.begin(), step->tokens.end());
+std::string LoadRecorder::records_json(const ExpertLocation& last_location) const {
+  EPX_CHECK_ARG(options_.mode == RecordMode::kPerPass || options_.mode == RecordMode::kPerToken,
+                "records_json needs per_pass or per_token mode, the recorder is in {} (its dump is logical_count: "
+                "to_sglang_logical_count_json)",
+                to_string(options_.mode));
+  check_location(last_location);
+  using nlohmann::json;
+  auto rows = [&](const int32_t* data, int64_t num_rows, int64_t row_len) {
+    json out = json::array();
+    for (int64_t r = 0; r < num_rows; ++r) {
+      out.push_back(std::vector<int32_t>(data + r * row_len, data + (r + 1) * row_len));
+    }
+    return out;
+  };
+  const bool per_token = options_.mode == RecordMode::kPerToken;
+  json records = json::array();
+  for (const PassRecord& r : records_) {
+    json j;
+    j["forward_pass_id"] = r.forward_pass_id;
+    j["rank"] = r.rank;
+    j["gatherer_key"] = "primary";
+    j["global_physical_count"] = rows(r.global_physical_count.data(), num_layers_, num_physical_);
+    std::vector<int64_t> logical(static_cast<size_t>(num_layers_) * num_logical_, 0);
+    for (int64_t i = 0; i < static_cast<int64_t>(r.global_physical_count.size()); ++i) {
+      logical[i / num_physical_ * num_logical_ + (*r.phy2log)[i]] += r.global_physical_count[i];
+    }
+    json logical_rows = json::array();
+    for (int l = 0; l < num_layers_; ++l) {
+      logical_rows.push_back(std::vector<int64_t>(logical.begin() + static_cast<int64_t>(l) * num_logical_,
+                                                  logical.begin() + static_cast<int64_t>(l + 1) * num_logical_));
+    }
+    j["logical_count"] = std::move(logical_rows);
+    j["step"] = r.step;
+    j["forward_mode"] = r.forward_mode ? json(sglang_forward_mode_value(*r.forward_mode)) : json(nullptr);
+    j["forward_mode_name"] = r.forward_mode ? json(to_string(*r.forward_mode)) : json(nullptr);
+    if (per_token) {
+      j["input_ids"] = r.input_ids;
+      j["positions"] = r.positions;
+      j["extend_seq_lens"] = r.extend_seq_lens;
+      json layers = json::array();
+      for (int l = 0; l < num_layers_; ++l) {
+        layers.push_back(
+            rows(r.topk_ids.data() + static_cast<int64_t>(l) * r.num_tokens * r.num_topk, r.num_tokens, r.num_topk));
+      }
+      j["topk_ids_of_layer"] = std::move(layers);
+      j["misc_objects"] = json::array();
+    }
+    records.push_back(std::move(j));
   }
-  return out;
+  json out;
+  out["records"] = std::move(records);
+  out["last_physical_to_logical_map"] = rows(last_location.phy2log_table()->data(), num_layers_, num_physical_);
+  out["mode"] = to_string(options_.mode);
+  out["rank"] = options_.rank;
+  out["dropped_passes"] = dropped_passes_;
+  out["max_record_bytes"] = options_.max_record_bytes;
+  return out.dump();
 }
 
 }  // namespace epx::eplb

@@ -127,31 +127,183 @@ TEST(EplbRecorder, UtilizationWindowsAndLogicalMapping) {
   EXPECT_EQ(rec.physical_loads(2), (std::vector<int64_t>{1, 1, 1, 3}));
   EXPECT_EQ(rec.logical_loads(3), (std::vector<int64_t>{7, 5}));
   EXPECT_NEAR(rec.utilization(3), (6 + 1e-5) / (7 + 1e-5), 1e-12);
-  EXPECT_TRUE(rec.passes().empty());
+  EXPECT_TRUE(rec.records().empty());
   expect_invalid([&] { rec.record_pass(a, std::vector<int64_t>{1, 2}); }, "must have num_layers * num_physical = 4");
   expect_invalid([&] { rec.record_pass(a, std::vector<int64_t>{-1, 0, 0, 0}); }, "physical_counts[0]");
   expect_invalid([&] { rec.utilization(0); }, "window must be >= 1");
   expect_invalid([] { LoadRecorder(1, 2, 4, 2, {0}); }, "buffer_steps must be >= 1");
 }
 
-TEST(EplbRecorder, PerPassAndPerToken) {
-  const ExpertLocation a(1, 2, 4, 2, 1, {0, 1, 0, 1});
-  LoadRecorder pp(1, 2, 4, 2, {2, RecordMode::kPerPass});
-  pp.record_pass(a, std::vector<int64_t>{1, 0, 0, 0});
-  pp.record_pass(a, std::vector<int64_t>{0, 2, 0, 0});
-  pp.end_step();
-  const auto passes = pp.passes();
-  ASSERT_EQ(passes.size(), 2u);
-  EXPECT_EQ(passes[1].counts, (std::vector<int32_t>{0, 2, 0, 0}));
-  EXPECT_EQ(pp.physical_loads(1), (std::vector<int64_t>{1, 2, 0, 0}));
+// SGLang's per_pass records (expert_distribution.py, _DetailAccumulator): one per forward pass with its id, the
+// rank and this rank's global physical counts; kept past the ring (until clear(), as SGLang keeps them until dump).
+TEST(EplbRecorder, PerPassRecordsIdRankModeAndCounts) {
+  const auto loc = ExpertLocation::trivial(2, 3, 4, 2);  // slot 3 holds expert 0
+  LoadRecorder rec(2, 3, 4, 2, {.buffer_steps = 1, .mode = RecordMode::kPerPass, .rank = 5});
+  rec.record_pass(loc, std::vector<int64_t>{1, 0, 0, 2, 0, 1, 1, 0}, {.forward_mode = ForwardMode::kExtend});
+  rec.record_pass(loc, std::vector<int64_t>{0, 0, 3, 0, 4, 0, 0, 0},
+                  {.forward_pass_id = 42, .forward_mode = ForwardMode::kDecode});
+  rec.end_step();
+  rec.record_pass(loc, std::vector<int64_t>{0, 0, 0, 7, 0, 0, 0, 0});
+  rec.end_step();  // the ring holds one step; the records stay
+  EXPECT_EQ(rec.physical_loads(10), (std::vector<int64_t>{0, 0, 0, 7, 0, 0, 0, 0}));
+  const auto& records = rec.records();
+  ASSERT_EQ(records.size(), 3u);
+  EXPECT_EQ(records[0].forward_pass_id, 1);  // SGLang's first forward pass id
+  EXPECT_EQ(records[1].forward_pass_id, 42);
+  EXPECT_EQ(records[2].forward_pass_id, 43);
+  EXPECT_EQ(records[0].step, 0);
+  EXPECT_EQ(records[1].step, 0);
+  EXPECT_EQ(records[2].step, 1);
+  EXPECT_EQ(records[2].rank, 5);
+  EXPECT_EQ(records[1].forward_mode, ForwardMode::kDecode);
+  EXPECT_FALSE(records[2].forward_mode.has_value());
+  EXPECT_EQ(records[1].global_physical_count, (std::vector<int32_t>{0, 0, 3, 0, 4, 0, 0, 0}));
+  EXPECT_EQ(rec.dropped_passes(), 0);
 
-  LoadRecorder pt(1, 2, 4, 2, {2, RecordMode::kPerToken});
-  pt.record_tokens(a, 0, std::vector<int64_t>{0, 3, -1, 3});
+  const auto dump = nlohmann::json::parse(rec.records_json(loc));
+  EXPECT_EQ(dump["mode"], "per_pass");
+  EXPECT_EQ(dump["rank"], 5);
+  EXPECT_EQ(dump["dropped_passes"], 0);
+  EXPECT_EQ(dump["last_physical_to_logical_map"], nlohmann::json::parse("[[0,1,2,0],[0,1,2,0]]"));
+  ASSERT_EQ(dump["records"].size(), 3u);
+  const auto& r0 = dump["records"][0];
+  EXPECT_EQ(r0["forward_pass_id"], 1);
+  EXPECT_EQ(r0["rank"], 5);
+  EXPECT_EQ(r0["gatherer_key"], "primary");
+  EXPECT_EQ(r0["forward_mode"], 1);  // SGLang's ForwardMode.EXTEND
+  EXPECT_EQ(r0["forward_mode_name"], "EXTEND");
+  EXPECT_EQ(r0["global_physical_count"], nlohmann::json::parse("[[1,0,0,2],[0,1,1,0]]"));
+  EXPECT_EQ(r0["logical_count"], nlohmann::json::parse("[[3,0,0],[0,1,1]]"));
+  EXPECT_FALSE(r0.contains("topk_ids_of_layer"));
+  EXPECT_EQ(dump["records"][1]["forward_mode"], 2);  // DECODE
+  EXPECT_TRUE(dump["records"][2]["forward_mode"].is_null());
+
+  rec.clear();
+  EXPECT_TRUE(rec.records().empty());
+  EXPECT_EQ(rec.record_bytes(), 0);
+  rec.record_pass(loc, std::vector<int64_t>(8, 1));
+  EXPECT_EQ(rec.records().at(0).forward_pass_id, 44);  // ids keep counting, as num_steps
+  expect_invalid([&] { rec.record_pass(loc, std::vector<int64_t>(8, 0), {.forward_pass_id = -2}); },
+                 "forward_pass_id must be >= 0");
+  expect_invalid([&] { rec.record_pass(loc, std::vector<int64_t>(8, 0), {.input_ids = {1}}); }, "per_token fields");
+  expect_invalid([&] { rec.record_token_pass(loc, std::vector<int64_t>(2, 0), 1, 1); }, "needs per_token mode");
+  expect_invalid([] { LoadRecorder(1, 2, 4, 2, {.rank = -1}); }, "rank must be >= 0");
+  expect_invalid([] { LoadRecorder(1, 2, 4, 2, {.max_record_bytes = -1}); }, "max_record_bytes must be >= 0");
+  LoadRecorder stat(2, 3, 4, 2, {});
+  expect_invalid([&] { (void)stat.records_json(loc); }, "needs per_pass or per_token mode");
+  expect_invalid([&] { (void)rec.records_json(ExpertLocation::trivial(1, 3, 4, 2)); }, "location shape");
+}
+
+// SGLang's per_token records (_DetailSinglePassGatherer): per pass the top-k physical ids of every layer
+// [layers, tokens, top-k] (-1 where no expert), input ids, positions, extend lengths, forward mode, and the
+// global physical counts derived from the ids (-1 not counted).
+TEST(EplbRecorder, PerTokenRecordsTopkIdsAndDerivesCounts) {
+  const auto loc = ExpertLocation::trivial(2, 3, 4, 2);
+  LoadRecorder rec(2, 3, 4, 2, {.buffer_steps = 4, .mode = RecordMode::kPerToken, .rank = 1});
+  // layer 0: token 0 -> {0, 3}, token 1 -> {3, -1}; layer 1: token 0 -> {1, 2}, token 1 -> {-1, -1}
+  const std::vector<int64_t> topk = {0, 3, 3, -1, 1, 2, -1, -1};
+  rec.record_token_pass(
+      loc, topk, 2, 2,
+      {.forward_mode = ForwardMode::kExtend, .input_ids = {11, 12}, .positions = {0, 1}, .extend_seq_lens = {2}});
+  rec.end_step();
+  EXPECT_EQ(rec.physical_loads(1), (std::vector<int64_t>{1, 0, 0, 2, 0, 1, 1, 0}));
+  EXPECT_EQ(rec.logical_loads(1), (std::vector<int64_t>{3, 0, 0, 0, 1, 1}));
+  ASSERT_EQ(rec.records().size(), 1u);
+  EXPECT_EQ(rec.records()[0].topk_ids, (std::vector<int32_t>{0, 3, 3, -1, 1, 2, -1, -1}));
+  const auto dump = nlohmann::json::parse(rec.records_json(loc));
+  EXPECT_EQ(dump["mode"], "per_token");
+  const auto& r = dump["records"][0];
+  EXPECT_EQ(r["forward_pass_id"], 1);
+  EXPECT_EQ(r["rank"], 1);
+  EXPECT_EQ(r["forward_mode"], 1);
+  EXPECT_EQ(r["topk_ids_of_layer"], nlohmann::json::parse("[[[0,3],[3,-1]],[[1,2],[-1,-1]]]"));
+  EXPECT_EQ(r["input_ids"], nlohmann::json::parse("[11,12]"));
+  EXPECT_EQ(r["positions"], nlohmann::json::parse("[0,1]"));
+  EXPECT_EQ(r["extend_seq_lens"], nlohmann::json::parse("[2]"));
+  EXPECT_EQ(r["global_physical_count"], nlohmann::json::parse("[[1,0,0,2],[0,1,1,0]]"));
+  EXPECT_EQ(r["logical_count"], nlohmann::json::parse("[[3,0,0],[0,1,1]]"));
+  EXPECT_EQ(r["misc_objects"], nlohmann::json::array());
+
+  // A decode pass without metadata, and a pass of no tokens.
+  rec.record_token_pass(loc, std::vector<int64_t>{2, 2}, 1, 1, {.forward_mode = ForwardMode::kDecode});
+  rec.record_token_pass(loc, {}, 0, 8);
+  rec.end_step();
+  EXPECT_EQ(rec.physical_loads(1), (std::vector<int64_t>{0, 0, 1, 0, 0, 0, 1, 0}));
+  ASSERT_EQ(rec.records().size(), 3u);
+  EXPECT_EQ(rec.records()[2].forward_pass_id, 3);
+  EXPECT_EQ(nlohmann::json::parse(rec.records_json(loc))["records"][2]["topk_ids_of_layer"],
+            nlohmann::json::parse("[[],[]]"));
+
+  // Bad input records nothing.
+  const auto before = rec.physical_loads(100);
+  expect_invalid(
+      [&] {
+        rec.record_token_pass(loc, std::vector<int64_t>{0, 4}, 1, 1);
+      },
+      "topk_physical[1] must be in [-1, 4)");
+  expect_invalid([&] { rec.record_token_pass(loc, std::vector<int64_t>{0, 1, 2}, 1, 1); }, "= 2 entries, got 3");
+  expect_invalid(
+      [&] {
+        rec.record_token_pass(loc, std::vector<int64_t>{0, 1}, 1, 1, {.input_ids = {1, 2}});
+      },
+      "info.input_ids");
+  expect_invalid(
+      [&] {
+        rec.record_token_pass(loc, std::vector<int64_t>{0, 1}, 1, 1, {.extend_seq_lens = {2}});
+      },
+      "extend_seq_lens[0]");
+  expect_invalid([&] { rec.record_token_pass(loc, {}, 0, 0); }, "num_topk");
+  expect_invalid([&] { rec.record_pass(loc, std::vector<int64_t>(8, 0)); }, "not allowed in per_token");
+  rec.end_step();
+  EXPECT_EQ(rec.records().size(), 3u);
+  EXPECT_EQ(rec.physical_loads(100), before);
+}
+
+// The records' memory is capped: a pass whose record does not fit is dropped and counted; its counts still count.
+TEST(EplbRecorder, RecordCapDropsPassesAndCountsThem) {
+  const auto loc = ExpertLocation::trivial(2, 3, 4, 2);
+  const int64_t pass_bytes = static_cast<int64_t>(sizeof(PassRecord)) + 8 * 4;  // 2 layers x 4 slots of int32
+  LoadRecorder rec(2, 3, 4, 2, {.mode = RecordMode::kPerPass, .max_record_bytes = 3 * pass_bytes - 1});
+  for (int i = 0; i < 4; ++i) rec.record_pass(loc, std::vector<int64_t>(8, 1));
+  rec.end_step();
+  EXPECT_EQ(rec.records().size(), 2u);
+  EXPECT_EQ(rec.dropped_passes(), 2);
+  EXPECT_EQ(rec.record_bytes(), 2 * pass_bytes);
+  EXPECT_EQ(rec.physical_loads(1), std::vector<int64_t>(8, 4));
+  EXPECT_EQ(nlohmann::json::parse(rec.records_json(loc))["dropped_passes"], 2);
+  rec.record_pass(loc, std::vector<int64_t>(8, 1));
+  EXPECT_EQ(rec.dropped_passes(), 3);
+  rec.clear();
+  EXPECT_EQ(rec.dropped_passes(), 0);
+  rec.record_pass(loc, std::vector<int64_t>(8, 1));
+  EXPECT_EQ(rec.records().back().forward_pass_id, 6);  // dropped passes used their ids
+
+  // per_token: one token of top-2 fits, 100 tokens do not.
+  const int64_t token_bytes = static_cast<int64_t>(sizeof(PassRecord)) + (8 + 2 * 2) * 4;
+  LoadRecorder pt(2, 3, 4, 2, {.mode = RecordMode::kPerToken, .max_record_bytes = token_bytes});
+  pt.record_token_pass(loc, std::vector<int64_t>(2 * 100 * 2, 0), 100, 2);
+  pt.record_token_pass(loc, std::vector<int64_t>{0, 1, 2, 3}, 1, 2);
+  EXPECT_EQ(pt.dropped_passes(), 1);
+  ASSERT_EQ(pt.records().size(), 1u);
+  EXPECT_EQ(pt.records()[0].num_tokens, 1);
+  EXPECT_EQ(pt.record_bytes(), token_bytes);
   pt.end_step();
-  EXPECT_EQ(pt.physical_loads(1), (std::vector<int64_t>{1, 0, 0, 2}));
-  ASSERT_EQ(pt.tokens().size(), 1u);
-  EXPECT_EQ(pt.tokens()[0].topk_physical, (std::vector<int32_t>{0, 3, -1, 3}));
-  expect_invalid([&] { pt.record_pass(a, std::vector<int64_t>{0, 0, 0, 0}); }, "not allowed in per_token");
+  EXPECT_EQ(pt.physical_loads(1), (std::vector<int64_t>{201, 1, 0, 0, 200, 0, 1, 1}));
+  // ...and 0 keeps none.
+  LoadRecorder none(2, 3, 4, 2, {.mode = RecordMode::kPerPass, .max_record_bytes = 0});
+  none.record_pass(loc, std::vector<int64_t>(8, 0));
+  EXPECT_TRUE(none.records().empty());
+  EXPECT_EQ(none.dropped_passes(), 1);
+}
+
+TEST(EplbRecorder, SglangForwardModeValues) {
+  EXPECT_EQ(sglang_forward_mode_value(ForwardMode::kExtend), 1);
+  EXPECT_EQ(sglang_forward_mode_value(ForwardMode::kDecode), 2);
+  EXPECT_EQ(sglang_forward_mode_value(ForwardMode::kMixed), 3);
+  EXPECT_EQ(sglang_forward_mode_value(ForwardMode::kIdle), 4);
+  EXPECT_EQ(sglang_forward_mode_value(ForwardMode::kTargetVerify), 5);
+  EXPECT_EQ(sglang_forward_mode_value(ForwardMode::kDraftExtend), 6);
+  EXPECT_EQ(sglang_forward_mode_value(ForwardMode::kPrebuilt), 7);
 }
 
 TEST(EplbManager, RebalancesInChunksFromRecordedLoads) {

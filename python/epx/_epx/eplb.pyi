@@ -8,6 +8,7 @@ import numpy
 from numpy.typing import NDArray
 
 import epx._epx
+import epx._epx.dp
 
 
 class Policy(enum.Enum):
@@ -252,26 +253,28 @@ class RecordMode(enum.Enum):
     """
 
     per_pass = 1
-    """Also each forward pass's counts (passes())."""
+    """Also one record per forward pass: id, rank, counts (records())."""
 
     per_token = 2
-    """Also each token's chosen slots (tokens())."""
+    """
+    Also one record per forward pass with every token's top-k slots per layer (records()).
+    """
 
 class LoadRecorder:
     """
     Per-step, per-layer, per-slot expert counts in a ring of buffer_steps steps. Not thread-safe: one per rank.
     """
 
-    def __init__(self, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, buffer_steps: int = 1000, mode: RecordMode = RecordMode.stat) -> None: ...
+    def __init__(self, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, buffer_steps: int = 1000, mode: RecordMode = RecordMode.stat, rank: int = 0, max_record_bytes: int = 268435456) -> None: ...
 
-    def record_pass(self, location: ExpertLocation, physical_counts: object) -> None:
+    def record_pass(self, location: ExpertLocation, physical_counts: object, forward_pass_id: int = -1, forward_mode: epx._epx.dp.ForwardMode | None = None) -> None:
         """
-        Adds one forward pass's counts [num_layers, num_physical] (mapped to experts by location).
+        Adds one forward pass's counts [num_layers, num_physical] (mapped to experts by location); per_pass mode also keeps its record (forward_pass_id -1: the previous id + 1, from 1).
         """
 
-    def record_tokens(self, location: ExpertLocation, layer: int, topk_physical: object) -> None:
+    def record_token_pass(self, location: ExpertLocation, topk_ids: object, forward_pass_id: int = -1, forward_mode: epx._epx.dp.ForwardMode | None = None, input_ids: Sequence[int] | None = None, positions: Sequence[int] | None = None, extend_seq_lens: Sequence[int] | None = None) -> None:
         """
-        per_token mode: the slots this pass's tokens chose in `layer` ([num_tokens, num_topk], -1 ignored).
+        per_token mode: one pass's top-k physical slots of every layer, topk_ids [num_layers, num_tokens, num_topk] (-1: none); the counts are derived from them. input_ids / positions [num_tokens] and extend_seq_lens are optional metadata kept in the record.
         """
 
     def end_step(self) -> None:
@@ -318,14 +321,24 @@ class LoadRecorder:
         The last closed step's counts summed (SGLang's gpu_physical_count_sum).
         """
 
-    def passes(self) -> list:
+    def records(self) -> list:
         """
-        per_pass mode: [(step, int32 [num_layers, num_physical])], oldest first.
+        per_pass / per_token mode: the records since construction or clear(), oldest first, as dicts with SGLang's keys (forward_pass_id, rank, global_physical_count int32 [num_layers, num_physical]; per_token also topk_ids_of_layer int32 [num_layers, num_tokens, num_topk], input_ids, positions, extend_seq_lens) plus step and forward_mode (a ForwardMode or None).
         """
 
-    def tokens(self) -> list:
+    @property
+    def dropped_passes(self) -> int:
         """
-        per_token mode: [(step, layer, int32 topk_physical (flat))], oldest first.
+        Passes whose record did not fit in max_record_bytes (their counts still count).
+        """
+
+    @property
+    def record_bytes(self) -> int:
+        """Memory the records take, as max_record_bytes counts."""
+
+    def records_json(self, last_location: ExpertLocation) -> str:
+        """
+        The records as SGLang's per_pass / per_token dump, in JSON (include/epx/eplb/recorder.h).
         """
 
     def clear(self) -> None:
