@@ -12,7 +12,8 @@
 //
 // Every collective below runs over a Group holding all `world` ranks (the TP group) and is called by
 // every rank of it with the same plan. The ranks of one DP rank (its attention-TP and -CP ranks) hold
-// the same batch; only its "leader" (attn_tp_rank 0, attn_cp_rank 0) contributes data.
+// the same batch; only its "leader" (attn_tp_rank 0, attn_cp_rank 0) contributes data, unless its CP ranks hold
+// shards of it (cp_shard_counts, below).
 #pragma once
 
 #include <cstdint>
@@ -131,7 +132,18 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 // Preconditions: layout.world_size() == group.num_ranks(), plan.num_tokens.size() == attn_dp_size,
 // the same plan on every rank (the host backend checks and throws kInvalidArgument on every rank; the
 // cuda backend does not check: a mismatch gives NCCL calls of different sizes, which is undefined).
-// attn_cp_size > 1 is not supported yet (kUnsupported).
+//
+// Attention context parallelism (attn_cp_size > 1; SGLang's dp_attention.py `_dp_gather` / `dp_scatter` with
+// `cp_shard_counts`). Without cp_shard_counts the CP ranks of a DP rank hold the same rows and CP rank 0's are
+// gathered (its leader's, or for kPartialSums the sum over CP rank 0's attention-TP ranks). With cp_shard_counts
+// ([attn_cp_size], this rank's DP rank's, e.g. ZigzagSplit::num_tokens; >= 0, summing to plan.num_tokens of the DP
+// rank; the same on every rank of the DP rank) each CP rank holds a different shard of the DP rank's tokens: its
+// first cp_shard_counts[c] local rows land at offsets[d] + cp_shard_counts[0] + ... + cp_shard_counts[c - 1], the
+// shards back to back in CP rank order (rows past a shard's count, e.g. its padding to ZigzagSplit::padded_rank_len,
+// are skipped); local then needs >= cp_shard_counts[attn_cp_rank] rows. DP ranks may differ in whether they pass
+// shards (one may run a split extend batch, another a decode batch). With attn_cp_size > 1 both padding modes run
+// as the SUM_LEN all-reduce (SGLang: "an all-gather takes a block from every rank of the TP group, CP ranks
+// included"), so MAX_LEN rows are 0 + x too (-0 reads back as +0); the buffer layout is the plan's either way.
 
 // global [plan.buffer_len, hidden] (or [plan.buffer_len]) on every rank receives every DP rank's first num_tokens[d]
 // rows of its leader's `local` at offsets[d]; all other rows are zero. SUM_LEN rows are 0 + x in the dtype (an
@@ -146,14 +158,16 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 // DP rank's attention-TP group holds a partial sum of the same rows, and global receives their sum: the TP
 // reduction and the DP gather in one collective, with either padding mode (MAX_LEN: the sums land in the padded
 // slots, the padding is zero; the cuda backend all-reduces the padded buffer, where SGLang reduce-scatters inside
-// attention TP and then all-gathers: the same rows, about twice the bytes). Floats summed in fp32 in attention-TP rank order, then rounded once (host); the cuda backend sums
-// in NCCL's order and may round bf16 partial sums with more than 2 ranks; integers sum exactly (wrapping).
+// attention TP and then all-gathers: the same rows, about twice the bytes). Floats summed in fp32 in attention-TP rank
+// order, then rounded once (host); the cuda backend sums in NCCL's order and may round bf16 partial sums with more than
+// 2 ranks; integers sum exactly (wrapping).
 enum class DpGatherSource : uint8_t {
   kLeader,       // the DP rank's rows as its leader holds them (every attention-TP rank holds the same batch)
   kPartialSums,  // the sum over the DP rank's attention-TP ranks
 };
 void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-               const TensorView& global, Stream stream = nullptr, DpGatherSource source = DpGatherSource::kLeader);
+               const TensorView& global, Stream stream = nullptr, DpGatherSource source = DpGatherSource::kLeader,
+               std::span<const int64_t> cp_shard_counts = {});
 
 enum class DpScatterKind : uint8_t {
   kSlice,          // every rank holds the same global buffer: local = its DP rank's rows (no communication)
@@ -166,8 +180,53 @@ enum class DpScatterKind : uint8_t {
 // and may round bf16 partial sums with more than 2 ranks; int32/int64 summed exactly in their own width,
 // wrapping modulo 2^32 / 2^64 on overflow, which is order-independent, so both backends agree bit-exactly).
 // 1-D tensors as for dp_gather. Rows past the count are zeroed.
+// attn_cp_size > 1: every CP rank of a DP rank receives the DP rank's rows (kReduceScatter: as SGLang's
+// dp_reduce_scatter_tensor, which gives every CP rank the full DP slot). kSlice with cp_shard_counts (as for
+// dp_gather) takes back only this CP rank's shard: local[0, cp_shard_counts[c]) = global rows
+// [offsets[d] + prefix(c), + cp_shard_counts[c]), the rest of local zero (SGLang's dp_scatter). kReduceScatter
+// takes no shards (kInvalidArgument; SGLang's reduce-scatter has no shard form): pick the shard's rows out of the
+// DP rank's rows with zigzag_local_rows.
 void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
-                const TensorView& local, DpScatterKind kind = DpScatterKind::kSlice, Stream stream = nullptr);
+                const TensorView& local, DpScatterKind kind = DpScatterKind::kSlice, Stream stream = nullptr,
+                std::span<const int64_t> cp_shard_counts = {});
+
+// ---- attention context parallelism: SGLang's zigzag split ------------------------------------------
+// SGLang (python/sglang/srt/layers/cp/zigzag.py, ZigzagCPStrategy) cuts every sequence of a prefill batch into
+// 2 * cp blocks; CP rank c holds block c and block 2 * cp - 1 - c of each sequence, so the causal-attention work
+// (which grows with the position) is balanced: early and late blocks pair up. Host-only, no allocation beyond
+// the returned vectors; throws Error(kInvalidArgument) naming the argument.
+
+// Whether SGLang splits the batch (ZigzagCPStrategy.can_apply): cp_size > 1, mode EXTEND or MIXED (SGLang's
+// ForwardMode.is_context_parallel_extend), num_tokens >= 2 * cp_size and every extend length >= 2 * cp_size.
+// When false every CP rank of the DP rank holds the whole batch (no shards). extend_seq_lens: each >= 0;
+// num_tokens >= 0; cp_size in [1, 1024].
+bool can_zigzag_split(std::span<const int64_t> extend_seq_lens, int cp_size, ForwardMode mode, int64_t num_tokens);
+
+struct ZigzagSplit {
+  int cp_size = 1;
+  // [num_seqs] the extend lengths as split: rows past their sum (num_tokens - sum, e.g. CUDA-graph padding) are
+  // added to the last sequence, as SGLang's build_metadata does.
+  std::vector<int64_t> seq_lens;
+  std::vector<int64_t> seq_offsets;  // [num_seqs] first batch row of each sequence (exclusive prefix sums)
+  // [num_seqs * 2 * cp_size] block b of sequence s at s * 2 * cp_size + b: length L = q * 2cp + r gives the first r
+  // blocks q + 1 rows and the others q (SGLang: base + 1 if block_id < rem else base).
+  std::vector<int64_t> block_lens;
+  std::vector<int64_t> num_tokens;  // [cp_size] rows CP rank c holds: sum over sequences of blocks c and 2cp-1-c
+  int64_t max_rank_len = 0;         // max of num_tokens
+  int64_t padded_rank_len = 0;      // max_rank_len rounded up to a multiple of 2 * cp_size (SGLang's
+                                    // pad_logical_token_to_physical: each rank's rows padded to it for CP collectives)
+};
+// num_tokens: the batch's rows, >= the sum of extend_seq_lens (-1: the sum). extend_seq_lens: 1 to 2^24 sequences,
+// each >= 0, the total at most 2^40.
+ZigzagSplit plan_zigzag_split(std::span<const int64_t> extend_seq_lens, int cp_size, int64_t num_tokens = -1);
+// [split.num_tokens[cp_rank]] the batch row of each of CP rank cp_rank's rows, in SGLang's local order: block
+// cp_rank of every sequence (in batch order), then block 2 * cp - 1 - cp_rank of every sequence.
+std::vector<int64_t> zigzag_local_rows(const ZigzagSplit& split, int cp_rank);
+// [total rows] for batch row i, its row once the CP ranks' rows lie back to back in CP rank order (each
+// num_tokens[c] rows, no padding): SGLang's all-gather + cp_reverse_index inverse, and where dp_gather with
+// cp_shard_counts = split.num_tokens puts it relative to the DP rank's offset. So batch row i of DP rank d is
+// global row plan.offsets[d] + zigzag_gathered_rows(split)[i].
+std::vector<int64_t> zigzag_gathered_rows(const ZigzagSplit& split);
 
 // ---- batch-metadata sync ---------------------------------------------------------------------------
 

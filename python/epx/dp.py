@@ -37,7 +37,10 @@ from ._epx.dp import (  # noqa: F401
     ParallelLayout,
     ParallelSizes,
     RankCoords,
+    ZigzagSplit,
     reduce_batch_metadata,
+    zigzag_gathered_rows,
+    zigzag_local_rows,
 )
 from ._args import enum_arg, int_list
 from ._tensors import cuda_stream_of, is_torch, to_arg
@@ -47,8 +50,8 @@ _native = _epx.dp
 __all__ = [
     "BATCH_METADATA_FIELDS", "BatchMetadata", "BatchMetadataSync", "BatchSyncResult", "DpGatherPlan",
     "DpGatherSource", "DpPaddingMode", "DpScatterKind", "ForwardMode", "GlobalBatchInfo", "ParallelGroupKind", "ParallelLayout",
-    "ParallelSizes", "RankCoords", "choose_padding_mode", "dp_gather", "dp_scatter", "plan_dp_gather",
-    "reduce_batch_metadata",
+    "ParallelSizes", "RankCoords", "ZigzagSplit", "can_zigzag_split", "choose_padding_mode", "dp_gather", "dp_scatter",
+    "plan_dp_gather", "plan_zigzag_split", "reduce_batch_metadata", "zigzag_gathered_rows", "zigzag_local_rows",
 ]
 
 
@@ -74,6 +77,23 @@ def plan_dp_gather(num_tokens_per_dp_rank: Sequence[int], mode: Union[DpPaddingM
                                   enum_arg(DpPaddingMode, mode, "mode"), attn_tp_size)
 
 
+def can_zigzag_split(extend_seq_lens: Sequence[int], cp_size: int, mode: Union[ForwardMode, str],
+                     num_tokens: Optional[int] = None) -> bool:
+    """Whether SGLang splits the batch over the attention-CP ranks (``ZigzagCPStrategy.can_apply``): cp_size > 1,
+    EXTEND or MIXED, ``num_tokens`` (default: the sum) >= 2 * cp_size and every extend length >= 2 * cp_size."""
+    lens = int_list(extend_seq_lens, "extend_seq_lens")
+    return _native.can_zigzag_split(lens, cp_size, enum_arg(ForwardMode, mode, "mode"),
+                                    sum(lens) if num_tokens is None else num_tokens)
+
+
+def plan_zigzag_split(extend_seq_lens: Sequence[int], cp_size: int, num_tokens: int = -1) -> ZigzagSplit:
+    """SGLang's zigzag split: every sequence cut into ``2 * cp_size`` blocks (length ``q * 2cp + r``: the first
+    ``r`` blocks get ``q + 1`` rows), CP rank c holds blocks c and ``2 * cp_size - 1 - c`` of every sequence;
+    ``num_tokens`` past the sum (padding) joins the last sequence. See ``zigzag_local_rows`` /
+    ``zigzag_gathered_rows`` for the index maps."""
+    return _native.plan_zigzag_split(int_list(extend_seq_lens, "extend_seq_lens"), cp_size, num_tokens)
+
+
 def _empty_like(t: Any, rows: int) -> Any:
     shape = (rows,) + tuple(t.shape[1:])
     if is_torch(t):
@@ -86,7 +106,7 @@ def _empty_like(t: Any, rows: int) -> Any:
 
 
 def dp_gather(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: Any, out: Any = None,
-              stream: Any = None, partial_sums: bool = False) -> Any:
+              stream: Any = None, partial_sums: bool = False, cp_shard_counts: Optional[Sequence[int]] = None) -> Any:
     """Collective: the global batch [plan.buffer_len, hidden] on every rank.
 
     Row block ``[offsets[d], offsets[d] + num_tokens[d])`` holds the first ``num_tokens[d]`` rows of DP rank
@@ -94,30 +114,41 @@ def dp_gather(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, loc
     ``dp_gather_partial``): every attention-TP rank's ``local`` is a partial sum and the block holds their sum
     (the TP reduction and the gather in one collective). ``local`` may have more rows than this rank's count
     (only the first count are read). ``out`` (allocated like ``local`` when None) is written and returned.
+
+    Attention CP (``attn_cp_size > 1``): without ``cp_shard_counts`` CP rank 0's rows are gathered (the CP ranks
+    hold the same batch); with them (``[attn_cp_size]``, this DP rank's, e.g. ``plan_zigzag_split(...).num_tokens``)
+    each CP rank's first ``cp_shard_counts[c]`` rows land back to back in CP rank order at the DP rank's offset.
     """
     if out is None:
         out = _empty_like(local, plan.buffer_len)
+    shards = [] if cp_shard_counts is None else int_list(cp_shard_counts, "cp_shard_counts")
     try:
         source = DpGatherSource.partial_sums if partial_sums else DpGatherSource.leader
     except Exception:  # no truth value: the native call rejects it, naming source, and still takes part
         source = partial_sums
-    _native.dp_gather(group, layout, plan, to_arg(local), to_arg(out), cuda_stream_of(stream, local, out), source)
+    _native.dp_gather(group, layout, plan, to_arg(local), to_arg(out), cuda_stream_of(stream, local, out), source,
+                      shards)
     return out
 
 
 def dp_scatter(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, global_buffer: Any, out: Any = None,
-               kind: Union[DpScatterKind, str] = "slice", stream: Any = None) -> Any:
+               kind: Union[DpScatterKind, str] = "slice", stream: Any = None,
+               cp_shard_counts: Optional[Sequence[int]] = None) -> Any:
     """Collective: this DP rank's rows of the global batch, [num_tokens[my DP rank], hidden].
 
     ``kind="slice"``: every rank holds the same ``global_buffer``; ``"reduce_scatter"``: each holds a partial
     one and the rows are summed over ranks (fp32, rank order, rounded once). ``out`` (allocated like
     ``global_buffer`` when None; may have more rows, which are zeroed) is written and returned.
+    ``kind="slice"`` with ``cp_shard_counts`` (as for ``dp_gather``) returns only this CP rank's shard
+    ``[cp_shard_counts[attn_cp_rank], hidden]``.
     """
+    shards = [] if cp_shard_counts is None else int_list(cp_shard_counts, "cp_shard_counts")
     if out is None:
-        dp_rank = layout.coords(group.rank).attn_dp_rank
-        out = _empty_like(global_buffer, plan.num_tokens[dp_rank])
+        coords = layout.coords(group.rank)
+        rows = plan.num_tokens[coords.attn_dp_rank] if not shards else shards[coords.attn_cp_rank]
+        out = _empty_like(global_buffer, rows)
     _native.dp_scatter(group, layout, plan, to_arg(global_buffer), to_arg(out), enum_arg(DpScatterKind, kind, "kind"),
-                       cuda_stream_of(stream, global_buffer, out))
+                       cuda_stream_of(stream, global_buffer, out), shards)
     return out
 
 

@@ -164,18 +164,22 @@ void bind_gather(nb::module_& m) {
   m.def(
       "dp_gather",
       [](Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, nb::handle local,
-         nb::handle global_buffer, nb::handle stream, DpGatherSource source) {
+         nb::handle global_buffer, nb::handle stream, DpGatherSource source,
+         const std::vector<int64_t>& cp_shard_counts) {
         const TensorView local_view = to_view(local, "local");
         const TensorView global_view = to_view(global_buffer, "global_buffer");
         const Stream s = to_stream(stream);
         nb::gil_scoped_release release;
-        dp_gather(group, layout, plan, local_view, global_view, s, source);
+        dp_gather(group, layout, plan, local_view, global_view, s, source, cp_shard_counts);
       },
       nb::arg("group"), nb::arg("layout"), nb::arg("plan"), nb::arg("local"), nb::arg("global_buffer"),
       nb::arg("stream") = nb::none(), nb::arg("source") = DpGatherSource::kLeader,
+      nb::arg("cp_shard_counts") = std::vector<int64_t>{},
       "Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] "
       "rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source "
-      "partial_sums, either padding mode) at offsets[d]; other rows are zeroed. Contiguous. GIL released.");
+      "partial_sums, either padding mode) at offsets[d]; other rows are zeroed. With attention CP and "
+      "cp_shard_counts ([attn_cp_size], this DP rank's) each CP rank's first cp_shard_counts[c] rows land back to "
+      "back in CP rank order. Contiguous. GIL released.");
 
   nb::enum_<DpScatterKind>(m, "DpScatterKind", "What dp_scatter's global buffer holds.")
       .value("slice", DpScatterKind::kSlice, "The same buffer on every rank: take this DP rank's rows.")
@@ -184,17 +188,56 @@ void bind_gather(nb::module_& m) {
   m.def(
       "dp_scatter",
       [](Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, nb::handle global_buffer,
-         nb::handle local, DpScatterKind kind, nb::handle stream) {
+         nb::handle local, DpScatterKind kind, nb::handle stream, const std::vector<int64_t>& cp_shard_counts) {
         const TensorView global_view = to_view(global_buffer, "global_buffer");
         const TensorView local_view = to_view(local, "local");
         const Stream s = to_stream(stream);
         nb::gil_scoped_release release;
-        dp_scatter(group, layout, plan, global_view, local_view, kind, s);
+        dp_scatter(group, layout, plan, global_view, local_view, kind, s, cp_shard_counts);
       },
       nb::arg("group"), nb::arg("layout"), nb::arg("plan"), nb::arg("global_buffer"), nb::arg("local"),
       nb::arg("kind") = DpScatterKind::kSlice, nb::arg("stream") = nb::none(),
+      nb::arg("cp_shard_counts") = std::vector<int64_t>{},
       "Collective: local [>= num_tokens[my DP rank], H] receives this DP rank's rows of global_buffer (slice) or "
-      "of the sum of every rank's global_buffer (reduce_scatter); rows past the count are zeroed. GIL released.");
+      "of the sum of every rank's global_buffer (reduce_scatter); rows past the count are zeroed. slice with "
+      "cp_shard_counts: only this CP rank's shard. GIL released.");
+
+  nb::class_<ZigzagSplit>(m, "ZigzagSplit",
+                          "SGLang's zigzag split of a prefill batch over the attention-CP ranks (plan_zigzag_split).")
+      .def_ro("cp_size", &ZigzagSplit::cp_size)
+      .def_ro("seq_lens", &ZigzagSplit::seq_lens, "[num_seqs] extend lengths as split (padding joins the last).")
+      .def_ro("seq_offsets", &ZigzagSplit::seq_offsets, "[num_seqs] first batch row of each sequence.")
+      .def_ro("block_lens", &ZigzagSplit::block_lens, "[num_seqs * 2 * cp_size] block lengths, sequence-major.")
+      .def_ro("num_tokens", &ZigzagSplit::num_tokens, "[cp_size] rows each CP rank holds.")
+      .def_ro("max_rank_len", &ZigzagSplit::max_rank_len)
+      .def_ro("padded_rank_len", &ZigzagSplit::padded_rank_len, "max_rank_len rounded up to 2 * cp_size.")
+      .def("__repr__", [](const ZigzagSplit& z) {
+        return "ZigzagSplit(cp_size=" + std::to_string(z.cp_size) + ", seq_lens=" + list_repr(z.seq_lens) +
+               ", block_lens=" + list_repr(z.block_lens) + ", num_tokens=" + list_repr(z.num_tokens) +
+               ", padded_rank_len=" + str(z.padded_rank_len) + ")";
+      });
+  m.def(
+      "can_zigzag_split",
+      [](const std::vector<int64_t>& extend_seq_lens, int cp_size, ForwardMode mode, int64_t num_tokens) {
+        return can_zigzag_split(extend_seq_lens, cp_size, mode, num_tokens);
+      },
+      nb::arg("extend_seq_lens"), nb::arg("cp_size"), nb::arg("mode"), nb::arg("num_tokens"),
+      "SGLang's ZigzagCPStrategy.can_apply: cp_size > 1, EXTEND or MIXED, num_tokens >= 2 * cp_size and every "
+      "extend length >= 2 * cp_size.");
+  m.def(
+      "plan_zigzag_split",
+      [](const std::vector<int64_t>& extend_seq_lens, int cp_size, int64_t num_tokens) {
+        return plan_zigzag_split(extend_seq_lens, cp_size, num_tokens);
+      },
+      nb::arg("extend_seq_lens"), nb::arg("cp_size"), nb::arg("num_tokens") = -1,
+      "Each sequence cut into 2 * cp_size blocks (the first L % (2 cp) one row longer); CP rank c holds blocks c "
+      "and 2 cp - 1 - c. num_tokens (-1: the sum) adds its padding rows to the last sequence.");
+  m.def("zigzag_local_rows", &zigzag_local_rows, nb::arg("split"), nb::arg("cp_rank"),
+        "[num_tokens[cp_rank]] the batch row of each of the CP rank's rows (early blocks of every sequence, then "
+        "late blocks).");
+  m.def("zigzag_gathered_rows", &zigzag_gathered_rows, nb::arg("split"),
+        "[total rows] each batch row's row once the CP ranks' rows lie back to back in CP rank order (its row "
+        "relative to the DP rank's offset after dp_gather with cp_shard_counts = split.num_tokens).");
 }
 
 // The group ranks of `obj`: None (none) or a sequence of ints (list, tuple, numpy or torch integers).

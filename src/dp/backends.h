@@ -7,20 +7,30 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
+#include <utility>
 
 #include "epx/dp.h"
 
 namespace epx::detail {
 // Elements per row of a validated gather/scatter tensor: hidden for [rows, hidden], 1 for [rows].
 inline int64_t dp_row_elems(const TensorView& t) { return t.ndim == 2 ? t.shape[1] : 1; }
+// (first row, rows) of CP rank cp_rank's shard in its DP rank's slot: the shards lie back to back in CP rank
+// order from the slot's offset (SGLang's _cp_shard_rows). Validated counts.
+inline std::pair<int64_t, int64_t> dp_cp_shard_rows(std::span<const int64_t> cp_shard_counts, int cp_rank,
+                                                    int64_t dp_offset) {
+  int64_t first = dp_offset;
+  for (int c = 0; c < cp_rank; ++c) first += cp_shard_counts[c];
+  return {first, cp_shard_counts[cp_rank]};
+}
 }  // namespace epx::detail
 
 namespace epx::host {
 // Defined in src/dp/gather_host.cpp. Arguments already validated on this rank.
 void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                    const TensorView& global, DpGatherSource source);
+                    const TensorView& global, DpGatherSource source, std::span<const int64_t> cp_shard_counts);
 void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
-                     const TensorView& local, DpScatterKind kind);
+                     const TensorView& local, DpScatterKind kind, std::span<const int64_t> cp_shard_counts);
 }  // namespace epx::host
 
 // Defined in src/dp/cuda/gather.cpp (CUDA builds only; call under #ifdef EPX_WITH_CUDA). Arguments
@@ -28,9 +38,11 @@ void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherP
 // communicator (collective, see dp/comm_cuda.h).
 namespace epx::cuda {
 void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                    const TensorView& global, Stream stream, DpGatherSource source);
+                    const TensorView& global, Stream stream, DpGatherSource source,
+                    std::span<const int64_t> cp_shard_counts);
 void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
-                     const TensorView& local, DpScatterKind kind, Stream stream);
+                     const TensorView& local, DpScatterKind kind, Stream stream,
+                     std::span<const int64_t> cp_shard_counts);
 // The batch-metadata all-gather: `bytes` from host `send` on every rank into host `recv`
 // [num_ranks * bytes], through one ncclAllGather and one device-to-host copy; blocks until done,
 // bounded by the group's timeout (kTimeout).

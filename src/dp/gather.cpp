@@ -96,13 +96,9 @@ void check_plan(const DpGatherPlan& plan, const ParallelLayout& layout, const ch
 }
 
 void check_common(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                  const TensorView& global, const char* what) {
+                  const TensorView& global, std::span<const int64_t> cp_shard_counts, const char* what) {
   EPX_CHECK_ARG(layout.world_size() == group.num_ranks(), "{}: layout.world_size() {} must equal group.num_ranks() {}",
                 what, layout.world_size(), group.num_ranks());
-  if (layout.attn_cp_size() > 1) {
-    detail::raise(ErrorCode::kUnsupported, "{}: attention context parallelism (attn_cp_size {}) is not supported", what,
-                  layout.attn_cp_size());
-  }
   check_plan(plan, layout, what);
   // NOTE: a 1-D tensor [rows] is a 2-D one [rows, 1] (input ids, positions); local and global have the same rank.
   EPX_CHECK_ARG(global.defined() && (global.ndim == 1 || global.ndim == 2),
@@ -119,25 +115,44 @@ void check_common(Group& group, const ParallelLayout& layout, const DpGatherPlan
                 local.describe(), global.describe());
   check_device(local, "local", group.device());
   check_device(global, "global", group.device());
-  const int dp_rank = layout.coords(group.rank()).attn_dp_rank;
-  EPX_CHECK_ARG(local.shape[0] >= plan.num_tokens[dp_rank],
-                "{}: local must have at least plan.num_tokens[{}] = {} rows (this rank's DP rank), got {}", what,
-                dp_rank, plan.num_tokens[dp_rank], local.describe());
+  const RankCoords me = layout.coords(group.rank());
+  if (cp_shard_counts.empty()) {
+    EPX_CHECK_ARG(local.shape[0] >= plan.num_tokens[me.attn_dp_rank],
+                  "{}: local must have at least plan.num_tokens[{}] = {} rows (this rank's DP rank), got {}", what,
+                  me.attn_dp_rank, plan.num_tokens[me.attn_dp_rank], local.describe());
+    return;
+  }
+  EPX_CHECK_ARG(cp_shard_counts.size() == static_cast<size_t>(layout.attn_cp_size()),
+                "{}: cp_shard_counts must hold attn_cp_size = {} counts, got {}", what, layout.attn_cp_size(),
+                cp_shard_counts.size());
+  int64_t sum = 0;
+  for (size_t c = 0; c < cp_shard_counts.size(); ++c) {
+    EPX_CHECK_ARG(cp_shard_counts[c] >= 0 && cp_shard_counts[c] <= kMaxDpBufferRows,
+                  "{}: cp_shard_counts[{}] must be in [0, 2^40], got {}", what, c, cp_shard_counts[c]);
+    sum += cp_shard_counts[c];
+  }
+  EPX_CHECK_ARG(sum == plan.num_tokens[me.attn_dp_rank],
+                "{}: cp_shard_counts must sum to plan.num_tokens[{}] = {} (this rank's DP rank), got {}", what,
+                me.attn_dp_rank, plan.num_tokens[me.attn_dp_rank], sum);
+  EPX_CHECK_ARG(local.shape[0] >= cp_shard_counts[me.attn_cp_rank],
+                "{}: local must have at least cp_shard_counts[{}] = {} rows (this rank's CP shard), got {}", what,
+                me.attn_cp_rank, cp_shard_counts[me.attn_cp_rank], local.describe());
 }
 
 }  // namespace
 
 void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-               const TensorView& global, Stream stream, DpGatherSource source) {
-  check_common(group, layout, plan, local, global, "dp_gather");
+               const TensorView& global, Stream stream, DpGatherSource source,
+               std::span<const int64_t> cp_shard_counts) {
+  check_common(group, layout, plan, local, global, cp_shard_counts, "dp_gather");
   EPX_CHECK_ARG(source == DpGatherSource::kLeader || source == DpGatherSource::kPartialSums,
                 "dp_gather: source must be kLeader or kPartialSums, got {}", static_cast<int>(source));
   switch (group.backend()) {
     case Backend::kHost:
-      return host::dp_gather_host(group, layout, plan, local, global, source);
+      return host::dp_gather_host(group, layout, plan, local, global, source, cp_shard_counts);
     case Backend::kCuda:
 #ifdef EPX_WITH_CUDA
-      return cuda::dp_gather_cuda(group, layout, plan, local, global, stream, source);
+      return cuda::dp_gather_cuda(group, layout, plan, local, global, stream, source, cp_shard_counts);
 #else
       break;
 #endif
@@ -147,16 +162,19 @@ void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& p
 }
 
 void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
-                const TensorView& local, DpScatterKind kind, Stream stream) {
-  check_common(group, layout, plan, local, global, "dp_scatter");
+                const TensorView& local, DpScatterKind kind, Stream stream, std::span<const int64_t> cp_shard_counts) {
+  check_common(group, layout, plan, local, global, cp_shard_counts, "dp_scatter");
   EPX_CHECK_ARG(kind == DpScatterKind::kSlice || kind == DpScatterKind::kReduceScatter,
                 "dp_scatter: kind must be kSlice or kReduceScatter, got {}", static_cast<int>(kind));
+  EPX_CHECK_ARG(kind == DpScatterKind::kSlice || cp_shard_counts.empty(),
+                "dp_scatter: kReduceScatter takes no cp_shard_counts (every CP rank receives its DP rank's rows, as "
+                "SGLang's dp_reduce_scatter_tensor); take the shard with kSlice or zigzag_local_rows");
   switch (group.backend()) {
     case Backend::kHost:
-      return host::dp_scatter_host(group, layout, plan, global, local, kind);
+      return host::dp_scatter_host(group, layout, plan, global, local, kind, cp_shard_counts);
     case Backend::kCuda:
 #ifdef EPX_WITH_CUDA
-      return cuda::dp_scatter_cuda(group, layout, plan, global, local, kind, stream);
+      return cuda::dp_scatter_cuda(group, layout, plan, global, local, kind, stream, cp_shard_counts);
 #else
       break;
 #endif

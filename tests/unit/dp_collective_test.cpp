@@ -333,9 +333,10 @@ TEST(DpGather, RejectsBadArgumentsOnEveryRank) {
   const auto plan1 = plan_dp_gather(std::vector<int64_t>{3}, DpPaddingMode::kMaxLen);
   expect_code(
       [&] {
-        dp_gather(g0, cp, plan1, lv, TensorView::of(global.data(), DType::kFloat32, {3, kHidden}));
+        dp_gather(g0, cp, plan1, lv, TensorView::of(global.data(), DType::kFloat32, {3, kHidden}), nullptr,
+                  DpGatherSource::kLeader, std::vector<int64_t>{3});
       },
-      ErrorCode::kUnsupported, "attn_cp_size 2");
+      ErrorCode::kInvalidArgument, "cp_shard_counts must hold attn_cp_size = 2 counts");
 
   // Ranks that disagree on the plan all fail, none hangs.
   std::atomic<int> num_failed{0};

@@ -211,9 +211,9 @@ class DpGatherSource(enum.Enum):
     The sum of the TP ranks' rows (partial sums, e.g. before the o_proj all-reduce); either padding mode.
     """
 
-def dp_gather(group: epx._epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: object, global_buffer: object, stream: object | None = None, source: DpGatherSource = DpGatherSource.leader) -> None:
+def dp_gather(group: epx._epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: object, global_buffer: object, stream: object | None = None, source: DpGatherSource = DpGatherSource.leader, cp_shard_counts: Sequence[int] = []) -> None:
     """
-    Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source partial_sums, either padding mode) at offsets[d]; other rows are zeroed. Contiguous. GIL released.
+    Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source partial_sums, either padding mode) at offsets[d]; other rows are zeroed. With attention CP and cp_shard_counts ([attn_cp_size], this DP rank's) each CP rank's first cp_shard_counts[c] rows land back to back in CP rank order. Contiguous. GIL released.
     """
 
 class DpScatterKind(enum.Enum):
@@ -225,9 +225,62 @@ class DpScatterKind(enum.Enum):
     reduce_scatter = 1
     """Partial buffers: sum over ranks (fp32, rank order)."""
 
-def dp_scatter(group: epx._epx.Group, layout: ParallelLayout, plan: DpGatherPlan, global_buffer: object, local: object, kind: DpScatterKind = DpScatterKind.slice, stream: object | None = None) -> None:
+def dp_scatter(group: epx._epx.Group, layout: ParallelLayout, plan: DpGatherPlan, global_buffer: object, local: object, kind: DpScatterKind = DpScatterKind.slice, stream: object | None = None, cp_shard_counts: Sequence[int] = []) -> None:
     """
-    Collective: local [>= num_tokens[my DP rank], H] receives this DP rank's rows of global_buffer (slice) or of the sum of every rank's global_buffer (reduce_scatter); rows past the count are zeroed. GIL released.
+    Collective: local [>= num_tokens[my DP rank], H] receives this DP rank's rows of global_buffer (slice) or of the sum of every rank's global_buffer (reduce_scatter); rows past the count are zeroed. slice with cp_shard_counts: only this CP rank's shard. GIL released.
+    """
+
+class ZigzagSplit:
+    """
+    SGLang's zigzag split of a prefill batch over the attention-CP ranks (plan_zigzag_split).
+    """
+
+    @property
+    def cp_size(self) -> int: ...
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """[num_seqs] extend lengths as split (padding joins the last)."""
+
+    @property
+    def seq_offsets(self) -> list[int]:
+        """[num_seqs] first batch row of each sequence."""
+
+    @property
+    def block_lens(self) -> list[int]:
+        """[num_seqs * 2 * cp_size] block lengths, sequence-major."""
+
+    @property
+    def num_tokens(self) -> list[int]:
+        """[cp_size] rows each CP rank holds."""
+
+    @property
+    def max_rank_len(self) -> int: ...
+
+    @property
+    def padded_rank_len(self) -> int:
+        """max_rank_len rounded up to 2 * cp_size."""
+
+    def __repr__(self) -> str: ...
+
+def can_zigzag_split(extend_seq_lens: Sequence[int], cp_size: int, mode: ForwardMode, num_tokens: int) -> bool:
+    """
+    SGLang's ZigzagCPStrategy.can_apply: cp_size > 1, EXTEND or MIXED, num_tokens >= 2 * cp_size and every extend length >= 2 * cp_size.
+    """
+
+def plan_zigzag_split(extend_seq_lens: Sequence[int], cp_size: int, num_tokens: int = -1) -> ZigzagSplit:
+    """
+    Each sequence cut into 2 * cp_size blocks (the first L % (2 cp) one row longer); CP rank c holds blocks c and 2 cp - 1 - c. num_tokens (-1: the sum) adds its padding rows to the last sequence.
+    """
+
+def zigzag_local_rows(split: ZigzagSplit, cp_rank: int) -> list[int]:
+    """
+    [num_tokens[cp_rank]] the batch row of each of the CP rank's rows (early blocks of every sequence, then late blocks).
+    """
+
+def zigzag_gathered_rows(split: ZigzagSplit) -> list[int]:
+    """
+    [total rows] each batch row's row once the CP ranks' rows lie back to back in CP rank order (its row relative to the DP rank's offset after dp_gather with cp_shard_counts = split.num_tokens).
     """
 
 class ForwardMode(enum.Enum):

@@ -9,6 +9,8 @@
 //   Tensors: bf16, fp32, int32 or int64, [rows, hidden] or [rows] (one element per row); integers travel as
 //   ncclInt32/ncclInt64 and are summed exactly by NCCL.
 //   scatter kSlice: a device copy of this DP rank's rows; no communication.
+//   attn_cp > 1: gathers in both modes take the SUM_LEN path (CP rank 0, or with cp_shard_counts every CP rank,
+//     writes its rows); kSlice with shards copies this CP rank's shard.
 //   scatter kReduceScatter: one ncclReduce per rank, rooted at that rank, over its DP rank's rows (any
 //     counts, any attn_tp), fused in one NCCL group, straight into `local`.
 #include <cuda_runtime.h>
@@ -17,11 +19,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <span>
 #include <thread>
+#include <utility>
 
+#include "comm/cuda/nccl_loader.h"
 #include "core/check.h"
 #include "core/cuda/cuda_util.h"
-#include "comm/cuda/nccl_loader.h"
 #include "dp/backends.h"
 #include "dp/cuda/comm.h"
 #include "dp/cuda/gather_kernels.h"
@@ -65,7 +69,8 @@ void zero_tail(const TensorView& local, int64_t count, cudaStream_t stream) {
 }  // namespace
 
 void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                    const TensorView& global, Stream stream, DpGatherSource source) {
+                    const TensorView& global, Stream stream, DpGatherSource source,
+                    std::span<const int64_t> cp_shard_counts) {
   const int64_t hidden = detail::dp_row_elems(global);
   if (plan.buffer_len == 0 || hidden == 0) return;  // the same plan everywhere: every rank skips
   DpComm& dp = dp_comm(group);
@@ -74,8 +79,9 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
   const int64_t count = plan.num_tokens[me.attn_dp_rank];
   const size_t elem = dtype_size(global.dtype);
   const size_t row_bytes = static_cast<size_t>(hidden) * elem;
-  // MAX_LEN partial sums take the all-reduce below (on the padded buffer, at the MAX_LEN offsets).
-  if (plan.mode == DpPaddingMode::kMaxLen && source == DpGatherSource::kLeader) {
+  // MAX_LEN partial sums and attention CP (SGLang: an all-gather would take a block from every rank, CP ranks
+  // included) take the all-reduce below (on the padded buffer, at the MAX_LEN offsets).
+  if (plan.mode == DpPaddingMode::kMaxLen && source == DpGatherSource::kLeader && layout.attn_cp_size() == 1) {
     // NOTE: rank = attn_dp_rank * attn_tp + attn_tp_rank (attn_cp is 1 here), so this rank's share
     // [attn_tp_rank * chunk, + chunk) of its slot sits at rank * chunk: exactly where an in-place
     // all-gather expects its send buffer.
@@ -102,16 +108,22 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
   check_cuda(cudaMemsetAsync(global.data, 0, static_cast<size_t>(plan.buffer_len) * row_bytes, stream),
              "cudaMemsetAsync (dp_gather)");
   // Partial sums: every attention-TP rank writes its rows, so the all-reduce sums them (reduce + gather at once).
-  const bool contributes = source == DpGatherSource::kPartialSums || layout.is_dp_leader(group.rank());
-  if (contributes && count > 0) {
-    char* dst = row_ptr(global, plan.offsets[me.attn_dp_rank]);
+  // CP: CP rank 0 writes the DP rank's rows, or with shards every CP rank its own shard.
+  const bool contributes = (source == DpGatherSource::kPartialSums || me.attn_tp_rank == 0) &&
+                           (!cp_shard_counts.empty() || me.attn_cp_rank == 0);
+  const std::pair<int64_t, int64_t> rows =
+      cp_shard_counts.empty()
+          ? std::pair<int64_t, int64_t>{plan.offsets[me.attn_dp_rank], count}
+          : detail::dp_cp_shard_rows(cp_shard_counts, me.attn_cp_rank, plan.offsets[me.attn_dp_rank]);
+  if (contributes && rows.second > 0) {
+    char* dst = row_ptr(global, rows.first);
     if (global.dtype == DType::kInt32 || global.dtype == DType::kInt64) {
       // 0 + x == x for integers: a plain copy.
-      check_cuda(
-          cudaMemcpyAsync(dst, local.data, static_cast<size_t>(count) * row_bytes, cudaMemcpyDeviceToDevice, stream),
-          "cudaMemcpyAsync (dp_gather)");
+      check_cuda(cudaMemcpyAsync(dst, local.data, static_cast<size_t>(rows.second) * row_bytes,
+                                 cudaMemcpyDeviceToDevice, stream),
+                 "cudaMemcpyAsync (dp_gather)");
     } else {
-      check_cuda(launch_add_zero_copy(local.data, dst, count * hidden, global.dtype == DType::kBFloat16, stream),
+      check_cuda(launch_add_zero_copy(local.data, dst, rows.second * hidden, global.dtype == DType::kBFloat16, stream),
                  "add_zero_copy (dp_gather)");
     }
   }
@@ -122,19 +134,25 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
 }
 
 void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
-                     const TensorView& local, DpScatterKind kind, Stream stream) {
+                     const TensorView& local, DpScatterKind kind, Stream stream,
+                     std::span<const int64_t> cp_shard_counts) {
   const int64_t hidden = detail::dp_row_elems(global);
   const RankCoords me = layout.coords(group.rank());
   const int64_t count = plan.num_tokens[me.attn_dp_rank];
   const size_t row_bytes = static_cast<size_t>(hidden) * dtype_size(global.dtype);
   DeviceGuard guard(group.device().index);
   if (kind == DpScatterKind::kSlice) {
-    if (count > 0 && hidden > 0) {
-      check_cuda(cudaMemcpyAsync(local.data, row_ptr(global, plan.offsets[me.attn_dp_rank]),
-                                 static_cast<size_t>(count) * row_bytes, cudaMemcpyDeviceToDevice, stream),
+    // With shards (kSlice only, checked by dp_scatter): this CP rank's shard.
+    const std::pair<int64_t, int64_t> rows =
+        cp_shard_counts.empty()
+            ? std::pair<int64_t, int64_t>{plan.offsets[me.attn_dp_rank], count}
+            : detail::dp_cp_shard_rows(cp_shard_counts, me.attn_cp_rank, plan.offsets[me.attn_dp_rank]);
+    if (rows.second > 0 && hidden > 0) {
+      check_cuda(cudaMemcpyAsync(local.data, row_ptr(global, rows.first), static_cast<size_t>(rows.second) * row_bytes,
+                                 cudaMemcpyDeviceToDevice, stream),
                  "cudaMemcpyAsync (dp_scatter)");
     }
-    zero_tail(local, count, stream);
+    zero_tail(local, rows.second, stream);
     return;
   }
   if (plan.buffer_len == 0 || hidden == 0) {  // nothing to reduce on any rank

@@ -1,15 +1,20 @@
 // dp_gather / dp_scatter on the host backend: ranks are threads, so every rank reads the published
 // buffers of its peers directly between HostGroup::exchange and release.
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "comm/host/host_group.h"
 #include "core/bf16.h"
 #include "core/check.h"
 #include "dp/backends.h"
 #include "epx/quant.h"
-#include "comm/host/host_group.h"
 
 namespace epx::host {
 
@@ -22,6 +27,7 @@ struct Contribution {
   DType dtype;
   int64_t hidden;
   DpGatherSource source = DpGatherSource::kLeader;  // gather only
+  std::span<const int64_t> cp_shard_counts;         // empty: the CP ranks hold the same rows
 };
 
 HostGroup& as_host(Group& group) {
@@ -35,19 +41,29 @@ bool same_plan(const DpGatherPlan& a, const DpGatherPlan& b) {
          a.offsets == b.offsets;
 }
 
-// Empty when every rank passed the same plan, dtype and hidden size as rank 0; else a message.
-std::string find_mismatch(const std::vector<const void*>& ptrs) {
+// Empty when every rank passed the same plan, dtype and hidden size as rank 0, and the same CP shard counts as its
+// DP leader; else a message.
+std::string find_mismatch(const ParallelLayout& layout, const std::vector<const void*>& ptrs) {
   const auto& first = *static_cast<const Contribution*>(ptrs[0]);
   for (size_t r = 1; r < ptrs.size(); ++r) {
     const auto& c = *static_cast<const Contribution*>(ptrs[r]);
     if (!same_plan(*c.plan, *first.plan)) return fmt::format("rank {} passed a different plan than rank 0", r);
     if (c.source != first.source) {
-      auto name = [](DpGatherSource s) { return s == DpGatherSource::kPartialSums ? "partial sums" : "the leader's rows"; };
+      auto name = [](DpGatherSource s) {
+        return s == DpGatherSource::kPartialSums ? "partial sums" : "the leader's rows";
+      };
       return fmt::format("rank {} passed source {}, rank 0 {}", r, name(c.source), name(first.source));
     }
     if (c.dtype != first.dtype || c.hidden != first.hidden) {
       return fmt::format("rank {} passed {} hidden {}, rank 0 {} hidden {}", r, to_string(c.dtype), c.hidden,
                          to_string(first.dtype), first.hidden);
+    }
+    const int leader = layout.dp_leader(layout.coords(static_cast<int>(r)).attn_dp_rank);
+    const auto& lead = *static_cast<const Contribution*>(ptrs[leader]);
+    if (!std::equal(c.cp_shard_counts.begin(), c.cp_shard_counts.end(), lead.cp_shard_counts.begin(),
+                    lead.cp_shard_counts.end())) {
+      return fmt::format("rank {} passed cp_shard_counts [{}], its DP leader rank {} [{}]", r,
+                         fmt::join(c.cp_shard_counts, ", "), leader, fmt::join(lead.cp_shard_counts, ", "));
     }
   }
   return {};
@@ -73,24 +89,30 @@ void gather_rows(const ParallelLayout& layout, const DpGatherPlan& plan, const s
                  T* global, int64_t hidden) {
   if (plan.buffer_len == 0 || hidden == 0) return;  // nothing to write; global may be a null empty view
   std::memset(global, 0, static_cast<size_t>(plan.buffer_len * hidden) * sizeof(T));
-  if (static_cast<const Contribution*>(ptrs[0])->source == DpGatherSource::kPartialSums) {
-    // The DP rank's attention-TP ranks in TP-rank order (the documented summation order), summed as reduce_rows does.
-    for (int d = 0; d < layout.attn_dp_size(); ++d) {
-      std::vector<const void*> group_ptrs;
-      for (int t = 0; t < layout.attn_tp_size(); ++t) group_ptrs.push_back(ptrs[layout.attn_rank(d, 0, t)]);
-      reduce_rows(group_ptrs, 0, plan.num_tokens[d], global + plan.offsets[d] * hidden, hidden);
-    }
-    return;
-  }
+  const bool partial = static_cast<const Contribution*>(ptrs[0])->source == DpGatherSource::kPartialSums;
+  // NOTE: with attn_cp > 1 both modes are all-reduces (as the cuda backend runs them), so MAX_LEN rows are 0 + x.
+  const bool copy = plan.mode == DpPaddingMode::kMaxLen && layout.attn_cp_size() == 1;
   for (int d = 0; d < layout.attn_dp_size(); ++d) {
-    const auto& c = *static_cast<const Contribution*>(ptrs[layout.dp_leader(d)]);
-    const T* src = static_cast<const T*>(c.data);
-    T* dst = global + plan.offsets[d] * hidden;
-    const int64_t n = plan.num_tokens[d] * hidden;
-    if (plan.mode == DpPaddingMode::kMaxLen) {
-      if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
-    } else {
-      for (int64_t i = 0; i < n; ++i) dst[i] = add_to_zero(src[i]);
+    const auto shards = static_cast<const Contribution*>(ptrs[layout.dp_leader(d)])->cp_shard_counts;
+    const int num_shards = shards.empty() ? 1 : layout.attn_cp_size();
+    for (int c = 0; c < num_shards; ++c) {
+      const auto [first, rows] = shards.empty() ? std::pair<int64_t, int64_t>{plan.offsets[d], plan.num_tokens[d]}
+                                                : detail::dp_cp_shard_rows(shards, c, plan.offsets[d]);
+      T* dst = global + first * hidden;
+      if (partial) {
+        // The shard's attention-TP ranks in TP-rank order (the documented summation order), summed as reduce_rows does.
+        std::vector<const void*> group_ptrs;
+        for (int t = 0; t < layout.attn_tp_size(); ++t) group_ptrs.push_back(ptrs[layout.attn_rank(d, c, t)]);
+        reduce_rows(group_ptrs, 0, rows, dst, hidden);
+        continue;
+      }
+      const T* src = static_cast<const T*>(static_cast<const Contribution*>(ptrs[layout.attn_rank(d, c, 0)])->data);
+      const int64_t n = rows * hidden;
+      if (copy) {
+        if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
+      } else {
+        for (int64_t i = 0; i < n; ++i) dst[i] = add_to_zero(src[i]);
+      }
     }
   }
 }
@@ -137,12 +159,12 @@ void visit_dtype(DType dtype, Fn&& fn) {
 }  // namespace
 
 void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                    const TensorView& global, DpGatherSource source) {
+                    const TensorView& global, DpGatherSource source, std::span<const int64_t> cp_shard_counts) {
   HostGroup& host_group = as_host(group);
   const int64_t hidden = detail::dp_row_elems(global);
-  const Contribution mine{&plan, local.data, local.dtype, hidden, source};
+  const Contribution mine{&plan, local.data, local.dtype, hidden, source, cp_shard_counts};
   const auto ptrs = host_group.exchange(&mine);
-  const std::string mismatch = find_mismatch(ptrs);
+  const std::string mismatch = find_mismatch(layout, ptrs);
   if (mismatch.empty()) {
     visit_dtype(global.dtype,
                 [&](auto zero) { gather_rows(layout, plan, ptrs, static_cast<decltype(zero)*>(global.data), hidden); });
@@ -154,10 +176,15 @@ void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPl
 }
 
 void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
-                     const TensorView& local, DpScatterKind kind) {
+                     const TensorView& local, DpScatterKind kind, std::span<const int64_t> cp_shard_counts) {
   const int64_t hidden = detail::dp_row_elems(global);
-  const int dp_rank = layout.coords(group.rank()).attn_dp_rank;
-  const int64_t count = plan.num_tokens[dp_rank];
+  const RankCoords me = layout.coords(group.rank());
+  const int dp_rank = me.attn_dp_rank;
+  // kSlice with shards: this CP rank's shard only (kReduceScatter takes no shards: checked by dp_scatter).
+  const std::pair<int64_t, int64_t> rows =
+      cp_shard_counts.empty() ? std::pair<int64_t, int64_t>{plan.offsets[dp_rank], plan.num_tokens[dp_rank]}
+                              : detail::dp_cp_shard_rows(cp_shard_counts, me.attn_cp_rank, plan.offsets[dp_rank]);
+  const int64_t first_row = rows.first, count = rows.second;
   const size_t elem = dtype_size(local.dtype);
   auto* out = static_cast<char*>(local.data);
   // Rows past the count (CUDA-graph padding) are zeroed.
@@ -166,14 +193,14 @@ void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherP
   }
   if (kind == DpScatterKind::kSlice) {
     // A slice of this rank's own buffer: no communication.
-    const auto* src = static_cast<const char*>(global.data) + plan.offsets[dp_rank] * hidden * elem;
+    const auto* src = static_cast<const char*>(global.data) + first_row * hidden * elem;
     if (count > 0) std::memcpy(out, src, static_cast<size_t>(count * hidden) * elem);
     return;
   }
   HostGroup& host_group = as_host(group);
-  const Contribution mine{&plan, global.data, global.dtype, hidden};
+  const Contribution mine{&plan, global.data, global.dtype, hidden, DpGatherSource::kLeader, {}};
   const auto ptrs = host_group.exchange(&mine);
-  const std::string mismatch = find_mismatch(ptrs);
+  const std::string mismatch = find_mismatch(layout, ptrs);
   if (mismatch.empty()) {
     visit_dtype(local.dtype, [&](auto zero) {
       reduce_rows(ptrs, plan.offsets[dp_rank], count, static_cast<decltype(zero)*>(local.data), hidden);
