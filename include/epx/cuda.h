@@ -26,6 +26,13 @@ struct CudaGroupOptions {
   // above kMaxTimeoutMs (100 years, epx/group.h), e.g. INT64_MAX for "wait forever", are clamped to it when
   // the group is created; Group::timeout_ms() returns the clamped value.
   int64_t timeout_ms = 60'000;
+  // Ranks per node of the group's Topology (Group::topology()): 0 puts every rank on one node; else in
+  // [1, num_ranks] and a divisor of num_ranks (num_nodes = num_ranks / gpus_per_node), kInvalidArgument naming
+  // gpus_per_node and num_ranks otherwise. Ranks are numbered node-major. With more than one node the normal
+  // dispatch/combine take the hierarchical path (BufferOptions::normal_routing, docs/multi-node.md). Ranks of
+  // one process (create_cuda_groups) may declare several nodes too: the node boundary then only decides the
+  // routing, as for host groups.
+  int gpus_per_node = 0;
 };
 
 // One group per entry of `devices` (CUDA ordinals, repeats allowed; 1 to 8 entries). Hand groups[r] to

@@ -49,7 +49,7 @@ class Group {
   // Budget for every wait on a peer, in milliseconds.
   virtual int64_t timeout_ms() const = 0;
   // The ranks' placement on nodes; topology().num_ranks() == num_ranks(). Default: one node holding every rank
-  // (the cuda groups today; host groups take it from HostGroupOptions::gpus_per_node).
+  // (host groups take it from HostGroupOptions::gpus_per_node, cuda groups from CudaGroupOptions::gpus_per_node).
   virtual Topology topology() const { return Topology{1, num_ranks()}; }
 
   // Blocks until every rank arrived. Throws Error(kTimeout) naming the ranks that did not arrive.

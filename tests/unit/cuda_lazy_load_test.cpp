@@ -1,8 +1,10 @@
 // A CUDA build loads without NCCL, a driver or a GPU: NCCL is dlopen'ed on first use
-// (src/comm/cuda/nccl_loader.h) and a CUDA call without a driver raises an Error that says so (src/core/cuda/cuda_util.h).
+// (src/comm/cuda/nccl_loader.h) and a CUDA call without a driver raises an Error that says so
+// (src/core/cuda/cuda_util.h).
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 
 #include "epx/error.h"
 
@@ -12,8 +14,8 @@
 
 #include <cstdlib>
 
-#include "core/cuda/cuda_util.h"
 #include "comm/cuda/nccl_loader.h"
+#include "core/cuda/cuda_util.h"
 #include "epx/cuda.h"
 
 namespace epx {
@@ -127,6 +129,24 @@ TEST(CudaErrors, CreateGroupsWithoutGpuSaysWhatIsMissing) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
     EXPECT_TRUE(contains(e.what(), cuda::cuda_error_text(err))) << e.what();
+  }
+}
+
+// CudaGroupOptions::gpus_per_node is checked before any CUDA call, with HostGroupOptions' wording.
+TEST(CudaGroupTopology, BadGpusPerNodeIsNamed) {
+  for (const auto& [gpus_per_node, message] :
+       {std::pair<int, std::string>{2, "gpus_per_node = 2 must divide num_ranks = 3"},
+        {4, "gpus_per_node must be in [0, num_ranks = 3]"},
+        {-1, "gpus_per_node must be in [0, num_ranks = 3]"}}) {
+    CudaGroupOptions options;
+    options.gpus_per_node = gpus_per_node;
+    try {
+      create_cuda_groups({0, 0, 0}, options);
+      FAIL() << "gpus_per_node = " << gpus_per_node << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_TRUE(contains(e.what(), message)) << e.what();
+    }
   }
 }
 

@@ -1,3 +1,5 @@
+#include "comm/cuda/cuda_group.h"
+
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -15,11 +17,10 @@
 #include <thread>
 #include <vector>
 
-#include "core/check.h"
-#include "core/timeout.h"
-#include "comm/cuda/cuda_group.h"
-#include "core/cuda/cuda_util.h"
 #include "comm/cuda/nccl_loader.h"
+#include "core/check.h"
+#include "core/cuda/cuda_util.h"
+#include "core/timeout.h"
 
 namespace epx::cuda {
 namespace {
@@ -29,6 +30,7 @@ class ThreadCudaGroup final : public CudaGroup {
  public:
   ThreadCudaGroup(std::shared_ptr<Group> host, int device) : host_(std::move(host)), device_(device) {}
   int rank() const override { return host_->rank(); }
+  Topology topology() const override { return host_->topology(); }
   int num_ranks() const override { return host_->num_ranks(); }
   Device device() const override { return Device::cuda(device_); }
   int64_t timeout_ms() const override { return host_->timeout_ms(); }
@@ -83,6 +85,7 @@ class NcclCudaGroup final : public CudaGroup {
       : comm_(comm), owns_comm_(owns_comm), timeout_ms_(detail::clamp_timeout_ms(options.timeout_ms)) {
     check_nccl(nccl().CommUserRank(comm, &rank_), "ncclCommUserRank");
     check_nccl(nccl().CommCount(comm, &num_ranks_), "ncclCommCount");
+    topology_ = cuda_group_topology(num_ranks_, options.gpus_per_node);
     check_nccl(nccl().CommCuDevice(comm, &device_), "ncclCommCuDevice");
     DeviceGuard guard(device_);
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
@@ -104,6 +107,8 @@ class NcclCudaGroup final : public CudaGroup {
   int num_ranks() const override { return num_ranks_; }
   Device device() const override { return Device::cuda(device_); }
   int64_t timeout_ms() const override { return timeout_ms_; }
+  Topology topology() const override { return topology_; }
+  ncclComm_t nccl_comm() const override { return comm_; }
   void barrier() override {
     const char mine = 1;
     std::vector<char> all(num_ranks_);
@@ -218,6 +223,7 @@ class NcclCudaGroup final : public CudaGroup {
   ncclComm_t comm_;
   bool owns_comm_ = false;
   int64_t timeout_ms_;
+  Topology topology_;
   int rank_ = 0;
   int num_ranks_ = 0;
   int device_ = 0;
@@ -229,6 +235,15 @@ class NcclCudaGroup final : public CudaGroup {
 };
 
 }  // namespace
+
+Topology cuda_group_topology(int num_ranks, int gpus_per_node) {
+  EPX_CHECK_ARG(gpus_per_node >= 0 && gpus_per_node <= num_ranks,
+                "gpus_per_node must be in [0, num_ranks = {}] (0: one node), got {}", num_ranks, gpus_per_node);
+  EPX_CHECK_ARG(gpus_per_node == 0 || num_ranks % gpus_per_node == 0, "gpus_per_node = {} must divide num_ranks = {}",
+                gpus_per_node, num_ranks);
+  const int per_node = gpus_per_node == 0 ? num_ranks : gpus_per_node;
+  return Topology{num_ranks / per_node, per_node};
+}
 
 std::shared_ptr<CudaWorld> map_shared_world(Group& group) {
   constexpr size_t kNameBytes = 64;
@@ -302,6 +317,7 @@ std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& d
   const int num_ranks = static_cast<int>(devices.size());
   EPX_CHECK_ARG(num_ranks >= 1 && num_ranks <= 8, "devices must list 1 to 8 ranks, got {}", num_ranks);
   EPX_CHECK_ARG(options.timeout_ms >= 1, "timeout_ms must be >= 1, got {}", options.timeout_ms);
+  cuda::cuda_group_topology(num_ranks, options.gpus_per_node);  // checked before any CUDA call
   int count = 0;
   cuda::check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount (create_cuda_groups)");
   for (int r = 0; r < num_ranks; ++r) {
@@ -310,6 +326,7 @@ std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& d
   }
   HostGroupOptions host_options;
   host_options.timeout_ms = detail::clamp_timeout_ms(options.timeout_ms);
+  host_options.gpus_per_node = options.gpus_per_node;
   auto hosts = create_host_groups(num_ranks, host_options);
   std::vector<std::shared_ptr<Group>> groups;
   for (int r = 0; r < num_ranks; ++r) groups.push_back(std::make_shared<cuda::ThreadCudaGroup>(hosts[r], devices[r]));
@@ -336,6 +353,7 @@ std::shared_ptr<Group> create_cuda_group(const std::vector<uint8_t>& unique_id, 
   EPX_CHECK_ARG(num_ranks >= 1, "num_ranks must be >= 1, got {}", num_ranks);
   EPX_CHECK_ARG(rank >= 0 && rank < num_ranks, "rank must be in [0, {}), got {}", num_ranks, rank);
   EPX_CHECK_ARG(options.timeout_ms >= 1, "timeout_ms must be >= 1, got {}", options.timeout_ms);
+  cuda::cuda_group_topology(num_ranks, options.gpus_per_node);  // before the communicator exists
   int count = 0;
   cuda::check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount (create_cuda_group)");
   EPX_CHECK_ARG(device >= 0 && device < count, "device = {} is outside [0, {} visible GPUs)", device, count);

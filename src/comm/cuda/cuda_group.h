@@ -36,7 +36,14 @@ class CudaGroup : public Group {
   Backend backend() const override { return Backend::kCuda; }
   // True when all ranks are threads of this process (peer memory is plain device pointers).
   virtual bool single_process() const = 0;
+  // The NCCL communicator of a group of one process per GPU (create_cuda_group), null for ranks as threads. The
+  // hierarchical path's network leg (net_leg.h) sends and receives on it, on the caller's stream.
+  virtual ncclComm_t nccl_comm() const { return nullptr; }
 };
+
+// Checks CudaGroupOptions::gpus_per_node against num_ranks (the wording of HostGroupOptions::gpus_per_node) and
+// returns the topology it gives.
+Topology cuda_group_topology(int num_ranks, int gpus_per_node);
 
 // Collective over `group`: one new CudaWorld that every rank of the group shares (rank 0 makes it and the
 // others take a reference when the ranks are threads; map_shared_world otherwise). Null on every rank alike
