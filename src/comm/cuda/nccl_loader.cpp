@@ -1,3 +1,5 @@
+#include "comm/cuda/nccl_loader.h"
+
 #include <dlfcn.h>
 
 #include <cstdlib>
@@ -5,7 +7,6 @@
 #include <optional>
 
 #include "core/check.h"
-#include "comm/cuda/nccl_loader.h"
 
 namespace epx::cuda {
 namespace {
@@ -70,6 +71,8 @@ NcclApi load_nccl(const std::string& library) {
   resolve(handle, library, "ncclReduce", api.Reduce);
   resolve(handle, library, "ncclGroupStart", api.GroupStart);
   resolve(handle, library, "ncclGroupEnd", api.GroupEnd);
+  resolve(handle, library, "ncclSend", api.Send);
+  resolve(handle, library, "ncclRecv", api.Recv);
 
   Dl_info info{};
   api.path = dladdr(reinterpret_cast<void*>(api.GetVersion), &info) != 0 && info.dli_fname != nullptr ? info.dli_fname

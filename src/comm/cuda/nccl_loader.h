@@ -35,6 +35,8 @@ struct NcclApi {
   decltype(&ncclReduce) Reduce = nullptr;
   decltype(&ncclGroupStart) GroupStart = nullptr;
   decltype(&ncclGroupEnd) GroupEnd = nullptr;
+  decltype(&ncclSend) Send = nullptr;  // the hierarchical path's network leg (net_leg.cpp)
+  decltype(&ncclRecv) Recv = nullptr;
 
   std::string path;  // the file actually loaded (from dladdr), for messages and `epx doctor`
   int version = 0;   // ncclGetVersion's code, e.g. 22809 for 2.28.9

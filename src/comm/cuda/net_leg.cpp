@@ -1,0 +1,186 @@
+#include "comm/cuda/net_leg.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <thread>
+
+#include "comm/cuda/nccl_loader.h"
+#include "core/check.h"
+#include "core/cuda/cuda_util.h"
+#include "core/timeout.h"
+
+namespace epx::cuda {
+namespace {
+
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& bytes) {
+  std::vector<int64_t> offsets(bytes.size() + 1, 0);
+  for (size_t i = 0; i < bytes.size(); ++i) offsets[i + 1] = offsets[i] + bytes[i];
+  return offsets;
+}
+
+void check_lists(const std::vector<int>& peers, const std::vector<int64_t>& send_bytes,
+                 const std::vector<int64_t>& recv_bytes, int num_ranks) {
+  EPX_CHECK(ErrorCode::kInternal, send_bytes.size() == peers.size() && recv_bytes.size() == peers.size(),
+            "exchange: {} peers, {} send sizes, {} receive sizes", peers.size(), send_bytes.size(), recv_bytes.size());
+  for (size_t i = 0; i < peers.size(); ++i) {
+    EPX_CHECK(ErrorCode::kInternal, peers[i] >= 0 && peers[i] < num_ranks && send_bytes[i] >= 0 && recv_bytes[i] >= 0,
+              "exchange: peer {} ({} bytes out, {} in) of {} ranks", peers[i], send_bytes[i], recv_bytes[i], num_ranks);
+  }
+}
+
+// Ranks as threads of one process. What each rank publishes in the first rendezvous of a call: where its
+// messages land, and its two events. Per call:
+//   1. record `ready` on the stream (the receive buffer's allocation and everything before it are ordered);
+//   2. rendezvous (all_gather_bytes of the posts);
+//   3. per remote peer p with bytes for it: the stream waits for p's `ready`, then copies into p's buffer;
+//   4. record `sent` on the stream; rendezvous (barrier): every rank recorded its `sent`;
+//   5. per remote peer p with bytes from it: the stream waits for p's `sent`.
+// NOTE: cudaStreamWaitEvent binds to the event's latest record when it is called. A rank records `ready` of call
+// k + 1 only after the first rendezvous of k + 1, which its peers reach only after their step 5 of call k, and
+// `sent` of k + 1 only after that rendezvous too; so every wait sees the record of its own call. Cost: two host
+// rendezvous per call (about 10-50 us with threads), and the copies of a rank are serialized on its stream.
+class SharedMemoryExchange final : public ByteExchange {
+ public:
+  explicit SharedMemoryExchange(CudaGroup& group) : group_(group), rank_(group.rank()) {
+    EPX_CHECK(ErrorCode::kUnsupported, group.num_ranks() <= kMaxExchangeRanks,
+              "the single-process hierarchical exchange supports up to {} ranks, got {}", kMaxExchangeRanks,
+              group.num_ranks());
+    DeviceGuard guard(group.device().index);
+    check_cuda(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreate (exchange)");
+    check_cuda(cudaEventCreateWithFlags(&sent_, cudaEventDisableTiming), "cudaEventCreate (exchange)");
+  }
+  ~SharedMemoryExchange() override {
+    DeviceGuard guard(group_.device().index);
+    cudaEventDestroy(ready_);
+    cudaEventDestroy(sent_);
+  }
+
+  void run(const std::vector<int>& peers, const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+           const std::vector<int64_t>& recv_bytes, cudaStream_t stream) override {
+    const int num_ranks = group_.num_ranks();
+    check_lists(peers, send_bytes, recv_bytes, num_ranks);
+    const std::vector<int64_t> send_off = offsets_of(send_bytes), recv_off = offsets_of(recv_bytes);
+    Post mine{};
+    mine.recv = static_cast<char*>(recv);
+    mine.ready = ready_;
+    mine.sent = sent_;
+    for (int r = 0; r < kMaxExchangeRanks; ++r) mine.bytes_from[r] = -1;
+    for (size_t i = 0; i < peers.size(); ++i) {
+      mine.offset_from[peers[i]] = recv_off[i];
+      mine.bytes_from[peers[i]] = recv_bytes[i];
+    }
+    check_cuda(cudaEventRecord(ready_, stream), "cudaEventRecord (exchange ready)");
+    std::vector<Post> posts(num_ranks);
+    group_.all_gather_bytes(&mine, posts.data(), sizeof(Post));
+    const char* src = static_cast<const char*>(send);
+    for (size_t i = 0; i < peers.size(); ++i) {
+      const int p = peers[i];
+      EPX_CHECK(ErrorCode::kInternal, posts[p].bytes_from[rank_] == send_bytes[i],
+                "exchange: rank {} sends {} bytes to rank {}, which expects {}", rank_, send_bytes[i], p,
+                posts[p].bytes_from[rank_]);
+      if (send_bytes[i] == 0) continue;
+      if (p != rank_) check_cuda(cudaStreamWaitEvent(stream, posts[p].ready, 0), "cudaStreamWaitEvent (exchange)");
+      check_cuda(cudaMemcpyAsync(posts[p].recv + posts[p].offset_from[rank_], src + send_off[i], send_bytes[i],
+                                 cudaMemcpyDefault, stream),
+                 "cudaMemcpyAsync (exchange)");
+    }
+    check_cuda(cudaEventRecord(sent_, stream), "cudaEventRecord (exchange sent)");
+    group_.barrier();
+    for (size_t i = 0; i < peers.size(); ++i) {
+      const int p = peers[i];
+      if (p == rank_ || recv_bytes[i] == 0) continue;
+      check_cuda(cudaStreamWaitEvent(stream, posts[p].sent, 0), "cudaStreamWaitEvent (exchange)");
+    }
+  }
+
+ private:
+  struct Post {
+    char* recv;
+    cudaEvent_t ready;
+    cudaEvent_t sent;
+    int64_t offset_from[kMaxExchangeRanks];  // where sender r's message lands in recv
+    int64_t bytes_from[kMaxExchangeRanks];   // its bytes; -1: r is not a peer
+  };
+
+  CudaGroup& group_;
+  int rank_;
+  cudaEvent_t ready_ = nullptr;
+  cudaEvent_t sent_ = nullptr;
+};
+
+// One process per GPU: grouped point-to-point on the group's communicator, on the caller's stream.
+class NcclExchange final : public ByteExchange {
+ public:
+  NcclExchange(CudaGroup& group, ncclComm_t comm) : group_(group), comm_(comm), rank_(group.rank()) {}
+
+  void run(const std::vector<int>& peers, const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+           const std::vector<int64_t>& recv_bytes, cudaStream_t stream) override {
+    check_lists(peers, send_bytes, recv_bytes, group_.num_ranks());
+    const std::vector<int64_t> send_off = offsets_of(send_bytes), recv_off = offsets_of(recv_bytes);
+    const char* src = static_cast<const char*>(send);
+    char* dst = static_cast<char*>(recv);
+    const NcclApi& api = nccl();
+    check(api.GroupStart(), "ncclGroupStart");
+    for (size_t i = 0; i < peers.size(); ++i) {
+      if (peers[i] == rank_) {
+        EPX_CHECK(ErrorCode::kInternal, send_bytes[i] == recv_bytes[i],
+                  "exchange: rank {} sends itself {} bytes and expects {}", rank_, send_bytes[i], recv_bytes[i]);
+        if (send_bytes[i] > 0) {
+          check_cuda(
+              cudaMemcpyAsync(dst + recv_off[i], src + send_off[i], send_bytes[i], cudaMemcpyDeviceToDevice, stream),
+              "cudaMemcpyAsync (exchange, own message)");
+        }
+        continue;
+      }
+      if (send_bytes[i] > 0) {
+        check(api.Send(src + send_off[i], static_cast<size_t>(send_bytes[i]), ncclUint8, peers[i], comm_, stream),
+              "ncclSend");
+      }
+      if (recv_bytes[i] > 0) {
+        check(api.Recv(dst + recv_off[i], static_cast<size_t>(recv_bytes[i]), ncclUint8, peers[i], comm_, stream),
+              "ncclRecv");
+      }
+    }
+    const ncclResult_t ended = api.GroupEnd();
+    if (ended == ncclInProgress) {
+      // A non-blocking communicator (the groups epx creates) finishes enqueuing later: bounded wait on the host.
+      const auto deadline = detail::deadline_after_ms(group_.timeout_ms());
+      ncclResult_t state = ncclInProgress;
+      while (true) {
+        const ncclResult_t r = api.CommGetAsyncError(comm_, &state);
+        if (r != ncclSuccess) state = r;
+        if (state != ncclInProgress) break;
+        EPX_CHECK(ErrorCode::kTimeout, std::chrono::steady_clock::now() < deadline,
+                  "cuda rank {}: the hierarchical exchange's ncclGroupEnd did not complete within {} ms", rank_,
+                  group_.timeout_ms());
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      check(state, "ncclGroupEnd (hierarchical exchange)");
+    } else {
+      check(ended, "ncclGroupEnd (hierarchical exchange)");
+    }
+  }
+
+ private:
+  void check(ncclResult_t result, const char* what) const {
+    if (result != ncclSuccess && result != ncclInProgress) {
+      detail::raise(ErrorCode::kNcclError, "cuda rank {}: {} failed: {}", rank_, what, nccl().GetErrorString(result));
+    }
+  }
+
+  CudaGroup& group_;
+  ncclComm_t comm_;
+  int rank_;
+};
+
+}  // namespace
+
+std::unique_ptr<ByteExchange> make_byte_exchange(CudaGroup& group) {
+  if (group.nccl_comm() != nullptr) return std::make_unique<NcclExchange>(group, group.nccl_comm());
+  EPX_CHECK(ErrorCode::kUnsupported, group.single_process(),
+            "the hierarchical normal path needs an NCCL group or ranks of one process");
+  return std::make_unique<SharedMemoryExchange>(group);
+}
+
+}  // namespace epx::cuda

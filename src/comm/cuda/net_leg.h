@@ -1,0 +1,48 @@
+// The exchange legs of the hierarchical normal path (docs/multi-node.md): an all-to-all-v of byte buffers among a
+// set of peer ranks, enqueued on a CUDA stream. Private to the CUDA backend.
+//
+// Two implementations, chosen from the group (make_byte_exchange):
+//   NCCL groups (one process per GPU): grouped ncclSend/ncclRecv (ncclUint8) inside ncclGroupStart/End on the
+//     group's communicator, through the loaded NCCL (nccl_loader.h). Nothing waits on the host except a
+//     non-blocking communicator's ncclInProgress after ncclGroupEnd (bounded by the group's timeout), so the
+//     call can be captured in a CUDA graph.
+//   ranks as threads (create_cuda_groups, possibly several ranks on one GPU): cudaMemcpyAsync into each
+//     receiver's buffer, whose address is exchanged with all_gather_bytes. Ordering across the ranks' streams
+//     with two events per rank and two host rendezvous per call (see SharedMemoryExchange in net_leg.cpp); the
+//     host waits for the peers there, not for the GPU.
+// Both copy a rank's message to itself with one cudaMemcpyAsync on the stream (never through NCCL).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/cuda/cuda_group.h"
+
+namespace epx::cuda {
+
+class ByteExchange {
+ public:
+  virtual ~ByteExchange() = default;
+
+  // Collective over the whole group: every rank calls it at the same point of its call sequence, each with its own
+  // peer list (ascending ranks, itself included; if p lists q then q lists p). Message i of `send` (device memory,
+  // the messages back to back in peer order) has send_bytes[i] bytes and goes to peers[i]; the message from
+  // peers[i] lands at recv + the sum of recv_bytes[0..i) and has recv_bytes[i] bytes. send_bytes on a rank for p
+  // must equal recv_bytes on p for that rank (the single-process exchange checks it: kInternal). Zero-byte messages
+  // are skipped (their pointers may be null). Enqueued on `stream`, which must be current on the group's device:
+  // the send buffer is read and the receive buffer written in the stream's order; both must stay allocated until
+  // the stream reaches that point. Throws kTimeout (a peer did not come within the group's timeout), kNcclError.
+  virtual void run(const std::vector<int>& peers, const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+                   const std::vector<int64_t>& recv_bytes, cudaStream_t stream) = 0;
+};
+
+// The exchange for `group` (which must outlive it): NCCL send/recv when the group has a communicator, peer copies
+// when its ranks are threads of this process (at most kMaxExchangeRanks of them).
+std::unique_ptr<ByteExchange> make_byte_exchange(CudaGroup& group);
+
+inline constexpr int kMaxExchangeRanks = 8;  // the single-process exchange's post holds one entry per rank
+
+}  // namespace epx::cuda
