@@ -44,7 +44,10 @@ enum class NormalRouting : uint8_t {
   // A token crosses the network once per destination node, to the rank with its source's local index there, which
   // forwards it to its destination ranks in that node; combine reduces inside the node before the network leg.
   // Same results as kFlat (receive order, metadata, counts, data bytes); combine sums match within fp32
-  // reassociation (see CombineResult). Host backend only so far: the cuda backend raises kUnsupported for it.
+  // reassociation (see CombineResult). Both backends; the cuda backend's results equal the host backend's
+  // hierarchical ones bit for bit, combine included. cuda backend, this first version: a fresh dispatch synchronizes
+  // its stream once also in worst-token mode, and no hierarchical call can be captured in a CUDA graph (each starts
+  // with a host rendezvous of the ranks); see docs/multi-node.md.
   kHierarchical,
 };
 
@@ -77,8 +80,9 @@ struct Layout {
   Tensor is_token_in_rank;       // bool  [T, num_ranks]
   // Tokens with at least one expert on a rank of each node of group.topology() (DeepEP's num_tokens_per_rdma_rank),
   // the count the hierarchical path sends over the network per node. Optional: the host backend always fills it
-  // (one entry on one node); the cuda backend leaves it undefined until its multi-node path lands. dispatch ignores
-  // it when undefined and checks it against topk_idx when given.
+  // (one entry on one node); the cuda backend fills it when the buffer routes hierarchically (NormalRouting) and
+  // leaves it undefined otherwise. dispatch ignores it when undefined and checks it against topk_idx when given
+  // (cuda backend: in the hierarchical routing only).
   Tensor num_tokens_per_node;  // int32 [num_nodes]
 };
 

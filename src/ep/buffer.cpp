@@ -15,14 +15,6 @@ std::unique_ptr<Buffer> Buffer::create(std::shared_ptr<Group> group, const Buffe
     case Backend::kHost:
       return host::create_host_buffer(std::move(group), options);
     case Backend::kCuda:
-      // NOTE: checked before the cuda buffer's collective creation: ranks that pass the same options fail alike
-      // here. A rank whose normal_routing differs from its peers' fails alone and they time out in that creation.
-      EPX_CHECK(ErrorCode::kUnsupported,
-                options.normal_routing == NormalRouting::kFlat ||
-                    (options.normal_routing == NormalRouting::kAuto && group->topology().num_nodes == 1),
-                "the cuda backend has no hierarchical (multi-node) normal path yet (docs/multi-node.md); got "
-                "normal_routing {} on {} nodes",
-                static_cast<int>(options.normal_routing), group->topology().num_nodes);
 #ifdef EPX_WITH_CUDA
       return cuda::create_cuda_buffer(std::move(group), options);
 #else

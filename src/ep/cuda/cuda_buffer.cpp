@@ -13,14 +13,15 @@
 #include <utility>
 #include <vector>
 
+#include "comm/cuda/cuda_group.h"
 #include "core/check.h"
+#include "core/cuda/cuda_util.h"
 #include "core/limits.h"
 #include "core/timeout.h"
-#include "comm/cuda/cuda_group.h"
-#include "core/cuda/cuda_util.h"
+#include "ep/backends.h"
+#include "ep/cuda/hierarchical_engine.h"
 #include "ep/cuda/low_latency_engine.h"
 #include "ep/cuda/normal_engine.h"
-#include "ep/backends.h"
 #include "ep/validate.h"
 #include "epx/log.h"
 
@@ -39,6 +40,10 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     device_ = group_->device().index;
     normal_ =
         std::make_unique<NormalEngine>(*group_, options.num_sms, options.num_normal_bytes, allocator_, options.normal);
+    if (options.normal_routing == NormalRouting::kHierarchical ||
+        (options.normal_routing == NormalRouting::kAuto && group_->topology().num_nodes > 1)) {
+      hierarchical_ = std::make_unique<HierarchicalEngine>(*cgroup_, allocator_, options.num_sms);
+    }
 
     DeviceGuard guard(device_);
     check_cuda(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking), "cudaStreamCreate (abort)");
@@ -71,6 +76,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
       group_->barrier();
     } catch (...) {
     }
+    hierarchical_.reset();
     normal_.reset();
     cudaStreamSynchronize(abort_stream_);
     cudaStreamDestroy(abort_stream_);
@@ -79,13 +85,25 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   Group& group() override { return *group_; }
 
   Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) override {
-    return normal_->get_dispatch_layout(topk_idx, num_experts, stream, *this);
+    Layout layout = normal_->get_dispatch_layout(topk_idx, num_experts, stream, *this);
+    if (hierarchical_) hierarchical_->add_tokens_per_node(layout, stream);
+    return layout;
   }
 
+  // NOTE: the hierarchical engine keeps its own error protocol (a header rendezvous at the start of each call, no
+  // device-side waits on peers), so it bypasses joined() and the signal reset.
   DispatchResult dispatch(const DispatchArgs& args) override {
+    if (hierarchical_) {
+      last_stream_ = args.stream;
+      return hierarchical_->dispatch(args);
+    }
     return joined([&] { return normal_->dispatch(args, *this); });
   }
   CombineResult combine(const CombineArgs& args) override {
+    if (hierarchical_) {
+      last_stream_ = args.stream;
+      return hierarchical_->combine(args);
+    }
     return joined([&] { return normal_->combine(args, *this); });
   }
 
@@ -162,6 +180,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   int num_ranks_ = 0;
   int device_ = 0;
   std::unique_ptr<NormalEngine> normal_;
+  std::unique_ptr<HierarchicalEngine> hierarchical_;  // normal dispatch/combine with hierarchical routing
   std::unique_ptr<LowLatencyEngine> low_latency_;
   // Reset requests, shared with the other ranks' buffers (see CudaWorld); null when the processes share no
   // memory (then a timeout cannot be recovered from in place).
@@ -191,8 +210,8 @@ void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
   if (keep_invalid_topk && rec[0].code == kErrNone && rec[1].code == kErrInvalidTopk) return;
   std::memset(errors, 0, sizeof(rec));
   const char* const reset_note = world_ != nullptr ? "the buffer resets on the next call of every rank"
-                                                  : "this buffer cannot reset (no memory shared with the other ranks' "
-                                                    "processes): destroy it and make a new one on every rank";
+                                                   : "this buffer cannot reset (no memory shared with the other ranks' "
+                                                     "processes): destroy it and make a new one on every rank";
   if (rec[0].code == kErrHandleMismatch) {
     request_reset();
     const auto& e = rec[0];
@@ -207,8 +226,7 @@ void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
     detail::raise(ErrorCode::kPeerFailure,
                   "cuda rank {}: peer rank {} left the call (before it started, or on finding mismatched "
                   "handles; its own error says why; {} waited in {}); {}",
-                  rank_, rec[0].peer, rank_, wait_site_name(rec[0].where),
-                  reset_note);
+                  rank_, rec[0].peer, rank_, wait_site_name(rec[0].where), reset_note);
   }
   if (rec[0].code == kErrTimeout) {
     request_reset();

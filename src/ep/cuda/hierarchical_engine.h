@@ -1,0 +1,61 @@
+// The hierarchical normal dispatch/combine of the cuda Buffer (NormalRouting::kHierarchical, and kAuto on more
+// than one node; docs/multi-node.md): the same calls and results as the host backend's hierarchical path
+// (src/ep/host/host_hierarchical.cpp), on the kernels of hierarchical_kernels.h and the exchanges of
+// comm/cuda/net_leg.h. Private to the CUDA backend.
+//
+// Each call starts with a host rendezvous (all_gather_bytes of a small header: status, shapes, handle id and, in a
+// fresh dispatch, the rank's per-rank and per-node counts), so that bad or mismatched arguments fail every rank
+// alike before any data moves, as on the host backend. Host syncs: a fresh dispatch synchronizes its stream once
+// (the layout's counts, also in worst-token mode in this first version); cached dispatches and combines do not
+// synchronize the device, but wait on the host for the peers (the header, the exchanges' rendezvous).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/cuda/cuda_group.h"
+#include "comm/cuda/device/error_record.h"
+#include "comm/cuda/net_leg.h"
+#include "epx/buffer.h"
+
+namespace epx::cuda {
+
+struct HierarchicalRoutes;
+
+class HierarchicalEngine {
+ public:
+  // Not collective. Loads the kernels (see preload_normal_kernels), allocates a mapped error record and pinned
+  // staging for the counts.
+  HierarchicalEngine(CudaGroup& group, std::shared_ptr<Allocator> allocator, int num_sms);
+  ~HierarchicalEngine();
+  HierarchicalEngine(const HierarchicalEngine&) = delete;
+  HierarchicalEngine& operator=(const HierarchicalEngine&) = delete;
+
+  // Fills layout.num_tokens_per_node (int32 [num_nodes]) from layout.is_token_in_rank, on `stream`.
+  void add_tokens_per_node(Layout& layout, Stream stream);
+  // Collective, as Buffer::dispatch / Buffer::combine.
+  DispatchResult dispatch(const DispatchArgs& args);
+  CombineResult combine(const CombineArgs& args);
+
+ private:
+  Tensor empty(DType dtype, const std::vector<int64_t>& shape, Stream stream) const;
+  // The fresh dispatch's routing: layout, per-node scan, the counts to the host (the one sync), checked against
+  // args.layout. Fills `routes` with this rank's tensors and counts.
+  void route_locally(const DispatchArgs& args, int64_t num_tokens, HierarchicalRoutes& routes);
+
+  CudaGroup& group_;
+  std::shared_ptr<Allocator> allocator_;
+  Topology topology_;
+  int rank_ = 0;
+  int num_ranks_ = 0;
+  int device_ = 0;
+  int num_sms_ = 1;
+  uint64_t call_seq_ = 0;  // collective calls so far: the same on every rank
+  std::unique_ptr<ByteExchange> exchange_;
+  ErrorRecord* error_ = nullptr;         // mapped host memory: an invalid topk_idx entry the layout kernel found
+  ErrorRecord* error_device_ = nullptr;  // its device alias
+  int32_t* counts_host_ = nullptr;       // pinned: the layout's counts and the caller's per-node counts
+};
+
+}  // namespace epx::cuda
