@@ -48,11 +48,11 @@ struct PassInfo {
   // >= 0, or -1: the previous pass's id + 1 (the first pass is 1: SGLang's ModelRunner increments its
   // forward_pass_id before each forward).
   int64_t forward_pass_id = -1;
-  std::optional<ForwardMode> forward_mode;  // unknown if empty
+  std::optional<ForwardMode> forward_mode{};  // unknown if empty
   // per_token metadata (SGLang's forward_batch.input_ids, positions, extend_seq_lens_cpu), each optional (empty):
-  std::vector<int64_t> input_ids;        // [num_tokens]
-  std::vector<int64_t> positions;        // [num_tokens]
-  std::vector<int64_t> extend_seq_lens;  // [num_seqs], each >= 0, sum <= num_tokens
+  std::vector<int64_t> input_ids{};        // [num_tokens]
+  std::vector<int64_t> positions{};        // [num_tokens]
+  std::vector<int64_t> extend_seq_lens{};  // [num_seqs], each >= 0, sum <= num_tokens
 };
 
 // One per_pass / per_token record (SGLang's _DetailAccumulator record).
