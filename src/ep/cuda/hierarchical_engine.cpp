@@ -163,18 +163,17 @@ DispatchResult HierarchicalEngine::dispatch(const DispatchArgs& args) {
   std::vector<Header> all(R);
   group_.all_gather_bytes(&mine, all.data(), sizeof(Header));
   check_headers(all, mine, rank_, "dispatch", local_error);
+  if (mine.invalid_topk) {  // this rank's own bad entry first, then a peer's
+    const ErrorRecord e = *error_;
+    std::memset(error_, 0, sizeof(ErrorRecord));
+    detail::raise(ErrorCode::kInvalidArgument, "topk_idx[{}][{}] = {} is outside [-1, num_experts = {}) (rank {})",
+                  e.peer, e.channel, e.observed, e.expected, rank_);
+  }
   for (int s = 0; s < R; ++s) {
-    if (!all[s].invalid_topk) continue;
-    if (s == rank_) {
-      const ErrorRecord e = *error_;
-      std::memset(error_, 0, sizeof(ErrorRecord));
-      detail::raise(ErrorCode::kInvalidArgument, "topk_idx[{}][{}] = {} is outside [-1, num_experts = {}) (rank {})",
-                    e.peer, e.channel, e.observed, e.expected, rank_);
-    }
-    detail::raise(ErrorCode::kPeerFailure,
-                  "cuda rank {}: rank {} passed an invalid topk_idx entry to this dispatch; "
-                  "the dispatch failed on every rank before any data moved, the buffer stays usable",
-                  rank_, s);
+    EPX_CHECK(ErrorCode::kPeerFailure, !all[s].invalid_topk,
+              "cuda rank {}: rank {} passed an invalid topk_idx entry to this dispatch; the dispatch failed on every "
+              "rank before any data moved, the buffer stays usable",
+              rank_, s);
   }
 
   // The routes: every rank's counts from the headers (fresh), or the handle's.
