@@ -21,7 +21,27 @@ import sys
 import time
 from typing import Dict, List
 
-import torch
+
+def _load_cuda_modules_eagerly_if_shared(argv: List[str]) -> None:
+    """Two rank threads on one GPU: CUDA loads a kernel's module on its first launch by default (lazy loading), and
+    that load waits for the GPU's running kernels, among them the peer rank's epx kernel, which spins until this
+    rank joins the call: a deadlock (seen on 1x H200 in SDPA's first launch). epx preloads its own kernels; torch's
+    must be loaded up front, before CUDA starts, so this runs before torch is imported."""
+    devices = None
+    for i, a in enumerate(argv):
+        if a == "--devices" and i + 1 < len(argv):
+            devices = argv[i + 1]
+        elif a.startswith("--devices="):
+            devices = a.split("=", 1)[1]
+    if devices is not None:
+        ids = [d.strip() for d in devices.split(",") if d.strip()]
+        if len(ids) != len(set(ids)):
+            os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+
+_load_cuda_modules_eagerly_if_shared(sys.argv[1:])
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
