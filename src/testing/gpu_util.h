@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/cuda/alloc.h"
 #include "epx/error.h"
 #include "epx/tensor.h"
 #include "testing/stats.h"
@@ -65,6 +66,19 @@ inline constexpr int kPoisonByte = 0xAB;
 inline cudaError_t poison(void* ptr, size_t bytes, cudaStream_t stream, int byte = kPoisonByte) {
   return cudaMemsetAsync(ptr, byte, bytes, stream);
 }
+
+// Buffer outputs filled with kPoisonByte as they are allocated (BufferOptions::allocator), so an output element no
+// kernel writes fails the comparison instead of holding a stale right value.
+class PoisonAllocator final : public Allocator {
+ public:
+  std::shared_ptr<void> allocate(size_t bytes, Device device, Stream stream) override {
+    if (!device.is_cuda()) return default_allocator()->allocate(bytes, device, stream);
+    if (bytes == 0) return nullptr;
+    auto p = detail::cuda_allocate(bytes, device, stream);
+    poison(p.get(), bytes, stream);
+    return p;
+  }
+};
 
 // CUDA events for timing, created on the current device and destroyed with the object: record(i, stream) marks
 // event i, elapsed_ms(from, to) waits for event `to` and reads the time between the two.

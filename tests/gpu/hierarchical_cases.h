@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda/alloc.h"
 #include "epx/buffer.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -23,16 +22,7 @@ namespace epx::hierarchical_test {
 
 using testing::download;
 
-class PoisonAllocator final : public Allocator {
- public:
-  std::shared_ptr<void> allocate(size_t bytes, Device device, Stream stream) override {
-    if (!device.is_cuda()) return default_allocator()->allocate(bytes, device, stream);
-    if (bytes == 0) return nullptr;
-    auto p = detail::cuda_allocate(bytes, device, stream);
-    testing::poison(p.get(), bytes, stream);
-    return p;
-  }
-};
+using testing::PoisonAllocator;
 
 struct Case {
   int num_ranks = 4;

@@ -21,7 +21,6 @@
 #include <thread>
 #include <utility>
 
-#include "core/cuda/alloc.h"
 #include "epx/buffer.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -52,16 +51,7 @@ CudaGroupOptions test_options() {
 // Poisons every CUDA allocation (testing::kPoisonByte) so that an element the kernels forget to write shows up; an
 // empty one is null, as torch's allocator gives it (a kernel that touches an empty output faults here instead of
 // writing into a spare byte).
-class PoisonAllocator final : public Allocator {
- public:
-  std::shared_ptr<void> allocate(size_t bytes, Device device, Stream stream) override {
-    if (!device.is_cuda()) return default_allocator()->allocate(bytes, device, stream);
-    if (bytes == 0) return nullptr;
-    auto p = detail::cuda_allocate(bytes, device, stream);
-    testing::poison(p.get(), bytes, stream);
-    return p;
-  }
-};
+using testing::PoisonAllocator;
 
 struct Case {
   std::vector<int> devices;     // one entry per rank
