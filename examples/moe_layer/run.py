@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from typing import Dict, List
 
 
@@ -147,6 +148,17 @@ def prefill_micro_batches(seq_lens: List[int], use_tbo: bool) -> List[MicroBatch
 
 def rank_main(rank_idx: int, group: epx.Group, args, cfg: Config, inputs: List[Dict], exchange: Exchange,
               devices: List[str], use_epx_dp: bool, log) -> Dict:
+    try:
+        return _rank_main(rank_idx, group, args, cfg, inputs, exchange, devices, use_epx_dp, log)
+    except BaseException:
+        # NOTE: run_host_ranks raises a rank's exception only when it joins that rank, after the ranks before it;
+        # a peer left waiting in an epx call would hide it until its timeout, so say it now.
+        print(f"rank {rank_idx} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+
+
+def _rank_main(rank_idx: int, group: epx.Group, args, cfg: Config, inputs: List[Dict], exchange: Exchange,
+               devices: List[str], use_epx_dp: bool, log) -> Dict:
     device = torch.device(devices[rank_idx])
     if device.type == "cuda":
         torch.cuda.set_device(device)
