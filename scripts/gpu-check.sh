@@ -4,19 +4,20 @@
 # with numpy and torch CPU tensors, then CUDA), DeepEP's own public suites unchanged against the
 # epx.deep_ep shim (when a DeepEP checkout's tests/ are carried in .carry/DeepEP; nothing of it is built),
 # `epx bench` (normal SM sweep, low-latency, DP, TBO, EPLB live), `python -m epx.bench` beside it, and
-# compute-sanitizer memcheck/racecheck on small cases; prints a short table last.
+# compute-sanitizer memcheck/racecheck on small cases, and the end-to-end MoE layer example (examples/moe_layer: one
+# rank per GPU, or two ranks sharing the one GPU at tiny shapes); prints a short table last.
 #
 # The machine has no -dev packages: GoogleTest, fmt, spdlog, CLI11, nlohmann-json headers and CMake configs
 # are carried in .carry/deps (copied from a Debian machine by scripts/carry-deps.sh). Logs and JSON go to
 # $OUT (or ./gpu-check-out).
 #
-# Usage: scripts/gpu-check.sh [--steps build,tests,python,deepep,bench,sanitize] [--sms 8,16,24,32,48,64]
+# Usage: scripts/gpu-check.sh [--steps build,tests,python,deepep,bench,sanitize,example] [--sms 8,16,24,32,48,64]
 #   default: every step. The device tool allows 10 minutes per command: split long runs over two calls
 #   (the build tree stays on a warm machine), e.g. --steps build,tests,python then --steps deepep,bench,sanitize.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-check-out}
-STEPS=build,tests,python,deepep,bench,sanitize
+STEPS=build,tests,python,deepep,bench,sanitize,example
 SMS=8,16,24,32,48,64
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -121,6 +122,18 @@ if want sanitize && command -v compute-sanitizer >/dev/null; then
     timed "sanitizer-$tool (low-latency)" 300 compute-sanitizer --tool $tool --error-exitcode 9 \
       "$BUILD/tests/epx_gpu_low_latency_kernels_test" --gtest_filter='LowLatencyKernels.SmallCase'
   done
+fi
+
+if want example; then
+  # A hang prints every thread's Python stack (faulthandler) before the step's limit.
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [ "$gpus" -ge 2 ]; then ex_args="--devices 0,1"; else ex_args="--devices 0,0 --tiny"; fi
+  timed "examples/moe_layer ($ex_args)" 500 env PYTHONPATH="$BUILD/python" "$PY" -X faulthandler -c "
+import faulthandler, runpy, sys
+faulthandler.dump_traceback_later(480, exit=True)
+sys.argv = ['run.py'] + sys.argv[1:]
+runpy.run_path('$ROOT/examples/moe_layer/run.py', run_name='__main__')
+" $ex_args --json "$OUT/moe_layer.json" --plot "$OUT/moe_layer.png"
 fi
 
 echo
