@@ -5,6 +5,8 @@ The same C++ core as the `epx` library and CLI, for numpy and torch:
 * ``Buffer``: normal and low-latency dispatch/combine (host backend on CPU threads, CUDA backend on GPUs);
 * ``host_groups(n)`` + ``run_host_ranks``: n ranks as threads of this process (no GPU needed);
 * ``cuda_groups(devices)``, ``Group.from_process_group(pg)``: CUDA groups;
+* ``gpus_per_node=`` on every group constructor and ``Group.topology``: ranks on several nodes, where the normal
+  dispatch/combine route hierarchically (``Buffer(..., normal_routing=...)``, docs/multi-node.md);
 * errors: ``epx.Error`` and one subclass per code (``InvalidArgumentError`` is also a ``ValueError``,
   ``TimeoutError`` also the builtin ``TimeoutError``).
 
@@ -26,11 +28,13 @@ from ._epx import (  # noqa: F401
     LowLatencyConfig,
     NcclError,
     NormalConfig,
+    NormalRouting,
     OutOfMemoryError,
     PeerFailureError,
     ScaleFormat,
     ScaleLayout,
     TimeoutError,
+    Topology,
     UnsupportedError,
     built_with_cuda,
     cuda_groups,

@@ -13,9 +13,10 @@ parallel.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Union
 
 from . import _epx
+from ._args import enum_arg
 from ._tensors import Allocations, Outputs, any_torch, cuda_stream_of, is_torch, to_arg
 
 
@@ -26,6 +27,10 @@ class Layout:
     num_tokens_per_rank: Any  # int32 [num_ranks]
     num_tokens_per_expert: Any  # int32 [num_experts]
     is_token_in_rank: Any  # bool [T, num_ranks]
+    # int32 [num_nodes]: tokens with an expert on a rank of each node of group.topology (DeepEP's
+    # num_tokens_per_rdma_rank). The host backend always fills it; the cuda backend when the buffer routes
+    # hierarchically, else None. Optional in dispatch's layout.
+    num_tokens_per_node: Any = None
 
 
 @dataclass
@@ -75,21 +80,26 @@ class Buffer:
     num_normal_bytes / num_low_latency_bytes: peer memory for the two paths (0 normal: a default size;
     0 low-latency: none, and low_latency_* raise). num_sms: SMs the normal kernels may use (cuda).
     normal / low_latency: epx.NormalConfig / epx.LowLatencyConfig, the kernels' tuning (cuda; None: the
-    defaults). On the cuda backend the byte counts, num_sms and these must be the same on every rank: creation
-    checks that collectively and raises on every rank, naming the field, when they differ.
+    defaults). normal_routing: "auto" (hierarchical when group.topology has more than one node), "flat" or
+    "hierarchical" (or an epx.NormalRouting); see docs/multi-node.md. On the cuda backend the byte counts,
+    num_sms, normal_routing and the configs must be the same on every rank: creation checks that collectively and
+    raises on every rank, naming the field, when they differ.
     """
 
     def __init__(self, group: _epx.Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0,
                  num_sms: int = 24, normal: Optional[_epx.NormalConfig] = None,
-                 low_latency: Optional[_epx.LowLatencyConfig] = None):
+                 low_latency: Optional[_epx.LowLatencyConfig] = None,
+                 normal_routing: Union[str, _epx.NormalRouting] = "auto"):
+        routing = enum_arg(_epx.NormalRouting, normal_routing, "normal_routing")
         self._allocations = Allocations()
         self._native = _epx.Buffer.create(group, num_normal_bytes=num_normal_bytes,
                                           num_low_latency_bytes=num_low_latency_bytes, num_sms=num_sms,
                                           allocator=self._allocations,
                                           normal=normal if normal is not None else _epx.NormalConfig(),
                                           low_latency=low_latency if low_latency is not None
-                                          else _epx.LowLatencyConfig())
+                                          else _epx.LowLatencyConfig(), normal_routing=routing)
         self.group = group
+        self.normal_routing = routing
 
     @property
     def rank(self) -> int:
@@ -109,8 +119,13 @@ class Buffer:
             out = method(**kwargs)
             return out, Outputs(True, scope.made)
 
+    @property
+    def topology(self) -> _epx.Topology:
+        """The group's placement of ranks on nodes (group.topology)."""
+        return self.group.topology
+
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, stream: Any = None) -> Layout:
-        """Per-rank and per-expert token counts and is_token_in_rank of topk_idx [T, K] (not collective)."""
+        """Per-rank, per-node and per-expert token counts and is_token_in_rank of topk_idx [T, K] (not collective)."""
         out, conv = self._call(self._native.get_dispatch_layout, (topk_idx,), topk_idx=to_arg(topk_idx),
                                num_experts=num_experts, stream=cuda_stream_of(stream, topk_idx))
         return Layout(*(conv(o) for o in out))
@@ -129,7 +144,7 @@ class Buffer:
         native_layout = layout  # not a Layout: the native call rejects it, naming layout
         if isinstance(layout, Layout):
             native_layout = tuple(to_arg(t) for t in (layout.num_tokens_per_rank, layout.num_tokens_per_expert,
-                                                      layout.is_token_in_rank))
+                                                      layout.is_token_in_rank, layout.num_tokens_per_node))
         out, conv = self._call(self._native.dispatch, (x, topk_idx), x=to_arg(x), x_scales=to_arg(x_scales),
                                topk_idx=to_arg(topk_idx), topk_weights=to_arg(topk_weights),
                                num_experts=num_experts, layout=native_layout, handle=handle,

@@ -13,10 +13,13 @@ from typing import Any, Optional
 from . import _epx
 
 
-def group_from_process_group(pg: Any = None, timeout_ms: int = 60_000, device: Optional[int] = None) -> _epx.Group:
+def group_from_process_group(pg: Any = None, timeout_ms: int = 60_000, device: Optional[int] = None,
+                             gpus_per_node: int = 0) -> _epx.Group:
     """An epx CUDA group with the ranks of the torch process group `pg` (default: the world group).
 
     Collective over `pg`. `device`: the CUDA ordinal of this rank (default: torch's current device).
+    `gpus_per_node`: ranks per node of the group's topology, numbered node-major (0: one node; else a divisor of
+    the group's size, epx.InvalidArgumentError naming gpus_per_node otherwise). See docs/multi-node.md.
     """
     import torch
     import torch.distributed as dist
@@ -28,9 +31,11 @@ def group_from_process_group(pg: Any = None, timeout_ms: int = 60_000, device: O
     device = torch.cuda.current_device() if device is None else int(device)
     unique_id = [_epx.nccl_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(unique_id, src=dist.get_global_rank(pg, 0), group=pg)
-    return _epx.cuda_group_from_nccl_id(unique_id[0], rank, size, device, timeout_ms)
+    return _epx.cuda_group_from_nccl_id(unique_id[0], rank, size, device, timeout_ms, gpus_per_node)
 
 
-def group_from_nccl_comm(comm: int, timeout_ms: int = 60_000) -> _epx.Group:
-    """A group over an existing NCCL communicator (its ncclComm_t as an int); the communicator must outlive it."""
-    return _epx.cuda_group_from_nccl_comm(comm, timeout_ms)
+def group_from_nccl_comm(comm: int, timeout_ms: int = 60_000, gpus_per_node: int = 0) -> _epx.Group:
+    """A group over an existing NCCL communicator (its ncclComm_t as an int); the communicator must outlive it.
+
+    `gpus_per_node`: as group_from_process_group."""
+    return _epx.cuda_group_from_nccl_comm(comm, timeout_ms, gpus_per_node)

@@ -43,16 +43,20 @@ nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle 
         a.num_experts = to_int<int64_t>(num_experts, "num_experts");
         if (!layout.is_none()) {
           if (!nb::isinstance<nb::tuple>(layout)) {
-            wrong_type("layout", "an epx.Layout (natively: the tuple of its 3 tensors) or None", layout);
+            wrong_type("layout", "an epx.Layout (natively: the tuple of its 3 or 4 tensors) or None", layout);
           }
           auto parts = nb::borrow<nb::tuple>(layout);
-          if (parts.size() != 3) {
+          if (parts.size() != 3 && parts.size() != 4) {
             throw Error(ErrorCode::kInvalidArgument,
-                        "layout: expected (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)");
+                        "layout: expected (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank[, "
+                        "num_tokens_per_node])");
           }
           given.num_tokens_per_rank = as_tensor(parts[0], "layout.num_tokens_per_rank");
           given.num_tokens_per_expert = as_tensor(parts[1], "layout.num_tokens_per_expert");
           given.is_token_in_rank = as_tensor(parts[2], "layout.is_token_in_rank");
+          if (parts.size() == 4 && !parts[3].is_none()) {
+            given.num_tokens_per_node = as_tensor(parts[3], "layout.num_tokens_per_node");
+          }
           a.layout = &given;
         }
         a.handle = to_handle<DispatchHandle>(handle, "handle", "an epx.DispatchHandle or None");
@@ -182,24 +186,33 @@ void register_buffer(nb::module_& m) {
                                "same on every rank.")
       .def(nb::init<>())
       .def_rw("combine_send_parts", &LowLatencyConfig::combine_send_parts);
+  nb::enum_<NormalRouting>(m, "NormalRouting",
+                           "Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, "
+                           "docs/multi-node.md): auto (hierarchical when the group's topology has more than one "
+                           "node), flat, or hierarchical. The same on every rank.")
+      .value("auto", NormalRouting::kAuto)
+      .value("flat", NormalRouting::kFlat)
+      .value("hierarchical", NormalRouting::kHierarchical);
   nb::class_<Buffer>(m, "Buffer", "One rank's expert-parallel communication buffer (see include/epx/buffer.h).")
       .def_static(
           "create",
           [](std::shared_ptr<Group> group, int64_t num_normal_bytes, int64_t num_low_latency_bytes, int num_sms,
-             nb::object allocator, const NormalConfig& normal, const LowLatencyConfig& low_latency) {
+             nb::object allocator, const NormalConfig& normal, const LowLatencyConfig& low_latency,
+             NormalRouting normal_routing) {
             BufferOptions options;
             options.num_normal_bytes = num_normal_bytes;
             options.num_low_latency_bytes = num_low_latency_bytes;
             options.num_sms = num_sms;
             options.normal = normal;
             options.low_latency = low_latency;
+            options.normal_routing = normal_routing;
             options.allocator = python_allocator(std::move(allocator));
             nb::gil_scoped_release release;
             return Buffer::create(std::move(group), options);
           },
           nb::arg("group"), nb::arg("num_normal_bytes") = 0, nb::arg("num_low_latency_bytes") = 0,
           nb::arg("num_sms") = 24, nb::arg("allocator") = nb::none(), nb::arg("normal") = NormalConfig(),
-          nb::arg("low_latency") = LowLatencyConfig())
+          nb::arg("low_latency") = LowLatencyConfig(), nb::arg("normal_routing") = NormalRouting::kAuto)
       .def_prop_ro("rank", &Buffer::rank)
       .def_prop_ro("num_ranks", &Buffer::num_ranks)
       .def(
@@ -213,9 +226,11 @@ void register_buffer(nb::module_& m) {
               layout = b.get_dispatch_layout(idx, num_experts, s);
             }
             return nb::make_tuple(from_tensor(layout.num_tokens_per_rank), from_tensor(layout.num_tokens_per_expert),
-                                  from_tensor(layout.is_token_in_rank));
+                                  from_tensor(layout.is_token_in_rank), from_tensor(layout.num_tokens_per_node));
           },
-          nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("stream") = nb::none())
+          nb::arg("topk_idx"), nb::arg("num_experts"), nb::arg("stream") = nb::none(),
+          "(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, num_tokens_per_node); the last is None "
+          "where the backend leaves it undefined (cuda, flat routing).")
       .def("dispatch", &dispatch, arg("x"), arg("x_scales") = nb::none(), arg("topk_idx") = nb::none(),
            arg("topk_weights") = nb::none(), arg("num_experts") = 0, arg("layout") = nb::none(),
            arg("handle") = nb::none(), arg("expert_alignment") = 1, arg("num_worst_tokens") = 0, arg("num_sms") = 0,

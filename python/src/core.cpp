@@ -128,6 +128,27 @@ PyObject* make_error_class(nb::module_& m, const char* name, PyObject* base, PyO
   return Error(ErrorCode::kUnsupported, "this epx build has no CUDA backend (built without a CUDA toolkit)");
 }
 
+// The range checks of Topology's accessors (the C++ struct trusts its caller).
+void check_rank_of(const Topology& t, int rank, const char* name) {
+  if (rank < 0 || rank >= t.num_ranks()) {
+    throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": " + std::to_string(rank) + " is outside [0, " +
+                                                 std::to_string(t.num_ranks()) + ")");
+  }
+}
+
+// Host-only builds check gpus_per_node as the CUDA group constructors do (the same rule as HostGroupOptions), so
+// a bad value reads the same whatever the build.
+[[maybe_unused]] void check_gpus_per_node(int gpus_per_node, int num_ranks) {
+  if (gpus_per_node < 0 || gpus_per_node > num_ranks) {
+    throw Error(ErrorCode::kInvalidArgument, "gpus_per_node must be in [0, num_ranks = " + std::to_string(num_ranks) +
+                                                 "] (0: one node), got " + std::to_string(gpus_per_node));
+  }
+  if (gpus_per_node > 0 && num_ranks % gpus_per_node != 0) {
+    throw Error(ErrorCode::kInvalidArgument, "gpus_per_node = " + std::to_string(gpus_per_node) +
+                                                 " must divide num_ranks = " + std::to_string(num_ranks));
+  }
+}
+
 }  // namespace
 
 TensorView to_view(nb::handle obj, const char* name) {
@@ -287,6 +308,50 @@ void register_core(nb::module_& m) {
       },
       nb::arg("level"), "Sets the library's log level (also EPX_LOG_LEVEL).");
 
+  nb::class_<Topology>(m, "Topology",
+                       "Where a group's ranks sit: num_nodes nodes of gpus_per_node ranks each, numbered node-major "
+                       "(rank = node * gpus_per_node + local_rank). See include/epx/group.h.")
+      .def(nb::init<>())
+      .def_ro("num_nodes", &Topology::num_nodes)
+      .def_ro("gpus_per_node", &Topology::gpus_per_node)
+      .def_prop_ro("num_ranks", &Topology::num_ranks)
+      .def(
+          "node_of",
+          [](const Topology& t, int rank) {
+            check_rank_of(t, rank, "rank");
+            return t.node_of(rank);
+          },
+          nb::arg("rank"), "The node of `rank` (rank // gpus_per_node).")
+      .def(
+          "local_rank_of",
+          [](const Topology& t, int rank) {
+            check_rank_of(t, rank, "rank");
+            return t.local_rank_of(rank);
+          },
+          nb::arg("rank"), "The index of `rank` inside its node (rank % gpus_per_node).")
+      .def(
+          "rank_of",
+          [](const Topology& t, int node, int local_rank) {
+            if (node < 0 || node >= t.num_nodes) {
+              throw Error(ErrorCode::kInvalidArgument, "node: " + std::to_string(node) + " is outside [0, " +
+                                                           std::to_string(t.num_nodes) + ")");
+            }
+            if (local_rank < 0 || local_rank >= t.gpus_per_node) {
+              throw Error(ErrorCode::kInvalidArgument, "local_rank: " + std::to_string(local_rank) +
+                                                           " is outside [0, " + std::to_string(t.gpus_per_node) + ")");
+            }
+            return t.rank_of(node, local_rank);
+          },
+          nb::arg("node"), nb::arg("local_rank"), "node * gpus_per_node + local_rank.")
+      .def("__eq__",
+           [](const Topology& a, const Topology& b) {
+             return a.num_nodes == b.num_nodes && a.gpus_per_node == b.gpus_per_node;
+           })
+      .def("__repr__", [](const Topology& t) {
+        return "epx.Topology(num_nodes=" + std::to_string(t.num_nodes) +
+               ", gpus_per_node=" + std::to_string(t.gpus_per_node) + ")";
+      });
+
   nb::class_<Group>(m, "Group",
                     "One rank's membership in a set of ranks that run expert parallelism together.\n"
                     "Collective calls must be made by every rank of the group in the same order.")
@@ -295,6 +360,9 @@ void register_core(nb::module_& m) {
       .def_prop_ro("backend", [](const Group& g) { return std::string(to_string(g.backend())); })
       .def_prop_ro("device", [](const Group& g) { return to_string(g.device()); })
       .def_prop_ro("timeout_ms", &Group::timeout_ms)
+      .def_prop_ro("topology", &Group::topology,
+                   "The ranks' placement on nodes (epx.Topology); one node holding every rank unless the group was "
+                   "made with gpus_per_node.")
       .def("barrier", &Group::barrier, nb::call_guard<nb::gil_scoped_release>(),
            "Blocks until every rank arrived; raises epx.TimeoutError naming the ranks that did not.")
       .def(
@@ -312,47 +380,56 @@ void register_core(nb::module_& m) {
           },
           nb::arg("data"), "Every rank contributes the same number of bytes; returns them in rank order.")
       .def("__repr__", [](const Group& g) {
+        const Topology t = g.topology();
         return "epx.Group(rank=" + std::to_string(g.rank()) + ", num_ranks=" + std::to_string(g.num_ranks()) +
-               ", backend=" + to_string(g.backend()) + ", device=" + to_string(g.device()) + ")";
+               ", backend=" + to_string(g.backend()) + ", device=" + to_string(g.device()) +
+               ", num_nodes=" + std::to_string(t.num_nodes) + ")";
       });
 
   m.def(
       "host_groups",
-      [](int num_ranks, int64_t timeout_ms) {
+      [](int num_ranks, int64_t timeout_ms, int gpus_per_node) {
         HostGroupOptions options;
         options.timeout_ms = timeout_ms;
+        options.gpus_per_node = gpus_per_node;
         return create_host_groups(num_ranks, options);
       },
-      nb::arg("num_ranks"), nb::arg("timeout_ms") = 60'000,
-      "The groups of `num_ranks` thread ranks of the host backend; hand groups[r] to the thread of rank r.");
+      nb::arg("num_ranks"), nb::arg("timeout_ms") = 60'000, nb::arg("gpus_per_node") = 0,
+      "The groups of `num_ranks` thread ranks of the host backend; hand groups[r] to the thread of rank r.\n"
+      "gpus_per_node: ranks per node of the groups' topology (0: one node; else a divisor of num_ranks). The threads "
+      "still share memory; with more than one node the normal dispatch/combine route hierarchically.");
 
   // The same signatures in every build, so the stubs and help() do not depend on how epx was built.
   m.def(
       "cuda_groups",
-      [](const std::vector<int>& devices, int64_t timeout_ms) -> std::vector<std::shared_ptr<Group>> {
+      [](const std::vector<int>& devices, int64_t timeout_ms, int gpus_per_node) -> std::vector<std::shared_ptr<Group>> {
 #ifdef EPX_WITH_CUDA
         CudaGroupOptions options;
         options.timeout_ms = timeout_ms;
+        options.gpus_per_node = gpus_per_node;
         return create_cuda_groups(devices, options);
 #else
+        check_gpus_per_node(gpus_per_node, static_cast<int>(devices.size()));
         throw no_cuda_error();
 #endif
       },
-      nb::arg("devices"), nb::arg("timeout_ms") = 60'000,
-      "One CUDA group per entry of `devices` (one process, one thread per rank).");
+      nb::arg("devices"), nb::arg("timeout_ms") = 60'000, nb::arg("gpus_per_node") = 0,
+      "One CUDA group per entry of `devices` (one process, one thread per rank). gpus_per_node: as host_groups.");
   m.def(
       "cuda_group_from_nccl_comm",
-      [](uintptr_t comm, int64_t timeout_ms) -> std::shared_ptr<Group> {
+      [](uintptr_t comm, int64_t timeout_ms, int gpus_per_node) -> std::shared_ptr<Group> {
 #ifdef EPX_WITH_CUDA
         CudaGroupOptions options;
         options.timeout_ms = timeout_ms;
+        options.gpus_per_node = gpus_per_node;
         return create_cuda_group(reinterpret_cast<ncclComm_t>(comm), options);
 #else
         throw no_cuda_error();
 #endif
       },
-      nb::arg("comm"), nb::arg("timeout_ms") = 60'000,
-      "A group over an existing NCCL communicator (its ncclComm_t as an int); the communicator must outlive it.");
+      nb::arg("comm"), nb::arg("timeout_ms") = 60'000, nb::arg("gpus_per_node") = 0,
+      "A group over an existing NCCL communicator (its ncclComm_t as an int); the communicator must outlive it. "
+      "gpus_per_node: ranks per node (0: one node; else a divisor of the communicator's size).");
   m.def(
       "nccl_unique_id",
       []() -> nb::bytes {
@@ -366,20 +443,25 @@ void register_core(nb::module_& m) {
       "NCCL's unique id as bytes (loads NCCL on first use).");
   m.def(
       "cuda_group_from_nccl_id",
-      [](nb::bytes unique_id, int rank, int num_ranks, int device, int64_t timeout_ms) -> std::shared_ptr<Group> {
+      [](nb::bytes unique_id, int rank, int num_ranks, int device, int64_t timeout_ms,
+         int gpus_per_node) -> std::shared_ptr<Group> {
 #ifdef EPX_WITH_CUDA
         std::vector<uint8_t> id(unique_id.size());
         std::memcpy(id.data(), unique_id.c_str(), id.size());
         CudaGroupOptions options;
         options.timeout_ms = timeout_ms;
+        options.gpus_per_node = gpus_per_node;
         nb::gil_scoped_release release;
         return create_cuda_group(id, rank, num_ranks, device, options);
 #else
+        check_gpus_per_node(gpus_per_node, num_ranks);
         throw no_cuda_error();
 #endif
       },
       nb::arg("unique_id"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("device"), nb::arg("timeout_ms") = 60'000,
-      "A group that creates and owns an NCCL communicator from a unique id shared by all ranks (collective).");
+      nb::arg("gpus_per_node") = 0,
+      "A group that creates and owns an NCCL communicator from a unique id shared by all ranks (collective). "
+      "gpus_per_node: as host_groups.");
 }
 
 }  // namespace epx::py

@@ -67,6 +67,35 @@ def built_with_cuda() -> bool:
 def set_log_level(level: str) -> None:
     """Sets the library's log level (also EPX_LOG_LEVEL)."""
 
+class Topology:
+    """
+    Where a group's ranks sit: num_nodes nodes of gpus_per_node ranks each, numbered node-major (rank = node * gpus_per_node + local_rank). See include/epx/group.h.
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def gpus_per_node(self) -> int: ...
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    def node_of(self, rank: int) -> int:
+        """The node of `rank` (rank // gpus_per_node)."""
+
+    def local_rank_of(self, rank: int) -> int:
+        """The index of `rank` inside its node (rank % gpus_per_node)."""
+
+    def rank_of(self, node: int, local_rank: int) -> int:
+        """node * gpus_per_node + local_rank."""
+
+    def __eq__(self, arg: Topology, /) -> bool: ...
+
+    def __repr__(self) -> str: ...
+
 class Group:
     """
     One rank's membership in a set of ranks that run expert parallelism together.
@@ -88,6 +117,12 @@ class Group:
     @property
     def timeout_ms(self) -> int: ...
 
+    @property
+    def topology(self) -> Topology:
+        """
+        The ranks' placement on nodes (epx.Topology); one node holding every rank unless the group was made with gpus_per_node.
+        """
+
     def barrier(self) -> None:
         """
         Blocks until every rank arrived; raises epx.TimeoutError naming the ranks that did not.
@@ -100,27 +135,28 @@ class Group:
 
     def __repr__(self) -> str: ...
 
-def host_groups(num_ranks: int, timeout_ms: int = 60000) -> list[Group]:
+def host_groups(num_ranks: int, timeout_ms: int = 60000, gpus_per_node: int = 0) -> list[Group]:
     """
     The groups of `num_ranks` thread ranks of the host backend; hand groups[r] to the thread of rank r.
+    gpus_per_node: ranks per node of the groups' topology (0: one node; else a divisor of num_ranks). The threads still share memory; with more than one node the normal dispatch/combine route hierarchically.
     """
 
-def cuda_groups(devices: Sequence[int], timeout_ms: int = 60000) -> list[Group]:
+def cuda_groups(devices: Sequence[int], timeout_ms: int = 60000, gpus_per_node: int = 0) -> list[Group]:
     """
-    One CUDA group per entry of `devices` (one process, one thread per rank).
+    One CUDA group per entry of `devices` (one process, one thread per rank). gpus_per_node: as host_groups.
     """
 
-def cuda_group_from_nccl_comm(comm: int, timeout_ms: int = 60000) -> Group:
+def cuda_group_from_nccl_comm(comm: int, timeout_ms: int = 60000, gpus_per_node: int = 0) -> Group:
     """
-    A group over an existing NCCL communicator (its ncclComm_t as an int); the communicator must outlive it.
+    A group over an existing NCCL communicator (its ncclComm_t as an int); the communicator must outlive it. gpus_per_node: ranks per node (0: one node; else a divisor of the communicator's size).
     """
 
 def nccl_unique_id() -> bytes:
     """NCCL's unique id as bytes (loads NCCL on first use)."""
 
-def cuda_group_from_nccl_id(unique_id: bytes, rank: int, num_ranks: int, device: int, timeout_ms: int = 60000) -> Group:
+def cuda_group_from_nccl_id(unique_id: bytes, rank: int, num_ranks: int, device: int, timeout_ms: int = 60000, gpus_per_node: int = 0) -> Group:
     """
-    A group that creates and owns an NCCL communicator from a unique id shared by all ranks (collective).
+    A group that creates and owns an NCCL communicator from a unique id shared by all ranks (collective). gpus_per_node: as host_groups.
     """
 
 class DispatchHandle:
@@ -205,13 +241,24 @@ class LowLatencyConfig:
     @combine_send_parts.setter
     def combine_send_parts(self, arg: int, /) -> None: ...
 
+class NormalRouting(enum.Enum):
+    """
+    Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, docs/multi-node.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical. The same on every rank.
+    """
+
+    auto = 0
+
+    flat = 1
+
+    hierarchical = 2
+
 class Buffer:
     """
     One rank's expert-parallel communication buffer (see include/epx/buffer.h).
     """
 
     @staticmethod
-    def create(group: Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0, num_sms: int = 24, allocator: object | None = None, normal: NormalConfig = ..., low_latency: LowLatencyConfig = ...) -> Buffer: ...
+    def create(group: Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0, num_sms: int = 24, allocator: object | None = None, normal: NormalConfig = ..., low_latency: LowLatencyConfig = ..., normal_routing: NormalRouting = NormalRouting.auto) -> Buffer: ...
 
     @property
     def rank(self) -> int: ...
@@ -219,7 +266,10 @@ class Buffer:
     @property
     def num_ranks(self) -> int: ...
 
-    def get_dispatch_layout(self, topk_idx: object, num_experts: int, stream: object | None = None) -> tuple: ...
+    def get_dispatch_layout(self, topk_idx: object, num_experts: int, stream: object | None = None) -> tuple:
+        """
+        (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, num_tokens_per_node); the last is None where the backend leaves it undefined (cuda, flat routing).
+        """
 
     def dispatch(self, x: object, x_scales: object | None = None, topk_idx: object | None = None, topk_weights: object | None = None, num_experts: int = 0, layout: object | None = None, handle: DispatchHandle | None = None, expert_alignment: int = 1, num_worst_tokens: int = 0, num_sms: int = 0, stream: object | None = None) -> dict: ...
 
