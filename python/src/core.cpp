@@ -333,8 +333,8 @@ void register_core(nb::module_& m) {
           "rank_of",
           [](const Topology& t, int node, int local_rank) {
             if (node < 0 || node >= t.num_nodes) {
-              throw Error(ErrorCode::kInvalidArgument, "node: " + std::to_string(node) + " is outside [0, " +
-                                                           std::to_string(t.num_nodes) + ")");
+              throw Error(ErrorCode::kInvalidArgument,
+                          "node: " + std::to_string(node) + " is outside [0, " + std::to_string(t.num_nodes) + ")");
             }
             if (local_rank < 0 || local_rank >= t.gpus_per_node) {
               throw Error(ErrorCode::kInvalidArgument, "local_rank: " + std::to_string(local_rank) +
@@ -343,10 +343,8 @@ void register_core(nb::module_& m) {
             return t.rank_of(node, local_rank);
           },
           nb::arg("node"), nb::arg("local_rank"), "node * gpus_per_node + local_rank.")
-      .def("__eq__",
-           [](const Topology& a, const Topology& b) {
-             return a.num_nodes == b.num_nodes && a.gpus_per_node == b.gpus_per_node;
-           })
+      .def("__eq__", [](const Topology& a,
+                        const Topology& b) { return a.num_nodes == b.num_nodes && a.gpus_per_node == b.gpus_per_node; })
       .def("__repr__", [](const Topology& t) {
         return "epx.Topology(num_nodes=" + std::to_string(t.num_nodes) +
                ", gpus_per_node=" + std::to_string(t.gpus_per_node) + ")";
@@ -402,7 +400,8 @@ void register_core(nb::module_& m) {
   // The same signatures in every build, so the stubs and help() do not depend on how epx was built.
   m.def(
       "cuda_groups",
-      [](const std::vector<int>& devices, int64_t timeout_ms, int gpus_per_node) -> std::vector<std::shared_ptr<Group>> {
+      [](const std::vector<int>& devices, int64_t timeout_ms,
+         int gpus_per_node) -> std::vector<std::shared_ptr<Group>> {
 #ifdef EPX_WITH_CUDA
         CudaGroupOptions options;
         options.timeout_ms = timeout_ms;
