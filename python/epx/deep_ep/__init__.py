@@ -1,8 +1,9 @@
 """DeepEP's classic (V1) Python API on top of epx: ``from epx import deep_ep`` or, with
 ``python/deep_ep_shim`` on ``PYTHONPATH``, a plain ``import deep_ep``.
 
-What is here: ``Buffer`` (intranode normal dispatch/combine, low-latency dispatch/combine, the
-mask-buffer calls, the static helpers), ``Config``, ``EventOverlap``, ``EventHandle`` and
+What is here: ``Buffer`` (normal dispatch/combine on one node and, on a group of several nodes, DeepEP's
+internode mode over epx's hierarchical path; low-latency dispatch/combine, the mask-buffer calls, the static
+helpers), ``Config``, ``EventOverlap``, ``EventHandle`` and
 ``topk_idx_t``. Every call keeps DeepEP's signature, return tuple and stream semantics; what epx does
 with each argument, and what differs, is listed in docs/deepep-migration.md.
 
@@ -19,9 +20,10 @@ except ImportError as _e:  # pragma: no cover - exercised only without torch
 from .buffer import Buffer  # noqa: E402
 from .config import Config  # noqa: E402
 from .events import EventHandle, EventOverlap  # noqa: E402
-from .handles import LowLatencyHandle, NormalHandle  # noqa: E402
+from .handles import InternodeHandle, LowLatencyHandle, NormalHandle  # noqa: E402
 
 #: dtype of top-k expert indices (DeepEP's ``deep_ep.topk_idx_t``); epx also accepts int32.
 topk_idx_t = torch.int64
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "LowLatencyHandle", "NormalHandle", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "InternodeHandle", "LowLatencyHandle", "NormalHandle",
+           "topk_idx_t"]

@@ -29,14 +29,10 @@ import torch
 import epx
 from epx import _epx
 
-from .config import MIN_BUFFER_SMS, Config
+from .config import MAX_NVL_PEERS, MIN_BUFFER_SMS, Config
 from .events import EventHandle, EventOverlap, torch_event_of
-from .handles import LowLatencyHandle, NormalHandle, native_dispatch_handle, native_low_latency_handle
-
-
-def _internode(feature: str) -> NotImplementedError:
-    return NotImplementedError(f"epx.deep_ep: {feature} is internode (multi-node) functionality, which epx does "
-                               "not implement yet; one node (NVLink) is supported")
+from .handles import (InternodeHandle, LowLatencyHandle, NormalHandle, native_dispatch_handle,
+                      native_low_latency_handle)
 
 
 def _accepts(fn: Callable, name: str) -> bool:
@@ -71,17 +67,25 @@ class _Launch:
 class Buffer:
     """DeepEP's communication buffer, served by an ``epx.Buffer`` of this rank.
 
-    group: a torch ProcessGroup (one process per GPU on one node; its ranks' current CUDA devices), or an
-    ``epx.Group`` (e.g. ``epx.host_groups(n)[r]`` for the host backend). num_nvl_bytes: peer memory of the
+    group: a torch ProcessGroup (one process per GPU; its ranks' current CUDA devices), or an ``epx.Group``
+    (e.g. ``epx.host_groups(n, gpus_per_node=g)[r]`` for the host backend). num_nvl_bytes: peer memory of the
     normal path (0: epx's default size). num_rdma_bytes: with low_latency_mode, the low-latency memory
-    (see get_low_latency_rdma_size_hint); otherwise unused on one node. num_qps_per_rank,
-    allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric, enable_shrink: accepted and ignored
-    (epx always uses NVLink within a node, and the rank mask is always there).
+    (see get_low_latency_rdma_size_hint); otherwise unused (epx's internode normal path allocates its network
+    buffers per call). num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
+    enable_shrink: accepted and ignored (epx always uses NVLink within a node, and the rank mask is always there).
+
+    Nodes (DeepEP's RDMA ranks): an epx.Group brings its topology (``group.topology``); a ProcessGroup's ranks
+    are placed by host name: one host is one node, else every host must hold the same number of consecutive
+    ranks, which is gpus_per_node (DeepEP's fixed 8 GPUs per node, NUM_MAX_NVL_PEERS, is the usual case).
+    ``epx_gpus_per_node`` overrides that. With more than one node, get_dispatch_layout returns
+    num_tokens_per_rdma_rank, dispatch returns DeepEP's internode handle, and dispatch/combine run epx's
+    hierarchical path (docs/multi-node.md).
 
     epx-only keywords: epx_num_sms, the most SMs a call may use (default max(24, Buffer.num_sms); a
     Config asking for more is clamped, with a warning); epx_timeout_ms, the group's timeout for peer
     waits; epx_column_major_scales (default True), whether low-latency fp8 scales come in DeepEP's
-    column-major layout or row-major (both written by the receive kernel, no copy).
+    column-major layout or row-major (both written by the receive kernel, no copy); epx_gpus_per_node, the
+    ranks per node of a ProcessGroup (0 or None: from the host names; ignored for an epx.Group).
     """
 
     #: SMs of the normal kernels when no Config is given (DeepEP's class attribute; see set_num_sms).
@@ -91,7 +95,8 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm: Any = None, *, epx_num_sms: Optional[int] = None,
-                 epx_timeout_ms: int = 60_000, epx_column_major_scales: bool = True) -> None:
+                 epx_timeout_ms: int = 60_000, epx_column_major_scales: bool = True,
+                 epx_gpus_per_node: Optional[int] = None) -> None:
         if group is None:
             if comm is not None:
                 raise NotImplementedError("epx.deep_ep: an mpi4py communicator (comm=) is not supported; "
@@ -107,12 +112,17 @@ class Buffer:
             self._device = torch.device(str(group.device))  # "cuda:N" or "cpu"
         else:
             self.rank, self.group_size = group.rank(), group.size()
-            self._require_one_node(group)
+            gpus_per_node = int(epx_gpus_per_node) if epx_gpus_per_node else self._gpus_per_node_of(group)
             self._cuda = True
             self._device = torch.device("cuda", torch.cuda.current_device())
-            epx_group = self._group_from_process_group(group, epx_timeout_ms)
+            epx_group = self._group_from_process_group(group, epx_timeout_ms, gpus_per_node)
         self.group = group
         self.epx_group = epx_group
+        topology = getattr(epx_group, "topology", None)
+        #: DeepEP's RDMA ranks (nodes) and NVLink ranks (ranks per node) of this buffer.
+        self.num_rdma_ranks = topology.num_nodes if topology is not None else 1
+        self.num_nvl_ranks = topology.gpus_per_node if topology is not None else self.group_size
+        self.rdma_rank, self.nvl_rank = self.rank // self.num_nvl_ranks, self.rank % self.num_nvl_ranks
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -135,21 +145,32 @@ class Buffer:
     # ---- set-up helpers ------------------------------------------------------------------------------
 
     @staticmethod
-    def _require_one_node(group: Any) -> None:
+    def _gpus_per_node_of(group: Any) -> int:
+        """Ranks per node from the ranks' host names: 0 (one node) when they share one host, else the ranks per
+        host, which must be the same on every host and consecutive (node-major, as DeepEP numbers them)."""
         import torch.distributed as dist
 
         hosts: List[Any] = [None] * group.size()
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if len(set(hosts)) > 1:
-            raise _internode(f"a group spanning {len(set(hosts))} hosts")
+        return gpus_per_node_from_hosts(hosts)
 
     @staticmethod
-    def _group_from_process_group(group: Any, timeout_ms: int):
-        try:
-            from epx.distributed import group_from_process_group
-        except ImportError:  # older layout: the classmethod only
-            return _epx.Group.from_process_group(group)
-        return group_from_process_group(group, timeout_ms=timeout_ms)
+    def _group_from_process_group(group: Any, timeout_ms: int, gpus_per_node: int):
+        from epx.distributed import group_from_process_group
+
+        return group_from_process_group(group, timeout_ms=timeout_ms, gpus_per_node=gpus_per_node)
+
+    def is_internode(self) -> bool:
+        """True when the buffer spans more than one node (DeepEP: more than one RDMA rank)."""
+        return self.num_rdma_ranks > 1
+
+    def get_num_rdma_ranks(self) -> int:
+        """Nodes of the group (DeepEP's runtime.get_num_rdma_ranks())."""
+        return self.num_rdma_ranks
+
+    def get_rdma_rank(self) -> int:
+        """This rank's node (DeepEP's runtime.get_rdma_rank())."""
+        return self.rdma_rank
 
     def _alive(self) -> epx.Buffer:
         if self.runtime is None:
@@ -277,14 +298,19 @@ class Buffer:
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """(num_tokens_per_rank int32 [R], None (RDMA ranks: intranode), num_tokens_per_expert int32 [E],
-        is_token_in_rank bool [T, R], EventOverlap). Not collective."""
+        """(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [num_rdma_ranks] or None on one node,
+        num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap). Not collective.
+        num_tokens_per_rdma_rank[n]: tokens with an expert on a rank of node n (what crosses the network to n)."""
         runtime = self._alive()
         launch = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         layout = runtime.get_dispatch_layout(topk_idx, num_experts, stream=launch.stream)
-        outs = (layout.num_tokens_per_rank, layout.num_tokens_per_expert, layout.is_token_in_rank)
+        per_node = getattr(layout, "num_tokens_per_node", None) if self.is_internode() else None
+        if self.is_internode() and per_node is None:
+            raise RuntimeError("epx.deep_ep: this epx build does not report num_tokens_per_node; the internode "
+                               "layout needs it")
+        outs = (layout.num_tokens_per_rank, per_node, layout.num_tokens_per_expert, layout.is_token_in_rank)
         event = self._finish(launch, async_finish, (topk_idx,), outs, keep=(topk_idx,) + outs)
-        return layout.num_tokens_per_rank, None, layout.num_tokens_per_expert, layout.is_token_in_rank, event
+        return layout.num_tokens_per_rank, per_node, layout.num_tokens_per_expert, layout.is_token_in_rank, event
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -293,8 +319,9 @@ class Buffer:
                  topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
                  previous_event: Any = None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Normal (intranode) dispatch. x: bf16 [T, H], or (fp8 [T, H], scales) with fp32 [T, H/128] scales in
-        any strides or packed int32 UE8M0 [T, H/512].
+        """Normal dispatch, intranode or (more than one node) internode over epx's hierarchical path. x: bf16
+        [T, H], or (fp8 [T, H], scales) with fp32 [T, H/128] scales in any strides or packed int32 UE8M0 [T, H/512].
+        num_tokens_per_rdma_rank: optional (the layout's); epx checks it against topk_idx when given.
 
         Returns (recv_x or (recv_x, recv_scales), recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, EventOverlap); rows ordered by source rank, then token.
@@ -345,8 +372,10 @@ class Buffer:
                 routing = topk_idx
                 layout = None
                 if num_tokens_per_rank is not None and is_token_in_rank is not None:  # epx wants int32 / bool
+                    per_node = (num_tokens_per_rdma_rank.to(torch.int32)
+                                if num_tokens_per_rdma_rank is not None and self.is_internode() else None)
                     layout = epx.Layout(num_tokens_per_rank.to(torch.int32), num_tokens_per_expert.to(torch.int32),
-                                        is_token_in_rank.to(torch.bool))
+                                        is_token_in_rank.to(torch.bool), per_node)
             res = runtime.dispatch(x, routing, topk_weights, num_experts=num_experts, x_scales=x_scales, layout=layout,
                                    expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                                    stream=launch.stream, **sms)
@@ -356,15 +385,23 @@ class Buffer:
                         runtime.get_dispatch_layout(routing, num_experts, stream=launch.stream).is_token_in_rank)
                 counts = self._all_gather_int32(sent.sum(dim=0))
                 rank_prefix_matrix = counts.cumsum(dim=0).to(device=x.device, dtype=torch.int32)
+            # NOTE: on the call's stream, which wrote the matrix (the comm stream with async_finish).
+            recv_prefix = rank_prefix_matrix[:, self.rank].contiguous() if self.is_internode() else None
         if rank_routing:
             recv_topk_idx, recv_topk_weights = None, None
             num_recv_list = [] if num_worst_tokens > 0 else expert_counts
         else:
             recv_topk_idx, recv_topk_weights = res.recv_topk_idx, res.recv_topk_weights
             num_recv_list = list(res.num_recv_tokens_per_expert)
-        new_handle = NormalHandle(rank_prefix_matrix, res.recv_src_idx, is_token_in_rank, res.handle)
-        outs = (res.recv_x, res.recv_x_scales, recv_topk_idx, recv_topk_weights, res.recv_src_idx, rank_prefix_matrix)
-        ins = (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
+        if self.is_internode():
+            new_handle = InternodeHandle(is_token_in_rank, recv_prefix, res.recv_src_idx, rank_prefix_matrix,
+                                         res.handle)
+        else:
+            new_handle = NormalHandle(rank_prefix_matrix, res.recv_src_idx, is_token_in_rank, res.handle)
+        outs = (res.recv_x, res.recv_x_scales, recv_topk_idx, recv_topk_weights, res.recv_src_idx, rank_prefix_matrix,
+                recv_prefix)
+        ins = (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
+               num_tokens_per_expert, is_token_in_rank)
         event = self._finish(launch, async_finish, ins, outs, keep=ins + outs)
         recv = (res.recv_x, res.recv_x_scales) if x_scales is not None else res.recv_x
         return recv, recv_topk_idx, recv_topk_weights, num_recv_list, new_handle, event
@@ -394,11 +431,37 @@ class Buffer:
         event = self._finish(launch, async_finish, ins, outs, keep=ins + outs)
         return res.x, res.topk_weights, event
 
-    def internode_dispatch(self, *args: Any, **kwargs: Any):
-        raise _internode("internode_dispatch")
+    def _require_internode(self, what: str) -> None:
+        if not self.is_internode():
+            raise RuntimeError(f"epx.deep_ep: {what} needs a buffer spanning more than one node (this one has "
+                               f"{self.group_size} ranks on one node); call {what.split('_')[1]}()")
 
-    def internode_combine(self, *args: Any, **kwargs: Any):
-        raise _internode("internode_combine")
+    def internode_dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                           handle: Optional[Tuple] = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                           is_token_in_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_expert: Optional[torch.Tensor] = None,
+                           topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                           previous_event: Any = None, async_finish: bool = False,
+                           allocate_on_comm_stream: bool = False):
+        """DeepEP's internode dispatch (dispatch() calls it on more than one node): the same as dispatch()."""
+        self._require_internode("internode_dispatch")
+        return self.dispatch(x, handle, num_tokens_per_rank=num_tokens_per_rank,
+                             num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+                             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+                             topk_weights=topk_weights, expert_alignment=expert_alignment,
+                             num_worst_tokens=num_worst_tokens, config=config, previous_event=previous_event,
+                             async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+
+    def internode_combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
+                          bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                          config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False):
+        """DeepEP's internode combine (combine() calls it on more than one node): the same as combine()."""
+        self._require_internode("internode_combine")
+        return self.combine(x, handle, topk_weights, bias=bias, config=config, previous_event=previous_event,
+                            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
 
     # ---- low-latency path ----------------------------------------------------------------------------
 
@@ -539,6 +602,30 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmasks every rank (epx clear_rank_mask)."""
         self._alive().clear_rank_mask()
+
+
+def gpus_per_node_from_hosts(hosts: List[Any]) -> int:
+    """Ranks per node from each rank's host name (index = rank): 0 when all share one host, else the ranks per host.
+
+    Every host must hold the same number of consecutive ranks (rank = node * gpus_per_node + local_rank, DeepEP's
+    numbering with NUM_MAX_NVL_PEERS = 8 ranks per node); anything else raises ValueError naming the hosts."""
+    num_ranks = len(hosts)
+    distinct = list(dict.fromkeys(hosts))  # in rank order
+    if len(distinct) <= 1:
+        return 0
+    if num_ranks % len(distinct) != 0:
+        raise ValueError(f"group: {num_ranks} ranks on {len(distinct)} hosts; every host must hold the same number "
+                         "of ranks (pass epx_gpus_per_node to override)")
+    per_node = num_ranks // len(distinct)
+    for rank, host in enumerate(hosts):
+        if host != distinct[rank // per_node]:
+            raise ValueError(f"group: rank {rank} is on host {host!r}, but ranks are numbered node-major with "
+                             f"{per_node} per host, so it belongs with {distinct[rank // per_node]!r} (pass "
+                             "epx_gpus_per_node to override)")
+    if per_node > MAX_NVL_PEERS:
+        warnings.warn(f"epx.deep_ep: {per_node} ranks per host, more than DeepEP's {MAX_NVL_PEERS} NVLink peers",
+                      stacklevel=3)
+    return per_node
 
 
 __all__ = ["Buffer"]

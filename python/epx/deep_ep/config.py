@@ -11,7 +11,8 @@ import epx
 HINT_MAX_TOKENS_PER_RANK = 4096
 # The fewest SMs a Buffer is sized for (DeepEP's tests and benchmarks use 24).
 MIN_BUFFER_SMS = 24
-# DeepEP's NVLink domain: more ranks than this are more than one node.
+# DeepEP's NVLink domain (NUM_MAX_NVL_PEERS): DeepEP places ranks on nodes of this many GPUs. The shim takes the
+# nodes from the epx group or the host names instead, and only warns above it.
 MAX_NVL_PEERS = 8
 
 
@@ -39,11 +40,11 @@ class Config:
                                                HINT_MAX_TOKENS_PER_RANK))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """0 within one node (epx needs no RDMA memory there); more ranks are internode, not yet in epx."""
-        if num_ranks <= MAX_NVL_PEERS:
-            return 0
-        raise NotImplementedError(
-            f"epx.deep_ep: internode (more than {MAX_NVL_PEERS} ranks) normal dispatch/combine is not implemented yet")
+        """0: epx's normal path keeps no RDMA memory, on one node or several (the internode path allocates its
+        network buffers per call, through the buffer's allocator); num_rdma_bytes is only low-latency memory."""
+        if int(num_ranks) < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        return 0
 
     def __repr__(self) -> str:
         return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "

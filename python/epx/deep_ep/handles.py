@@ -4,6 +4,13 @@ epx handle that combine / cached dispatch need.
 * ``NormalHandle``: DeepEP's intranode 6-tuple. [0] rank_prefix_matrix (int32 [R, R], entry [i][j] =
   tokens ranks 0..i send to rank j); [3] recv_src_idx (int32 [N]); [4] is_token_in_rank (bool [T, R]);
   [1], [2] (channel prefix matrices) and [5] (send_head) are None: epx has no per-channel state.
+* ``InternodeHandle``: DeepEP's internode 10-tuple, returned when the buffer spans more than one node. [0]
+  is_token_in_rank (bool [T, R], as passed to dispatch); [6] recv_gbl_rank_prefix_sum (int32 [R], entry s =
+  tokens ranks 0..s send to this rank: column ``rank`` of the rank prefix matrix); [7] recv_src_meta, which in
+  epx is recv_src_idx (int32 [N]; DeepEP's is a packed per-row byte record, so only ``.size(0)`` = rows
+  received means the same); the per-channel matrices [1], [2], [3], [5], the per-node receive prefix [4] and
+  the send heads [8], [9] are None (epx keeps its routes in the epx handle). ``.rank_prefix_matrix``: the full
+  int32 [R, R] matrix.
 * ``LowLatencyHandle``: DeepEP's 5-tuple (recv_src_info int32 [E_local, R * M], recv_layout_range int64
   [E_local, R] = (begin << 32) | count, max tokens per rank M, hidden, num_experts), same meanings.
 
@@ -51,6 +58,20 @@ class NormalHandle(tuple):
         return self
 
 
+class InternodeHandle(tuple):
+    """(is_token_in_rank, None, None, None, None, None, recv_gbl_rank_prefix_sum, recv_src_idx, None, None);
+    ``.epx_handle``: epx's; ``.rank_prefix_matrix``: int32 [R, R]."""
+
+    def __new__(cls, is_token_in_rank: Any, recv_gbl_rank_prefix_sum: Any, recv_src_idx: Any,
+                rank_prefix_matrix: Any, epx_handle: Any):
+        self = super().__new__(cls, (is_token_in_rank, None, None, None, None, None, recv_gbl_rank_prefix_sum,
+                                     recv_src_idx, None, None))
+        self.epx_handle = epx_handle
+        self.rank_prefix_matrix = rank_prefix_matrix
+        _remember(_NORMAL_BY_TENSOR, recv_src_idx, epx_handle)
+        return self
+
+
 class LowLatencyHandle(tuple):
     """(recv_src_info, recv_layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts); ``.epx_handle``."""
 
@@ -62,13 +83,19 @@ class LowLatencyHandle(tuple):
         return self
 
 
-def _lookup(handle: Any, native_type: type, table: Dict[int, Tuple[Any, Any]], key_index: int, what: str):
+# Where each tuple keeps the tensor its epx handle is remembered by, by tuple length: the intranode 6-tuple and
+# the low-latency 5-tuple ([3] recv_src_idx, [0] recv_src_info), the internode 10-tuple ([7] recv_src_meta).
+_KEY_INDEX_BY_LENGTH = {6: 3, 5: 0, 10: 7}
+
+
+def _lookup(handle: Any, native_type: type, table: Dict[int, Tuple[Any, Any]], what: str):
     if isinstance(handle, native_type):
         return handle
     native = getattr(handle, "epx_handle", None)
     if native is not None:
         return native
-    if isinstance(handle, (tuple, list)) and len(handle) > key_index and isinstance(handle[key_index], torch.Tensor):
+    key_index = _KEY_INDEX_BY_LENGTH.get(len(handle), -1) if isinstance(handle, (tuple, list)) else -1
+    if key_index >= 0 and isinstance(handle[key_index], torch.Tensor):
         native = _recall(table, handle[key_index])
         if native is not None:
             return native
@@ -77,8 +104,8 @@ def _lookup(handle: Any, native_type: type, table: Dict[int, Tuple[Any, Any]], k
 
 
 def native_dispatch_handle(handle: Any):
-    return _lookup(handle, _epx.DispatchHandle, _NORMAL_BY_TENSOR, 3, "dispatch")
+    return _lookup(handle, _epx.DispatchHandle, _NORMAL_BY_TENSOR, "dispatch")
 
 
 def native_low_latency_handle(handle: Any):
-    return _lookup(handle, _epx.LowLatencyHandle, _LOW_LATENCY_BY_TENSOR, 0, "low_latency_dispatch")
+    return _lookup(handle, _epx.LowLatencyHandle, _LOW_LATENCY_BY_TENSOR, "low_latency_dispatch")
