@@ -22,6 +22,10 @@ struct BenchConfig {
   bool host = false;     // force the host backend
   bool progress = true;  // progress lines on stderr
   uint64_t seed = 1;
+  // `--nodes` / `--routing hierarchical` (tools/bench_nodes.h): the normal path over num_nodes nodes of
+  // num_ranks / num_nodes ranks, beside the flat path. 0: not that run.
+  int num_nodes = 0;
+  bool force_hierarchical = false;  // --routing hierarchical: the hierarchical path also on one node
 };
 
 // Each returns a JSON report: {"backend", "device", "settings", "phases": [{"name", "time_us",

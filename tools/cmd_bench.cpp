@@ -12,6 +12,7 @@
 #include "bench.h"
 #include "bench_dp.h"
 #include "bench_model.h"
+#include "bench_nodes.h"
 #include "command.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
@@ -381,6 +382,108 @@ void run_model_command(const BenchConfig& c, ModelConfig m, const std::string& n
   }
 }
 
+// The flags of `epx bench --nodes N` / `--routing hierarchical` as given.
+struct NodesFlags {
+  bool nodes_given = false;
+  std::string nodes;      // --nodes as typed
+  int gpus_per_node = 0;  // 0: --gpus-per-node not given
+  bool force_hierarchical = false;
+  bool ranks_given = false;
+  std::vector<const char*> not_with_nodes;  // flags given that the run does not take
+};
+
+// `epx bench --nodes N` / `--routing hierarchical`: flags checked (each bad value names its flag and bound), the
+// run (bench_nodes.h), the table printed and the JSON written.
+void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const std::string& json_path) {
+  for (const char* name : f.not_with_nodes) {
+    throw BadInput(fmt::format("{} does not apply to --nodes / --routing (a run of the normal path only)", name));
+  }
+  int num_nodes = 1;
+  if (f.nodes_given) {
+    const auto v = parse_decimal_int(f.nodes);
+    if (!v || *v < 1 || *v > 1024) {
+      throw BadInput(
+          fmt::format("--nodes: '{}' is not an integer in [1, 1024] (a comma-separated list needs --model)", f.nodes));
+    }
+    num_nodes = static_cast<int>(*v);
+  }
+  if (num_nodes == 1 && !f.force_hierarchical) {
+    throw BadInput(
+        "--nodes 1 has no network leg: pass --nodes 2 or more, or --routing hierarchical to force the hierarchical "
+        "path on one node");
+  }
+  int num_ranks = c.num_ranks;
+  std::string ranks_from = " of --ranks";
+  if (!f.ranks_given) {
+    if (f.gpus_per_node > 0) {
+      const int64_t product = int64_t{num_nodes} * f.gpus_per_node;
+      if (product > 1024) {
+        throw BadInput(fmt::format("--nodes {} x --gpus-per-node {} = {} ranks exceeds 1024", num_nodes,
+                                   f.gpus_per_node, product));
+      }
+      num_ranks = static_cast<int>(product);
+      ranks_from = " of --nodes x --gpus-per-node";
+    } else if (use_cuda) {
+#ifdef EPX_WITH_CUDA
+      num_ranks = cuda_device_count();
+#endif
+      ranks_from = " (one per visible GPU; set --ranks)";
+    } else {
+      num_ranks = 4;
+      ranks_from = " (the host backend's default; set --ranks)";
+    }
+  }
+  if (num_nodes > num_ranks || num_ranks % num_nodes != 0) {
+    throw BadInput(fmt::format("--nodes {} must divide the {} ranks{}", num_nodes, num_ranks, ranks_from));
+  }
+  if (f.gpus_per_node > 0 && int64_t{num_nodes} * f.gpus_per_node != num_ranks) {
+    throw BadInput(fmt::format("--nodes {} x --gpus-per-node {} = {} ranks, but --ranks is {}", num_nodes,
+                               f.gpus_per_node, int64_t{num_nodes} * f.gpus_per_node, num_ranks));
+  }
+  if (c.num_experts % num_ranks != 0) {
+    throw BadInput(
+        fmt::format("--experts {} must be divisible by the {} ranks{}", c.num_experts, num_ranks, ranks_from));
+  }
+  if (use_cuda && num_ranks > 8) {
+    throw BadInput(
+        fmt::format("--nodes on GPUs: {} ranks{} exceed 8, the most the cuda backend runs as threads of "
+                    "one process (--host runs up to 1024)",
+                    num_ranks, ranks_from));
+  }
+  if (c.num_sms.size() > 1) {
+    throw BadInput(fmt::format("--sms takes one value with --nodes / --routing, got {}", c.num_sms.size()));
+  }
+  if (!use_cuda) {
+    // Per rank and routing at least x, its fp8 copy, the combined output and as many received rows as the rank
+    // sends (7 bytes per element, as the plain host bench), twice: both routings' results are compared.
+    check_fits_in_memory(
+        static_cast<double>(num_ranks) * static_cast<double>(c.num_tokens) * static_cast<double>(c.hidden) * 14,
+        fmt::format("bench --nodes on the host backend: {} ranks x --tokens {} x --hidden {} x 14 bytes", num_ranks,
+                    c.num_tokens, c.hidden));
+  }
+  c.num_ranks = num_ranks;
+  c.num_nodes = num_nodes;
+  c.force_hierarchical = f.force_hierarchical;
+  if (validate_only()) return;
+  std::ofstream json_file;  // opened before the run, so an unwritable path fails before the work
+  if (!json_path.empty()) {
+    json_file.open(json_path);
+    if (!json_file) throw BadInput(fmt::format("--json: cannot write '{}'", json_path));
+  }
+  nlohmann::json report;
+#ifdef EPX_WITH_CUDA
+  if (use_cuda) report = run_cuda_nodes_bench(c);
+#endif
+  if (!use_cuda) report = run_host_nodes_bench(c);
+  print_nodes_report(report);
+  if (json_file.is_open()) {
+    json_file << report.dump(2) << "\n";
+    json_file.close();
+    if (!json_file) throw Error(ErrorCode::kInternal, fmt::format("--json: writing '{}' failed", json_path));
+  }
+  if (!report["check"]["passed"].get<bool>()) throw CLI::RuntimeError(kExitFailure);
+}
+
 void add_bench(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench",
                                  "Run dispatch + combine of a DeepSeek-V3-shaped MoE step, normal and low-latency: on "
@@ -401,9 +504,9 @@ void add_bench(CLI::App& app) {
                                   "Experts, a multiple of the ranks (default 256; --model: per configuration the "
                                   "smallest multiple of the ranks and --groups >= 256, e.g. 288 for EP72)")
                       ->check(int_in(1, 4096));
-  cmd->add_option("--ll-tokens", config->num_ll_tokens,
-                  "Tokens per rank, low-latency mode (default 128; on GPUs also 1, 32, 64 and 256)")
-      ->check(int_in(1, 4096));
+  auto* ll_tokens = cmd->add_option("--ll-tokens", config->num_ll_tokens,
+                                    "Tokens per rank, low-latency mode (default 128; on GPUs also 1, 32, 64 and 256)")
+                        ->check(int_in(1, 4096));
   // NOTE: a string parsed in the callback: CLI11's delimiter drops empty items, so "24," would pass.
   auto sms = std::make_shared<std::string>();
   auto* sms_opt = cmd->add_option("--sms", *sms,
@@ -414,6 +517,11 @@ void add_bench(CLI::App& app) {
   auto* iters = cmd->add_option("--iters", config->num_iters, "Timed iterations; the median is reported (default 20)")
                     ->check(int_in(1, 100000));
   auto* host = cmd->add_flag("--host", config->host, "Use the host backend even when GPUs are visible");
+  auto backend = std::make_shared<std::string>("auto");
+  auto* backend_opt = cmd->add_option("--backend", *backend,
+                                      "auto (cuda when GPUs are visible, else host), host (as --host) or cuda (fails "
+                                      "without a CUDA build and a GPU)")
+                          ->check(one_of({"auto", "host", "cuda"}));
   cmd->add_option("--seed", config->seed, "Random seed (default 1)")->check(uint64_any());
   cmd->add_option("--json", *json_path, "Also write the report as JSON to this file");
   auto* quiet = cmd->add_flag("--quiet")->description("No progress lines on stderr");
@@ -433,12 +541,23 @@ void add_bench(CLI::App& app) {
       "Instead: the scale model (no GPU needed): predicted dispatch/combine times for --nodes x --gpus-per-node from "
       "the routing statistics of group-limited top-k (docs/multi-node.md, \"Scale model\")");
   auto nodes = std::make_shared<std::string>();
-  auto* nodes_opt = cmd->add_option("--nodes", *nodes,
-                                    "--model: node counts, comma-separated, each in [1, 1024] (default 1,2,4,9: EP8, "
-                                    "EP16, EP32, EP72)");
-  auto* gpus_per_node =
-      cmd->add_option("--gpus-per-node", model_config->gpus_per_node, "--model: GPUs per node (default 8)")
-          ->check(int_in(1, 72));
+  auto* nodes_opt = cmd->add_option(
+      "--nodes", *nodes,
+      "Instead: the normal dispatch/combine with hierarchical routing over this many nodes, an integer in [1, 1024] "
+      "dividing --ranks (host groups, or cuda groups of ranks as threads, with that topology), timed beside the flat "
+      "routing on the same inputs: time, bytes of the network and node legs, results compared bit for bit "
+      "(docs/multi-node.md). --model: node counts, comma-separated, each in [1, 1024] (default 1,2,4,9: EP8, EP16, "
+      "EP32, EP72)");
+  auto* gpus_per_node = cmd->add_option("--gpus-per-node", model_config->gpus_per_node,
+                                        "--nodes: ranks per node (default --ranks / --nodes; sets --ranks when that is "
+                                        "not given); --model: GPUs per node (default 8)")
+                            ->check(int_in(1, 72));
+  auto routing = std::make_shared<std::string>("auto");
+  auto* routing_opt = cmd->add_option("--routing", *routing,
+                                      "With --nodes: auto (hierarchical on more than one node) or hierarchical "
+                                      "(forced, also on one node: --routing hierarchical alone runs it on one node "
+                                      "of --ranks ranks)")
+                          ->check(one_of({"auto", "hierarchical"}));
   auto* net_gbps = cmd->add_option("--net-gbps", model_config->links.network_gbps,
                                    "--model: network GB/s per GPU, each way (default 50: 400 Gb/s)")
                        ->check(number_in(0.1, 1e5));
@@ -475,10 +594,15 @@ void add_bench(CLI::App& app) {
     if (c.hidden % kFp8BlockSize != 0) {
       throw BadInput(fmt::format("--hidden must be a multiple of {}, got {}", kFp8BlockSize, c.hidden));
     }
-    const std::vector<std::pair<CLI::Option*, const char*>> model_only = {
-        {nodes_opt, "--nodes"},         {gpus_per_node, "--gpus-per-node"}, {net_gbps, "--net-gbps"},
-        {nvlink_gbps, "--nvlink-gbps"}, {latency_us, "--latency-us"},       {groups, "--groups"},
-        {topk_group, "--topk-group"}};
+    const std::vector<std::pair<CLI::Option*, const char*>> model_only = {{net_gbps, "--net-gbps"},
+                                                                          {nvlink_gbps, "--nvlink-gbps"},
+                                                                          {latency_us, "--latency-us"},
+                                                                          {groups, "--groups"},
+                                                                          {topk_group, "--topk-group"}};
+    const bool nodes_run = model->count() == 0 && (nodes_opt->count() > 0 || routing_opt->count() > 0);
+    if (model->count() == 0 && !nodes_run && gpus_per_node->count() > 0) {
+      throw BadInput("--gpus-per-node applies only to --nodes or --model");
+    }
     if (model->count() == 0) {
       for (const auto& [opt, name] : model_only) {
         if (opt->count() > 0) throw BadInput(fmt::format("{} applies only to --model", name));
@@ -490,19 +614,40 @@ void add_bench(CLI::App& app) {
                          {warmup, "--warmup"},
                          {iters, "--iters"},
                          {host, "--host"},
+                         {backend_opt, "--backend"},
+                         {routing_opt, "--routing"},
                          {dp, "--dp"},
                          {tbo, "--tbo"},
                          {eplb, "--eplb"}});
       return;
     }
+    if (*backend == "host") c.host = true;
+    if (*backend == "cuda" && c.host) throw BadInput("--backend cuda contradicts --host");
     bool use_cuda = false;
 #ifdef EPX_WITH_CUDA
     use_cuda = !c.host && cuda_device_count() > 0;
 #endif
+    if (*backend == "cuda" && !use_cuda) {
+      throw Error(ErrorCode::kUnsupported, "--backend cuda needs a CUDA build and a visible GPU");
+    }
     if (!use_cuda) {
       // Host defaults are scaled down so the run takes seconds on a small CPU.
       if (tokens->count() == 0) c.num_tokens = 512;
       if (hidden->count() == 0) c.hidden = 2048;
+    }
+    if (nodes_run) {
+      NodesFlags f;
+      f.nodes_given = nodes_opt->count() > 0;
+      f.nodes = *nodes;
+      f.gpus_per_node = gpus_per_node->count() > 0 ? model_config->gpus_per_node : 0;
+      f.force_hierarchical = *routing == "hierarchical";
+      f.ranks_given = ranks->count() > 0;
+      for (const auto& [opt, name] : std::vector<std::pair<CLI::Option*, const char*>>{
+               {ll_tokens, "--ll-tokens"}, {dp, "--dp"}, {tbo, "--tbo"}, {eplb, "--eplb"}}) {
+        if (opt->count() > 0) f.not_with_nodes.push_back(name);
+      }
+      run_nodes_command(c, use_cuda, f, *json_path);
+      return;
     }
     nlohmann::json report;
     if (dp->count() + tbo->count() + eplb->count() > 1) {

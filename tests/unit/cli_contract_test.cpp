@@ -95,6 +95,41 @@ TEST(CliContract, BenchJsonPathCheckedBeforeTheRun) {
                   "--json: cannot write '/nonexistent/dir/out.json'");
 }
 
+TEST(CliContract, BenchNodesFlagsChecked) {
+  // `epx bench --nodes N` (issue 17): the node count must split the ranks, and flags of other runs are refused.
+  expect_rejected("bench --host --quiet --ranks 4 --nodes 3 --tokens 8 --hidden 128",
+                  "--nodes 3 must divide the 4 ranks of --ranks");
+  expect_rejected("bench --host --quiet --nodes 8 --tokens 8 --hidden 128",
+                  "--nodes 8 must divide the 4 ranks (the host backend's default; set --ranks)");
+  expect_rejected("bench --host --quiet --nodes 0", "--nodes: '0' is not an integer in [1, 1024]");
+  expect_rejected("bench --host --quiet --nodes -2", "--nodes: '-2' is not an integer in [1, 1024]");
+  expect_rejected("bench --host --quiet --nodes 2,4",
+                  "--nodes: '2,4' is not an integer in [1, 1024] (a comma-separated list needs --model)");
+  expect_rejected("bench --host --quiet --nodes 1", "--nodes 1 has no network leg");
+  expect_rejected("bench --host --quiet --ranks 4 --nodes 2 --gpus-per-node 4",
+                  "--nodes 2 x --gpus-per-node 4 = 8 ranks, but --ranks is 4");
+  expect_rejected("bench --host --quiet --nodes 1024 --gpus-per-node 2",
+                  "--nodes 1024 x --gpus-per-node 2 = 2048 ranks exceeds 1024");
+  expect_rejected("bench --host --quiet --nodes 2 --gpus-per-node 0", "--gpus-per-node: 0 is outside [1, 72]");
+  expect_rejected("bench --host --quiet --gpus-per-node 2", "--gpus-per-node applies only to --nodes or --model");
+  expect_rejected("bench --host --quiet --nodes 2 --routing flat",
+                  "--routing: 'flat' is not one of auto | hierarchical");
+  expect_rejected("bench --host --quiet --routing auto", "--nodes 1 has no network leg");
+  expect_rejected("bench --host --quiet --nodes 2 --experts 6",
+                  "--experts 6 must be divisible by the 4 ranks (the host backend's default; set --ranks)");
+  expect_rejected("bench --host --quiet --nodes 2 --ll-tokens 4",
+                  "--ll-tokens does not apply to --nodes / --routing (a run of the normal path only)");
+  expect_rejected("bench --host --quiet --nodes 2 --dp", "--dp does not apply to --nodes / --routing");
+  expect_rejected("bench --host --quiet --nodes 2 --sms 8,24", "--sms takes one value with --nodes / --routing, got 2");
+  expect_rejected("bench --model --routing hierarchical", "--routing does not apply to --model");
+  expect_rejected("bench --backend gpu", "--backend: 'gpu' is not one of auto | host | cuda");
+  expect_rejected("bench --model --backend host", "--backend does not apply to --model");
+  expect_rejected("bench --host --quiet --ranks 1024 --experts 1024 --nodes 2 --tokens 1048576 --hidden 65536",
+                  "bench --nodes on the host backend: 1024 ranks x --tokens 1048576 x --hidden 65536 x 14 bytes");
+  expect_rejected("bench --host --quiet --nodes 2 --tokens 8 --hidden 128 --json /nonexistent/dir/out.json",
+                  "--json: cannot write '/nonexistent/dir/out.json'");
+}
+
 TEST(CliContract, EplbSizesCheckedUpFront) {
   // Before: --replicas 2000000000 and --layers 2147483647 allocated (bad_alloc, exit 1) or ran for minutes.
   const std::string ok = temp_file("ok.csv", "1,2,3,4\n");
@@ -126,6 +161,20 @@ TEST(CliContract, EplbSimulateFlagsCheckedBeforeTheRun) {
   expect_rejected("eplb simulate --experts 300", "--replicas 288 must be >= the 300 logical experts (--experts)");
   expect_rejected("eplb simulate --experts 252 --replicas 256", "must be divisible by --groups 8");
   expect_rejected("eplb simulate --gpus 6 --replicas 288", "--gpus 6 must be divisible by --nodes 4");
+}
+
+TEST(CliContract, EplbSimulateRecordFlags) {
+  expect_rejected("eplb simulate --record-mode per_step",
+                  "--record-mode: 'per_step' is not one of stat | stat_approx | per_pass | per_token");
+  expect_rejected("eplb simulate --records " + (temp_dir() / "r.json").string(),
+                  "--records needs --record-mode per_pass or per_token, got --record-mode stat");
+  expect_rejected("eplb simulate --record-mode stat_approx --records " + (temp_dir() / "r.json").string(),
+                  "--records needs --record-mode per_pass or per_token, got --record-mode stat_approx");
+  expect_rejected("eplb simulate --record-mode per_pass --records /nonexistent/dir/r.json",
+                  "--records: cannot write '/nonexistent/dir/r.json'");
+  expect_rejected("eplb simulate --record-max-bytes -1", "--record-max-bytes: -1 is outside [0, 1099511627776]");
+  expect_rejected("eplb simulate --record-max-bytes 1e6", "--record-max-bytes: '1e6' is not a decimal integer");
+  expect_rejected("eplb simulate --record-mode", "--record-mode");
 }
 
 TEST(CliContract, EplbInputFilesAreRegularAndBounded) {
@@ -240,6 +289,9 @@ TEST(CliContract, HelpTellsTheBounds) {
   r = run_cli("bench --help");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("in [1, 1024]"), std::string::npos) << r.out;  // --ranks: 0 is no longer accepted
+  for (const char* text : {"--routing", "dividing --ranks", "auto | hierarchical", "auto | host | cuda"}) {
+    EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << r.out;
+  }
   r = run_cli("eplb simulate --help");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   for (const char* bound : {"in [1, 1048576]", "in [0, 1e+15]", "deepseek | default"}) {

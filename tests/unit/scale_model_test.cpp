@@ -216,7 +216,9 @@ TEST(ScaleModelCli, BadValuesExitTwoNamingTheFlag) {
   expect_bad_input("bench --model --ranks 4", "epx: --ranks does not apply to --model");
   expect_bad_input("bench --model --host", "epx: --host does not apply to --model");
   expect_bad_input("bench --model --tbo", "epx: --tbo does not apply to --model");
-  expect_bad_input("bench --nodes 2", "epx: --nodes applies only to --model");
+  expect_bad_input("bench --host --nodes 2,4",
+                   "epx: --nodes: '2,4' is not an integer in [1, 1024] (a comma-separated "
+                   "list needs --model)");
   expect_bad_input("bench --net-gbps 25", "epx: --net-gbps applies only to --model");
   expect_bad_input("bench --model --json /nonexistent/dir/m.json",
                    "epx: --json: cannot write '/nonexistent/dir/m.json'");

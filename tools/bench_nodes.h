@@ -1,0 +1,66 @@
+// `epx bench --nodes N` and `--routing hierarchical` (issue 17): the normal dispatch/combine with hierarchical
+// routing (docs/multi-node.md) over N nodes of ranks / N ranks, timed beside the flat single-node path on the
+// same routing, with the bytes of each leg and a check that the two give the same results. Host backend in
+// bench_nodes.cpp (wall time), cuda backend in tools/cuda/bench_nodes.cpp (CUDA events); the pieces both share
+// are declared here.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "epx/group.h"
+
+namespace epx::cli {
+
+// One rank's inputs. x holds small integers and the weights are eighths, so every sum the combine makes is exact
+// in fp32 and bf16: the hierarchical combine must then equal the flat one bit for bit (docs/multi-node.md).
+struct NodesRankInputs {
+  std::vector<uint16_t> x;      // [T, H] bf16
+  std::vector<uint8_t> x_fp8;   // [T, H] e4m3
+  std::vector<float> x_scales;  // [T, H / 128]
+  std::vector<int64_t> topk;    // [T, K]
+  std::vector<float> weights;   // [T, K]
+};
+std::vector<NodesRankInputs> make_nodes_inputs(const BenchConfig& config);
+
+// The nodes run's topology: config.num_nodes nodes of config.num_ranks / config.num_nodes ranks.
+Topology nodes_topology(const BenchConfig& config);
+
+// Host copies of one rank's DispatchResult (undefined tensors: empty).
+struct DispatchSnapshot {
+  std::vector<uint8_t> recv_x;
+  std::vector<uint8_t> recv_x_scales;
+  std::vector<uint8_t> recv_topk_idx;
+  std::vector<uint8_t> recv_topk_weights;
+  std::vector<uint8_t> recv_src_idx;
+  std::vector<uint8_t> rank_prefix_matrix;
+  std::vector<int32_t> num_recv_tokens_per_expert;
+};
+
+// What one routing produced, per phase (kNodesPhases order) and rank.
+inline constexpr int kNumNodesPhases = 4;
+inline constexpr const char* kNodesPhases[kNumNodesPhases] = {"dispatch_bf16", "dispatch_bf16_cached",
+                                                              "dispatch_fp8_cached", "combine_bf16"};
+struct RoutingRun {
+  double seconds[kNumNodesPhases] = {};         // median over iterations of the slowest rank
+  std::vector<DispatchSnapshot> dispatched[3];  // [phase 0..2][rank]: the last call's results
+  std::vector<std::vector<uint16_t>> combined;  // [rank] [T, H] bf16: the last combine's output
+};
+
+// The report of a nodes run: {"backend", "device", "epx_version", "run": "nodes", "settings", "legs", "phases":
+// [{"name", "phase", "routing", "time_us", leg bytes...}], "check": {"passed", "details"}}. `tested` ran with
+// the topology's routing (hierarchical), `flat` on one-node groups with the flat routing; same inputs.
+nlohmann::json nodes_report(const BenchConfig& config, const std::vector<NodesRankInputs>& inputs,
+                            const RoutingRun& flat, const RoutingRun& tested, const std::string& backend,
+                            const std::string& device, nlohmann::json extra_settings);
+void print_nodes_report(const nlohmann::json& report);
+
+nlohmann::json run_host_nodes_bench(const BenchConfig& config);
+#ifdef EPX_WITH_CUDA
+nlohmann::json run_cuda_nodes_bench(const BenchConfig& config);
+#endif
+
+}  // namespace epx::cli

@@ -1,0 +1,174 @@
+// `epx bench --nodes N` / `--routing hierarchical` on GPUs (tools/bench_nodes.h): cuda groups of ranks as threads
+// (rank r on GPU r % visible GPUs, as the plain bench's --ranks), once with the flat routing on one node and once
+// with gpus_per_node = ranks / N and the hierarchical routing (src/ep/cuda/hierarchical_engine.*), each phase timed
+// with CUDA events per rank (the ranks meet before each iteration, outside the events; the slowest rank's median),
+// the results downloaded and compared on the host.
+#include "bench_nodes.h"
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <set>
+
+#include "bench.h"
+#include "cuda/bench_util.h"
+#include "epx/buffer.h"
+#include "epx/cuda.h"
+#include "epx/error.h"
+#include "epx/routing.h"
+
+namespace epx::cli {
+namespace {
+
+// NOTE: with ranks of one process on several GPUs the hierarchical exchange copies between stream-ordered
+// allocations of different devices (docs/multi-node.md), which the default pools do not grant to peers: grant
+// every device used read/write access to every other one's default pool, where the pair has peer access.
+void grant_pool_access(const std::vector<int>& devices) {
+  const std::set<int> used(devices.begin(), devices.end());
+  for (int owner : used) {
+    cudaMemPool_t pool;
+    cuda_ok(cudaDeviceGetDefaultMemPool(&pool, owner), "cudaDeviceGetDefaultMemPool");
+    for (int peer : used) {
+      int can = 0;
+      if (peer == owner || cudaDeviceCanAccessPeer(&can, peer, owner) != cudaSuccess || can == 0) continue;
+      cudaMemAccessDesc desc{};
+      desc.location.type = cudaMemLocationTypeDevice;
+      desc.location.id = peer;
+      desc.flags = cudaMemAccessFlagsProtReadWrite;
+      cuda_ok(cudaMemPoolSetAccess(pool, &desc, 1), "cudaMemPoolSetAccess");
+    }
+  }
+}
+
+DispatchSnapshot download_snapshot(const DispatchResult& r, cudaStream_t stream) {
+  return {testing::download<uint8_t>(r.recv_x, stream),
+          testing::download<uint8_t>(r.recv_x_scales, stream),
+          testing::download<uint8_t>(r.recv_topk_idx, stream),
+          testing::download<uint8_t>(r.recv_topk_weights, stream),
+          testing::download<uint8_t>(r.recv_src_idx, stream),
+          testing::download<uint8_t>(r.rank_prefix_matrix, stream),
+          r.num_recv_tokens_per_expert};
+}
+
+// One routing on cuda groups of gpus_per_node ranks per node (0: one node).
+RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<NodesRankInputs>& inputs,
+                            const std::vector<int>& devices, int gpus_per_node, NormalRouting routing,
+                            const char* label) {
+  const int num_ranks = config.num_ranks;
+  const int64_t T = config.num_tokens, H = config.hidden, E = config.num_experts;
+  const int K = config.num_topk;
+  const int num_sms = config.num_sms.empty() ? 24 : config.num_sms[0];
+  if (config.progress) {
+    std::fprintf(stderr, "[epx bench] cuda backend, %d ranks, %s: dispatch and combine\n", num_ranks, label);
+  }
+  CudaGroupOptions group_options;
+  group_options.gpus_per_node = gpus_per_node;
+  auto groups = create_cuda_groups(devices, group_options);
+  RoutingRun run;
+  std::vector<std::vector<double>> seconds(num_ranks, std::vector<double>(kNumNodesPhases));
+  for (auto& d : run.dispatched) d.resize(num_ranks);
+  run.combined.resize(num_ranks);
+  run_host_ranks(groups, [&](int r, Group& g) {
+    cuda_ok(cudaSetDevice(g.device().index), "cudaSetDevice");
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    BufferOptions options;
+    options.num_sms = num_sms;
+    options.num_normal_bytes = normal_buffer_size_hint(H, num_ranks, num_sms, T);
+    options.normal_routing = routing;
+    auto buffer = Buffer::create(groups[r], tuned_from_env(options));
+    const NodesRankInputs& in = inputs[r];
+    const Device device = g.device();
+    Tensor x = testing::upload(in.x, DType::kBFloat16, {T, H}, device, stream);
+    Tensor x8 = testing::upload(in.x_fp8, DType::kFloat8E4M3, {T, H}, device, stream);
+    Tensor scales = testing::upload(in.x_scales, DType::kFloat32, {T, H / 128}, device, stream);
+    Tensor topk = testing::upload(in.topk, DType::kInt64, {T, K}, device, stream);
+    Tensor weights = testing::upload(in.weights, DType::kFloat32, {T, K}, device, stream);
+    Layout layout = buffer->get_dispatch_layout(topk, E, stream);
+    cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    const int warm = config.num_warmup, iters = config.num_iters;
+    auto meet = [&](int) { g.barrier(); };
+    DispatchResult fresh, cached, fp8;
+    CombineResult combined;
+    seconds[r][0] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                      DispatchArgs a;
+                      a.x = x;
+                      a.topk_idx = topk;
+                      a.topk_weights = weights;
+                      a.num_experts = E;
+                      a.layout = &layout;
+                      a.stream = stream;
+                      fresh = buffer->dispatch(a);
+                    });
+    seconds[r][1] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                      DispatchArgs a;
+                      a.x = x;
+                      a.handle = fresh.handle;
+                      a.stream = stream;
+                      cached = buffer->dispatch(a);
+                    });
+    seconds[r][2] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                      DispatchArgs a;
+                      a.x = x8;
+                      a.x_scales = scales;
+                      a.handle = fresh.handle;
+                      a.stream = stream;
+                      fp8 = buffer->dispatch(a);
+                    });
+    seconds[r][3] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                      CombineArgs a;
+                      a.x = fresh.recv_x;
+                      a.handle = fresh.handle;
+                      a.stream = stream;
+                      combined = buffer->combine(a);
+                    });
+    run.dispatched[0][r] = download_snapshot(fresh, stream);
+    run.dispatched[1][r] = download_snapshot(cached, stream);
+    run.dispatched[2][r] = download_snapshot(fp8, stream);
+    run.combined[r] = testing::download<uint16_t>(combined.x, stream);
+    // Every tensor frees on `stream`: release them before destroying it.
+    fresh = cached = fp8 = {};
+    combined = {};
+    layout = {};
+    x = x8 = scales = topk = weights = Tensor();
+    buffer.reset();
+    cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+  });
+  for (int p = 0; p < kNumNodesPhases; ++p) {
+    for (int r = 0; r < num_ranks; ++r) run.seconds[p] = std::max(run.seconds[p], seconds[r][p]);
+  }
+  return run;
+}
+
+}  // namespace
+
+nlohmann::json run_cuda_nodes_bench(const BenchConfig& config) {
+  const int num_gpus = cuda_device_count();
+  if (num_gpus == 0) throw Error(ErrorCode::kUnsupported, "bench --nodes: no GPU visible");
+  check_expert_split(config.num_experts, config.num_ranks);
+  std::vector<int> devices(config.num_ranks);
+  for (int r = 0; r < config.num_ranks; ++r) devices[r] = r % num_gpus;
+  keep_mem_pools_warm(num_gpus);
+  grant_pool_access(devices);
+  cudaDeviceProp prop{};
+  cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  const std::vector<NodesRankInputs> inputs = make_nodes_inputs(config);
+  const Topology topo = nodes_topology(config);
+  const RoutingRun flat = run_cuda_routing(config, inputs, devices, 0, NormalRouting::kFlat, "flat");
+  const RoutingRun tested =
+      run_cuda_routing(config, inputs, devices, topo.gpus_per_node,
+                       config.force_hierarchical ? NormalRouting::kHierarchical : NormalRouting::kAuto, "hierarchical");
+  const int num_used = std::min(num_gpus, config.num_ranks);
+  return nodes_report(config, inputs, flat, tested, "cuda",
+                      fmt::format("{} x {} ({} SMs)", num_used, prop.name, prop.multiProcessorCount),
+                      {{"num_sms", config.num_sms.empty() ? 24 : config.num_sms[0]},
+                       {"devices", devices},
+                       {"timing",
+                        "CUDA events per rank, the ranks meeting before each iteration; slowest rank, "
+                        "median"}});
+}
+
+}  // namespace epx::cli
