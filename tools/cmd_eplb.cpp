@@ -1,5 +1,6 @@
 // `epx eplb plan` and `epx eplb simulate`: expert placement from a load file, and a simulated serving run
-// with load recording and rebalancing. Both print JSON on stdout.
+// with load recording (SGLang's recorder modes, --record-mode / --records) and rebalancing. Both print JSON on
+// stdout.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "epx/eplb/expert_location.h"
 #include "epx/eplb/manager.h"
 #include "epx/eplb/placement.h"
+#include "epx/eplb/recorder.h"
 #include "epx/eplb/sglang_format.h"
 #include "epx/eplb/synthetic.h"
 #include "epx/error.h"
@@ -31,8 +34,9 @@ using namespace epx::eplb;
 // int64 and far from int32 per layer; the memory a run needs is checked separately (check_fits_in_memory).
 constexpr int64_t kMaxSize = int64_t{1} << 20;
 constexpr int64_t kMaxInt = INT32_MAX;
-constexpr double kMaxExpertBytes = 1e15;            // moved_bytes = moved_experts x this stays far from overflow
-constexpr int64_t kMaxStepLoad = int64_t{1} << 30;  // --tokens x --topk
+constexpr double kMaxExpertBytes = 1e15;               // moved_bytes = moved_experts x this stays far from overflow
+constexpr int64_t kMaxStepLoad = int64_t{1} << 30;     // --tokens x --topk
+constexpr int64_t kMaxRecordBytes = int64_t{1} << 40;  // --record-max-bytes
 // A file's text as a parsed JSON document or vectors of doubles: at most this many bytes per byte of text.
 constexpr double kParseBytesPerByte = 16;
 
@@ -170,7 +174,37 @@ struct SimArgs {
   bool no_migration = false;
   uint64_t seed = 1;
   double expert_bytes = 3.0 * 7168 * 2048;  // DeepSeek-V3 expert: three 7168 x 2048 fp8 matrices
+  std::string record_mode = "stat";
+  std::string records;  // per_pass / per_token records as JSON (LoadRecorder::records_json)
+  int64_t record_max_bytes = RecorderOptions{}.max_record_bytes;
 };
+
+// per_token: one pass's tokens made up from its physical counts. Per layer the slot choices, in slot order, are
+// dealt to the tokens column by column (choice j goes to token j % num_tokens, top-k position j / num_tokens),
+// so a token repeats a slot only when the slot has more choices than there are tokens; -1 pads. num_tokens is the
+// fewest that holds every layer's choices, so the counts record_token_pass derives are exactly `physical`.
+// topk: [num_layers * num_tokens * num_topk].
+int64_t tokens_from_counts(const std::vector<int64_t>& physical, int num_layers, int num_topk,
+                           std::vector<int64_t>& topk) {
+  const size_t num_physical = physical.size() / num_layers;
+  int64_t num_tokens = 0;
+  for (int l = 0; l < num_layers; ++l) {
+    int64_t sum = 0;
+    for (size_t p = 0; p < num_physical; ++p) sum += physical[l * num_physical + p];
+    num_tokens = std::max(num_tokens, (sum + num_topk - 1) / num_topk);
+  }
+  topk.assign(static_cast<size_t>(num_layers) * num_tokens * num_topk, -1);
+  for (int l = 0; l < num_layers; ++l) {
+    int64_t j = 0;
+    int64_t* layer = topk.data() + static_cast<int64_t>(l) * num_tokens * num_topk;
+    for (size_t p = 0; p < num_physical; ++p) {
+      for (int64_t c = physical[l * num_physical + p]; c > 0; --c, ++j) {
+        layer[(j % num_tokens) * num_topk + j / num_tokens] = static_cast<int64_t>(p);
+      }
+    }
+  }
+  return num_tokens;
+}
 
 // Splits each logical count over the expert's replicas (evenly, remainder rotating with the step).
 void to_physical(const ExpertLocation& loc, const std::vector<int64_t>& logical, int64_t step,
@@ -228,20 +262,46 @@ void run_simulate(const SimArgs& a) {
     throw BadInput(fmt::format("--tokens {} x --topk {} = {} exceeds 2^30 (per-step expert counts are int32)", a.tokens,
                                a.topk, static_cast<int64_t>(a.tokens) * a.topk));
   }
+  const RecordMode mode = record_mode_from_string(a.record_mode);  // checked by CLI11
+  const bool detailed = mode == RecordMode::kPerPass || mode == RecordMode::kPerToken;
+  if (!a.records.empty() && !detailed) {
+    throw BadInput(
+        fmt::format("--records needs --record-mode per_pass or per_token, got --record-mode {} (stat "
+                    "modes keep no per-pass records)",
+                    a.record_mode));
+  }
   // A lower bound: per (layer, slot) the two recorders' rings of int32 counts (min(--buffer, --steps) + 1 steps
   // each), their int64 sums, two placements (8 bytes each) and the step's int64 counts; per (layer, expert) the
   // sampled int64 count and the popularity order; per timeline entry a JSON object (>= 128 bytes).
   const double ring_steps = std::min(a.buffer, a.steps) + 1.0;
   const double slots = static_cast<double>(a.layers) * a.replicas;
-  const double bytes = slots * (8 * ring_steps + 16 + 16 + 8) + static_cast<double>(a.layers) * a.experts * 12 +
-                       static_cast<double>(a.steps / a.report_every) * 128;
-  check_fits_in_memory(bytes, fmt::format("simulate: --layers {} x --replicas {} x (2 x 4 bytes x (min(--buffer {}, "
-                                          "--steps {}) + 1) + 40 bytes) + --layers x --experts {} x 12 bytes + "
-                                          "--steps / --report-every {} x 128 bytes",
-                                          a.layers, a.replicas, a.buffer, a.steps, a.experts, a.report_every));
+  double bytes = slots * (8 * ring_steps + 16 + 16 + 8) + static_cast<double>(a.layers) * a.experts * 12 +
+                 static_cast<double>(a.steps / a.report_every) * 128;
+  std::string what = fmt::format(
+      "simulate: --layers {} x --replicas {} x (2 x 4 bytes x (min(--buffer {}, --steps {}) + 1) + 40 bytes) + "
+      "--layers x --experts {} x 12 bytes + --steps / --report-every {} x 128 bytes",
+      a.layers, a.replicas, a.buffer, a.steps, a.experts, a.report_every);
+  if (detailed) {
+    // The records (at most --record-max-bytes, as the recorder counts them) and, per_token, one pass's made-up
+    // tokens: --layers x (--tokens x --topk, the expected choices per layer) x 8 bytes.
+    const double pass_bytes =
+        slots * 4 + (mode == RecordMode::kPerToken ? static_cast<double>(a.layers) * a.tokens * a.topk * 4 : 0.0);
+    bytes += std::min(static_cast<double>(a.record_max_bytes), pass_bytes * a.steps);
+    what += fmt::format(" + min(--record-max-bytes {}, --steps x one record)", a.record_max_bytes);
+    if (mode == RecordMode::kPerToken) {
+      bytes += static_cast<double>(a.layers) * a.tokens * a.topk * 8;
+      what += " + --layers x --tokens x --topk x 8 bytes";
+    }
+  }
+  check_fits_in_memory(bytes, what);
 
   DriftingZipf load(a.layers, a.experts, a.exponent, static_cast<double>(a.tokens) * a.topk, a.drift, a.seed);
-  const RecorderOptions rec{a.buffer, RecordMode::kStat};
+  // The manager's recorder (and the static run's) in a stat mode; per_pass / per_token records of the managed run's
+  // passes go to a recorder of their own, which sees each pass under the placement it ran with (the manager's
+  // own recorder cannot take per_token passes: it records counts).
+  RecorderOptions rec;
+  rec.buffer_steps = a.buffer;
+  rec.mode = detailed ? RecordMode::kStat : mode;
   ManagerOptions opt;
   opt.num_groups = a.groups;
   opt.rebalance_every_steps = a.every;
@@ -255,7 +315,22 @@ void run_simulate(const SimArgs& a) {
   // near-linear in the slots).
   rebalance({std::vector<double>(a.experts, 1.0)}, {a.replicas, a.groups, a.nodes, a.gpus}, Policy::kDeepSeek);
   if (validate_only()) return;
+  // Opened before the run, so an unwritable path fails before the work.
+  std::ofstream records_file;
+  if (!a.records.empty()) {
+    records_file.open(a.records);
+    if (!records_file) throw BadInput(fmt::format("--records: cannot write '{}'", a.records));
+  }
   const auto initial = ExpertLocation::trivial(a.layers, a.experts, a.replicas, a.gpus, a.nodes);
+  std::optional<LoadRecorder> recorder;
+  if (detailed) {
+    RecorderOptions record_options;
+    record_options.buffer_steps = 1;
+    record_options.mode = mode;
+    record_options.max_record_bytes = a.record_max_bytes;
+    recorder.emplace(a.layers, a.experts, a.replicas, a.gpus, record_options);
+  }
+  std::vector<int64_t> topk;
   RebalanceManager managed(initial, rec, opt);
   LoadRecorder fixed(a.layers, a.experts, a.replicas, a.gpus, rec);  // the same load, never rebalanced
 
@@ -267,6 +342,14 @@ void run_simulate(const SimArgs& a) {
   for (int64_t step = 0; step < a.steps; ++step) {
     const auto logical = load.sample();
     to_physical(managed.location(), logical, step, physical);
+    if (mode == RecordMode::kPerPass) {
+      recorder->record_pass(managed.location(), physical);
+      recorder->end_step();
+    } else if (mode == RecordMode::kPerToken) {
+      const int64_t num_tokens = tokens_from_counts(physical, a.layers, a.topk, topk);
+      recorder->record_token_pass(managed.location(), topk, num_tokens, a.topk);
+      recorder->end_step();
+    }
     const StepReport report = managed.step(physical);
     computed += report.rebalance_computed;
     skipped += report.rebalance_skipped;
@@ -302,7 +385,8 @@ void run_simulate(const SimArgs& a) {
                      {"policy", a.policy},
                      {"migration_aware", !a.no_migration},
                      {"seed", a.seed},
-                     {"expert_bytes", a.expert_bytes}};
+                     {"expert_bytes", a.expert_bytes},
+                     {"record_mode", a.record_mode}};
   out["utilization_window_steps"] = 10;
   out["timeline"] = std::move(timeline);
   out["mean_utilization_rebalanced"] = sum_with / a.steps;
@@ -312,6 +396,18 @@ void run_simulate(const SimArgs& a) {
   out["rebalances"] = std::move(rebalances);
   out["moved_experts"] = managed.total_moved_experts();
   out["moved_bytes"] = static_cast<double>(managed.total_moved_experts()) * a.expert_bytes;
+  if (recorder) {
+    out["records"] = {{"kept", recorder->records().size()},
+                      {"dropped_passes", recorder->dropped_passes()},
+                      {"bytes", recorder->record_bytes()},
+                      {"max_bytes", a.record_max_bytes},
+                      {"file", a.records.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.records)}};
+  }
+  if (records_file.is_open()) {
+    records_file << recorder->records_json(managed.location()) << "\n";
+    records_file.close();
+    if (!records_file) throw Error(ErrorCode::kInternal, fmt::format("--records: writing '{}' failed", a.records));
+  }
   std::cout << out.dump() << "\n";
   if (!a.plot.empty()) plot_with_python(out, a.plot);
 }
@@ -407,6 +503,19 @@ void add_eplb(CLI::App& app) {
   s->add_option("--report-every", sim->report_every, "Timeline sampling, steps")
       ->capture_default_str()
       ->check(int_in(1, kMaxInt));
+  s->add_option("--record-mode", sim->record_mode,
+                "Load recorder mode (SGLang's --expert-distribution-recorder-mode): stat and stat_approx keep per-step "
+                "counts only; per_pass also keeps one record per simulated pass (its counts per layer and slot); "
+                "per_token one with every token's top-k slots (tokens made up from the pass's counts)")
+      ->capture_default_str()
+      ->check(one_of({"stat", "stat_approx", "per_pass", "per_token"}));
+  s->add_option("--records", sim->records,
+                "Write the per_pass / per_token records of the rebalanced run to this file as JSON (SGLang's dump "
+                "fields, docs/eplb.md); needs --record-mode per_pass or per_token");
+  s->add_option("--record-max-bytes", sim->record_max_bytes,
+                "Memory cap of the records; passes beyond it are dropped and counted (records.dropped_passes)")
+      ->capture_default_str()
+      ->check(int_in(0, kMaxRecordBytes));
   s->add_option("--plot", sim->plot, "Also draw utilization over time into this PNG (python3 -m epx.plot, matplotlib)");
   s->callback([sim] { run_simulate(*sim); });
 }

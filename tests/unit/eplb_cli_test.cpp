@@ -250,5 +250,60 @@ TEST(EplbCli, SimulateImprovesUtilization) {
   EXPECT_NE(bad.err.find("--every 10 must be >= --buffer 50"), std::string::npos) << bad.err;
 }
 
+// --record-mode per_pass / per_token with --records: one record per simulated step, in SGLang's dump fields, whose
+// counts (per_token: derived from the top-k ids) sum to what the pass routed.
+TEST(EplbCli, SimulateWritesRecords) {
+  const std::string shape =
+      "eplb simulate --layers 3 --experts 16 --replicas 20 --groups 4 --nodes 1 --gpus 4 --steps 12 --tokens 50 "
+      "--topk 4 --buffer 4 --every 4 --report-every 4 --seed 3";
+  for (const char* mode : {"per_pass", "per_token"}) {
+    SCOPED_TRACE(mode);
+    const std::string file = (temp_dir() / (std::string(mode) + ".json")).string();
+    const CliRun r = run(shape + " --record-mode " + mode + " --records " + file);
+    ASSERT_EQ(r.code, 0) << r.err;
+    const auto out = nlohmann::json::parse(r.out);
+    EXPECT_EQ(out["settings"]["record_mode"], mode);
+    EXPECT_EQ(out["records"]["kept"].get<int>(), 12);
+    EXPECT_EQ(out["records"]["dropped_passes"].get<int>(), 0);
+    EXPECT_EQ(out["records"]["file"], file);
+    const auto dump = nlohmann::json::parse(slurp(file));
+    EXPECT_EQ(dump["mode"], mode);
+    ASSERT_EQ(dump["records"].size(), 12u);
+    EXPECT_EQ(dump["last_physical_to_logical_map"].size(), 3u);
+    for (size_t i = 0; i < dump["records"].size(); ++i) {
+      const auto& rec = dump["records"][i];
+      EXPECT_EQ(rec["forward_pass_id"].get<int64_t>(), static_cast<int64_t>(i) + 1);
+      ASSERT_EQ(rec["global_physical_count"].size(), 3u);
+      for (const auto& layer : rec["global_physical_count"]) {
+        ASSERT_EQ(layer.size(), 20u);
+        int64_t sum = 0;
+        for (const auto& c : layer) sum += c.get<int64_t>();
+        EXPECT_GT(sum, 0);  // ~ --tokens x --topk = 200, with noise
+      }
+      if (std::string(mode) == "per_token") {
+        // The top-k ids give back the counts exactly.
+        ASSERT_EQ(rec["topk_ids_of_layer"].size(), 3u);
+        for (size_t l = 0; l < 3; ++l) {
+          std::vector<int64_t> counts(20, 0);
+          for (const auto& token : rec["topk_ids_of_layer"][l]) {
+            ASSERT_EQ(token.size(), 4u);
+            for (const auto& id : token) {
+              if (id.get<int64_t>() >= 0) ++counts[id.get<int64_t>()];
+            }
+          }
+          for (size_t p = 0; p < 20; ++p) EXPECT_EQ(counts[p], rec["global_physical_count"][l][p].get<int64_t>());
+        }
+      }
+    }
+  }
+  // The cap: nothing kept, every pass counted as dropped.
+  const CliRun capped = run(shape + " --record-mode per_pass --record-max-bytes 0");
+  ASSERT_EQ(capped.code, 0) << capped.err;
+  const auto out = nlohmann::json::parse(capped.out);
+  EXPECT_EQ(out["records"]["kept"].get<int>(), 0);
+  EXPECT_EQ(out["records"]["dropped_passes"].get<int>(), 12);
+  EXPECT_TRUE(out["records"]["file"].is_null());
+}
+
 }  // namespace
 }  // namespace epx::eplb
