@@ -89,6 +89,41 @@ TEST(EplbRelocation, CudaTransportNeedsACudaGroup) {
   }
 }
 
+TEST(EplbRelocation, TransportChoiceOnHostGroups) {
+  auto groups = create_host_groups(1);
+  EXPECT_EQ(choose_transport(*groups[0]), TransportKind::kHost);
+  for (TransportKind kind : {TransportKind::kAuto, TransportKind::kHost}) {
+    const auto transport = make_transport_for(*groups[0], kind);
+    EXPECT_EQ(transport->num_ranks(), 1);
+  }
+  for (TransportKind kind : {TransportKind::kCuda, TransportKind::kNccl}) {
+    EXPECT_EQ(transport_kind_from_string(to_string(kind)), kind);
+    try {
+      make_transport_for(*groups[0], kind);
+      ADD_FAILURE() << to_string(kind) << " accepted a host group";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("got a host group"), std::string::npos) << e.what();
+    }
+  }
+  try {
+    make_nccl_transport(*groups[0]);
+    ADD_FAILURE() << "make_nccl_transport accepted a host group";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("needs a cuda group of one process per GPU, got a host group (rank 0 of 1)"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    transport_kind_from_string("pigeon");
+    ADD_FAILURE() << "'pigeon' accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("got 'pigeon'"), std::string::npos) << e.what();
+  }
+}
+
 // The byte pattern of one slot of expert `e` in tensor t.
 uint8_t pattern(int e, size_t t, size_t i) { return static_cast<uint8_t>(e * 31 + t * 7 + i * 13 + 1); }
 

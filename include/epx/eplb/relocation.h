@@ -2,14 +2,15 @@
 // new placement says, while serving.
 //
 // Plan, then run: plan_relocation() is pure host work on two phy2log rows of one layer; relocate_weights()
-// executes a plan on one rank over a WeightTransport (host threads, or CUDA copy engines between the GPUs of
-// one host; NCCL send/recv across hosts is not written yet).
+// executes a plan on one rank over a WeightTransport: host threads, CUDA copy engines between the GPUs of one
+// host, or NCCL send/recv between processes on any hosts (make_transport_for picks one; docs/eplb.md).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "epx/group.h"
@@ -100,6 +101,49 @@ std::unique_ptr<WeightTransport> make_host_transport(Group& group, std::vector<b
 // another backend or staging_bytes 0, kOutOfMemory on every rank when one rank cannot allocate the staging,
 // kUnsupported without a CUDA backend or between GPUs without peer access (e.g. on different hosts).
 std::unique_ptr<WeightTransport> make_cuda_transport(Group& group, size_t staging_bytes = size_t{64} << 20);
+
+// The NCCL transport: ranks of a cuda Group of one process per GPU (create_cuda_group: its NCCL communicator), on
+// one host or several. Buffers are device memory of the rank's GPU; no staging (NCCL moves between any device
+// buffers). exchange(): one all-gather of every rank's per-peer byte totals and message-size sequences (a
+// mismatch raises the same Error(kInternal) on every rank before any data moves), then one ncclGroupStart /
+// ncclSend per SendOp, ncclRecv per RecvOp in order / ncclGroupEnd on the transport's own stream (a rank's
+// messages to itself are device-to-device copies, in order), and a wait on that stream polled with
+// ncclCommGetAsyncError against group.timeout_ms(). NCCL runs the transfer with a few SMs (copy engines do not:
+// the CUDA transport leaves every SM to serving). No other thread may issue NCCL calls on the group's
+// communicator during exchange (NCCL's rule for one communicator). Throws Error(kTimeout) when the transfer
+// did not finish within the timeout and kPeerFailure when NCCL reports an error: the communicator may then still
+// run the transfer and must be aborted (destroy the group, which aborts a communicator it created; ncclCommAbort
+// one passed to create_cuda_group(comm)) before the weight buffers are freed, and this transport's free_temp
+// leaks from then on (cudaFree would wait for the transfer). A communicator passed in as blocking may block in
+// ncclGroupEnd while NCCL connects to a new peer; epx's own are non-blocking, so every wait is bounded.
+// The transport keeps a reference to group. Throws Error(kInvalidArgument) naming the group for a group of
+// another backend or one without a communicator (ranks as threads: create_cuda_groups), kUnsupported without a
+// CUDA backend.
+std::unique_ptr<WeightTransport> make_nccl_transport(Group& group);
+
+// Which transport make_transport_for builds.
+enum class TransportKind : uint8_t { kAuto, kHost, kCuda, kNccl };
+const char* to_string(TransportKind kind) noexcept;
+// "auto", "host", "cuda" or "nccl"; throws Error(kInvalidArgument) otherwise.
+TransportKind transport_kind_from_string(const std::string& name);
+
+// What kAuto means for `group`:
+//   host group                                     -> kHost
+//   cuda group, ranks as threads (create_cuda_groups) -> kCuda (copy engines; the only cuda choice there)
+//   cuda group, one process per GPU                -> kCuda when every rank is on the same host (hostname and boot
+//                                                     id) and its GPU has peer access to every other rank's GPU
+//                                                     (as this process sees them: a peer's GPU hidden by
+//                                                     CUDA_VISIBLE_DEVICES counts as no access), else kNccl.
+// Copy engines first because they leave the SMs to serving; NCCL where peer access is missing (other hosts).
+// Collective for a group of one process per GPU (two all-gathers; every rank gets the same answer); local
+// otherwise. Throws as the group's all-gather does.
+TransportKind choose_transport(Group& group);
+
+// make_host_transport(group), make_cuda_transport(group, staging_bytes) or make_nccl_transport(group) for `kind`,
+// kAuto as choose_transport(group) says (collective then). staging_bytes is used by kCuda only. Throws as the
+// chosen factory does; kHost for a cuda group, or kCuda / kNccl for a host group, is kInvalidArgument.
+std::unique_ptr<WeightTransport> make_transport_for(Group& group, TransportKind kind = TransportKind::kAuto,
+                                                    size_t staging_bytes = size_t{64} << 20);
 
 // This rank's expert weights: one entry per weight tensor (e.g. w13, w2, scales).
 struct ExpertWeights {

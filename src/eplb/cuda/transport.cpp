@@ -9,17 +9,18 @@
 //      out into place, a barrier before the next pass reuses it.
 // Pushing means a sender's buffers are only read by its own copies, so the contract's "every peer has finished
 // reading this rank's send buffers" holds when the rank's own stream is synchronized.
+#include "eplb/cuda/transport.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "core/check.h"
 #include "comm/cuda/cuda_group.h"
-#include "core/cuda/cuda_util.h"
 #include "comm/cuda/peer_memory.h"
-#include "eplb/cuda/transport.h"
+#include "core/check.h"
+#include "core/cuda/cuda_util.h"
 
 namespace epx::eplb {
 
@@ -70,24 +71,8 @@ class CudaTransport final : public WeightTransport {
 
   void exchange(std::span<const SendOp> sends, std::span<const RecvOp> recvs) override {
     const int R = num_ranks(), me = rank();
-    // [r][0][p]: bytes r sends to p; [r][1][p]: bytes r expects from p. Invalid peers count in column R (a
-    // spare) so the error is raised after the collective, on every rank.
-    const size_t row = 2 * static_cast<size_t>(R + 1);
-    std::vector<uint64_t> local(row, 0), all(row * R, 0);
-    for (const SendOp& op : sends) local[(op.peer >= 0 && op.peer < R) ? op.peer : R] += op.bytes;
-    for (const RecvOp& op : recvs) local[R + 1 + ((op.peer >= 0 && op.peer < R) ? op.peer : R)] += op.bytes;
-    group_.all_gather_bytes(local.data(), all.data(), row * sizeof(uint64_t));
-    auto sent = [&](int from, int to) { return all[from * row + to]; };
-    auto expected = [&](int at, int from) { return all[at * row + R + 1 + from]; };
-    for (int a = 0; a < R; ++a) {
-      EPX_CHECK(ErrorCode::kInvalidArgument, sent(a, R) == 0 && expected(a, R) == 0,
-                "cuda transport: rank {} names a peer outside [0, {})", a, R);
-      for (int b = 0; b < R; ++b) {
-        EPX_CHECK(ErrorCode::kInternal, sent(a, b) == expected(b, a),
-                  "cuda transport: rank {} sends {} bytes to rank {}, which expects {}", a, sent(a, b), b,
-                  expected(b, a));
-      }
-    }
+    const MessageTotals totals = gather_message_totals(group_, sends, recvs, "cuda transport");
+    auto sent = [&](int from, int to) { return totals.sent(from, to); };
     // Where each source's messages start in a receiver's stream, and the longest stream (every rank agrees).
     auto stream_base = [&](int from, int to) {
       uint64_t base = 0;
@@ -108,10 +93,10 @@ class CudaTransport final : public WeightTransport {
         cursor[op.peer] += op.bytes;
         const uint64_t from = std::max(at, lo), to = std::min(at + op.bytes, hi);
         if (from >= to) continue;
-        cuda::check_cuda(cudaMemcpyAsync(regions_.ptrs[op.peer] + (from - lo),
-                                         static_cast<const char*>(op.data) + (from - at), to - from,
-                                         cudaMemcpyDeviceToDevice, stream_),
-                         "cuda transport: copy to a peer's staging");
+        cuda::check_cuda(
+            cudaMemcpyAsync(regions_.ptrs[op.peer] + (from - lo), static_cast<const char*>(op.data) + (from - at),
+                            to - from, cudaMemcpyDeviceToDevice, stream_),
+            "cuda transport: copy to a peer's staging");
       }
       cuda::check_cuda(cudaStreamSynchronize(stream_), "cuda transport: pushing a window");
       group_.barrier();  // every sender's part of this window has landed
@@ -121,10 +106,10 @@ class CudaTransport final : public WeightTransport {
         cursor[op.peer] += op.bytes;
         const uint64_t from = std::max(at, lo), to = std::min(at + op.bytes, hi);
         if (from >= to) continue;
-        cuda::check_cuda(cudaMemcpyAsync(static_cast<char*>(op.data) + (from - at),
-                                         static_cast<const char*>(staging_) + (from - lo), to - from,
-                                         cudaMemcpyDeviceToDevice, stream_),
-                         "cuda transport: copy out of the staging");
+        cuda::check_cuda(
+            cudaMemcpyAsync(static_cast<char*>(op.data) + (from - at), static_cast<const char*>(staging_) + (from - lo),
+                            to - from, cudaMemcpyDeviceToDevice, stream_),
+            "cuda transport: copy out of the staging");
       }
       cuda::check_cuda(cudaStreamSynchronize(stream_), "cuda transport: receiving a window");
     }
@@ -142,8 +127,8 @@ class CudaTransport final : public WeightTransport {
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, bytes > 0 ? bytes : 1);
     if (err != cudaSuccess) cudaGetLastError();
-    EPX_CHECK(ErrorCode::kOutOfMemory, err == cudaSuccess, "cuda transport: cannot allocate {} temporary bytes on cuda:{}",
-              bytes, device_);
+    EPX_CHECK(ErrorCode::kOutOfMemory, err == cudaSuccess,
+              "cuda transport: cannot allocate {} temporary bytes on cuda:{}", bytes, device_);
     return p;
   }
   void free_temp(void* ptr) noexcept override {
@@ -161,6 +146,54 @@ class CudaTransport final : public WeightTransport {
 };
 
 }  // namespace
+
+MessageTotals gather_message_totals(Group& group, std::span<const SendOp> sends, std::span<const RecvOp> recvs,
+                                    const char* name) {
+  const int R = group.num_ranks();
+  // Per rank, six blocks of R + 1 columns (column R: peers outside [0, R), so that the error is raised after the
+  // collective, on every rank): bytes sent to p, bytes expected from p, messages to p, messages from p, and the
+  // hashes of the two size sequences.
+  enum Block : size_t { kSentBytes, kRecvBytes, kSentCount, kRecvCount, kSentHash, kRecvHash, kNumBlocks };
+  const size_t width = static_cast<size_t>(R) + 1, row = kNumBlocks * width;
+  constexpr uint64_t kFnvBasis = 14695981039346656037ull, kFnvPrime = 1099511628211ull;
+  std::vector<uint64_t> local(row, 0), all(row * R, 0);
+  for (size_t p = 0; p < width; ++p) local[kSentHash * width + p] = local[kRecvHash * width + p] = kFnvBasis;
+  auto add = [&](int peer, size_t bytes, Block total, Block count, Block hash) {
+    const size_t col = (peer >= 0 && peer < R) ? static_cast<size_t>(peer) : static_cast<size_t>(R);
+    local[total * width + col] += bytes;
+    if (bytes == 0) return;
+    ++local[count * width + col];
+    uint64_t& h = local[hash * width + col];
+    h = (h ^ bytes) * kFnvPrime;
+  };
+  for (const SendOp& op : sends) add(op.peer, op.bytes, kSentBytes, kSentCount, kSentHash);
+  for (const RecvOp& op : recvs) add(op.peer, op.bytes, kRecvBytes, kRecvCount, kRecvHash);
+  group.all_gather_bytes(local.data(), all.data(), row * sizeof(uint64_t));
+  auto at = [&](int rank, Block block, int peer) { return all[rank * row + block * width + peer]; };
+  MessageTotals out;
+  out.num_ranks = R;
+  out.bytes.resize(static_cast<size_t>(R) * R);
+  for (int a = 0; a < R; ++a) {
+    EPX_CHECK(ErrorCode::kInvalidArgument,
+              at(a, kSentBytes, R) == 0 && at(a, kRecvBytes, R) == 0 && at(a, kSentCount, R) == 0 &&
+                  at(a, kRecvCount, R) == 0,
+              "{}: rank {} names a peer outside [0, {})", name, a, R);
+  }
+  for (int a = 0; a < R; ++a) {
+    for (int b = 0; b < R; ++b) {
+      EPX_CHECK(ErrorCode::kInternal, at(a, kSentBytes, b) == at(b, kRecvBytes, a),
+                "{}: rank {} sends {} bytes to rank {}, which expects {}", name, a, at(a, kSentBytes, b), b,
+                at(b, kRecvBytes, a));
+      EPX_CHECK(ErrorCode::kInternal,
+                at(a, kSentCount, b) == at(b, kRecvCount, a) && at(a, kSentHash, b) == at(b, kRecvHash, a),
+                "{}: rank {} sends rank {} {} messages of {} bytes in all, which expects {} messages: their sizes "
+                "differ in order (messages between two ranks match in order, sizes equal)",
+                name, a, b, at(a, kSentCount, b), at(a, kSentBytes, b), at(b, kRecvCount, a));
+      out.bytes[static_cast<size_t>(a) * R + b] = at(a, kSentBytes, b);
+    }
+  }
+  return out;
+}
 
 std::unique_ptr<WeightTransport> make_cuda_transport_impl(Group& group, size_t staging_bytes) {
   return std::make_unique<CudaTransport>(group, staging_bytes);
