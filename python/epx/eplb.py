@@ -78,7 +78,7 @@ __all__ = [
     "MAX_INPUT_FILE_BYTES", "MigrationResult", "Placement", "Policy", "RebalanceManager", "RebalanceReport",
     "RecordMode", "RelocationPlan", "RelocationStats", "ReplicaChoice", "SglangExpertLocation", "SglangLogicalCount",
     "SimulationResult", "SlotAction", "SlotPlan", "StepReport", "UTILIZATION_WINDOWS", "all_reduce_counts",
-    "balancedness", "balancedness_per_layer", "choose_replicas", "count_moved_experts", "gpu_loads",
+    "balancedness", "balancedness_per_layer", "choose_replicas", "choose_transport", "count_moved_experts", "gpu_loads",
     "load_sglang_expert_location", "load_sglang_logical_count", "make_manager", "make_recorder",
     "parse_sglang_expert_location", "parse_sglang_logical_count", "placement_from_phy2log", "plan_relocation",
     "rebalance", "rebalance_migration_aware", "relocate_weights", "save_expert_distribution_records",
@@ -398,17 +398,32 @@ def plan_relocation(old_phy2log: Any, new_phy2log: Any, num_ranks: int, num_node
 
 def relocate_weights(plan: RelocationPlan, group: _epx.Group, old_slots: Sequence[Any], new_slots: Sequence[Any],
                      max_slots_per_round: int = 8, failed_ranks: Optional[Sequence[bool]] = None,
-                     staging_bytes: int = 64 << 20) -> RelocationStats:
-    """Executes ``plan`` for ``group.rank``: over the host transport for host groups (``epx.host_groups``; host
-    arrays), over the cuda transport for cuda groups (CUDA tensors of the rank's GPU; copy engines between the
-    GPUs of one host, through a staging region of ``staging_bytes`` per rank; no ``failed_ranks``).
+                     staging_bytes: int = 64 << 20, transport: str = "auto") -> RelocationStats:
+    """Executes ``plan`` for ``group.rank`` over a transport (docs/eplb.md, "Weight relocation"):
 
-    Collective: every live rank calls it with the same plan. ``old_slots[i]`` [old_slots_per_rank, ...] and
-    ``new_slots[i]`` [new_slots_per_rank, ...] are this rank's i-th weight tensor (any dtype, C-contiguous),
-    disjoint or identical (in place). ``new_slots`` are written. The GIL is released.
+    - host groups (``epx.host_groups``; host arrays): the host transport (``transport`` "auto" or "host");
+    - cuda groups (CUDA tensors of the rank's GPU; no ``failed_ranks``): "cuda" moves with copy engines (no SMs)
+      through a staging region of ``staging_bytes`` per rank and needs peer access between all GPUs (one host);
+      "nccl" sends and receives on the group's NCCL communicator (one process per GPU, ``epx.cuda_group``; any
+      hosts); "auto" is ``choose_transport(group)``: "cuda" for ranks as threads and for processes whose GPUs
+      all have peer access on one host, else "nccl".
+
+    Collective: every live rank calls it with the same plan and the same ``transport``. ``old_slots[i]``
+    [old_slots_per_rank, ...] and ``new_slots[i]`` [new_slots_per_rank, ...] are this rank's i-th weight tensor
+    (any dtype, C-contiguous), disjoint or identical (in place). ``new_slots`` are written. The GIL is released.
     """
+    if transport not in ("auto", "host", "cuda", "nccl"):
+        raise invalid_argument(f"transport must be 'auto', 'host', 'cuda' or 'nccl', got {transport!r}")
     return _native.relocate_weights(plan, group, list(old_slots), list(new_slots), max_slots_per_round,
-                                    list(failed_ranks or []), staging_bytes)
+                                    list(failed_ranks or []), staging_bytes, transport)
+
+
+def choose_transport(group: _epx.Group) -> str:
+    """The transport ``relocate_weights(..., transport="auto")`` uses for ``group``: "host" for host groups;
+    for cuda groups "cuda" (copy engines) when the ranks are threads of one process, or processes on one host
+    whose GPUs all have peer access, else "nccl". Collective for a cuda group of one process per GPU (every rank
+    calls it; all get the same answer)."""
+    return _native.choose_transport(group)
 
 
 # ---- simulation --------------------------------------------------------------------------------------

@@ -938,13 +938,19 @@ void bind_relocation(nb::module_& m) {
       "relocate_weights",
       [](const RelocationPlan& plan, std::shared_ptr<Group> group, const std::vector<nb::handle>& old_slots,
          const std::vector<nb::handle>& new_slots, int max_slots_per_round, const std::vector<bool>& failed_ranks,
-         size_t staging_bytes) {
+         size_t staging_bytes, const std::string& transport) {
+        const TransportKind kind = transport_kind_from_string(transport);
         if (old_slots.size() != new_slots.size()) {
           bad("old_slots and new_slots: " + std::to_string(old_slots.size()) + " and " +
               std::to_string(new_slots.size()) + " tensors, must be equal");
         }
         const bool cuda = group->backend() == Backend::kCuda;
-        if (cuda && !failed_ranks.empty()) bad("failed_ranks: the cuda transport has no failed-rank mode (host only)");
+        if (cuda && !failed_ranks.empty())
+          bad("failed_ranks: the cuda transports have no failed-rank mode (host only)");
+        if (cuda && kind == TransportKind::kHost) bad("transport: 'host' needs a host group, got a cuda group");
+        if (!cuda && kind != TransportKind::kAuto && kind != TransportKind::kHost) {
+          bad("transport: '" + transport + "' needs a cuda group, got a host group (use 'auto' or 'host')");
+        }
         ExpertWeights weights;
         for (size_t i = 0; i < old_slots.size(); ++i) {
           const std::string old_name = "old_slots[" + std::to_string(i) + "]";
@@ -960,17 +966,29 @@ void bind_relocation(nb::module_& m) {
           weights.bytes_per_slot.push_back(old_array.bytes_per_slot);
         }
         nb::gil_scoped_release release;
-        auto transport = cuda ? make_cuda_transport(*group, staging_bytes) : make_host_transport(*group, failed_ranks);
+        auto mover = cuda ? make_transport_for(*group, kind, staging_bytes) : make_host_transport(*group, failed_ranks);
         RelocationOptions options;
         options.max_slots_per_round = max_slots_per_round;
-        return relocate_weights(plan, weights, *transport, options);
+        return relocate_weights(plan, weights, *mover, options);
       },
       nb::arg("plan"), nb::arg("group"), nb::arg("old_slots"), nb::arg("new_slots"), nb::arg("max_slots_per_round") = 8,
       nb::arg("failed_ranks") = std::vector<bool>{}, nb::arg("staging_bytes") = size_t{64} << 20,
+      nb::arg("transport") = "auto",
       "Executes `plan` for group.rank: host groups over the host transport (host arrays; collective over live "
-      "ranks), cuda groups over the cuda transport (CUDA arrays of the rank's GPU; copy engines through a staging "
-      "region of staging_bytes per rank). old_slots[i] [old_slots_per_rank, ...] and new_slots[i] "
-      "[new_slots_per_rank, ...]: contiguous, disjoint or identical (in place). GIL released.");
+      "ranks), cuda groups (CUDA arrays of the rank's GPU) over transport 'cuda' (copy engines through a staging "
+      "region of staging_bytes per rank; GPUs with peer access), 'nccl' (send/recv on the group's communicator; one "
+      "process per GPU, any hosts) or 'auto' (choose_transport). old_slots[i] [old_slots_per_rank, ...] and "
+      "new_slots[i] [new_slots_per_rank, ...]: contiguous, disjoint or identical (in place). GIL released.");
+
+  m.def(
+      "choose_transport",
+      [](std::shared_ptr<Group> group) {
+        nb::gil_scoped_release release;
+        return std::string(to_string(choose_transport(*group)));
+      },
+      nb::arg("group"),
+      "'host', 'cuda' or 'nccl': the transport relocate_weights(transport='auto') uses for `group` (collective for "
+      "a cuda group of one process per GPU). GIL released.");
 }
 
 // ---- synthetic loads ----------------------------------------------------------------------------------

@@ -202,6 +202,28 @@ def test_relocation_over_four_host_ranks():
     assert failed.count(eplb.SlotAction.dead_rank) == new_per_rank
 
 
+def test_relocation_transport_choice_on_host_groups():
+    plan = eplb.plan_relocation(np.array([0, 1], np.int32), np.array([1, 0], np.int32), 2)
+    assert eplb.choose_transport(epx.host_groups(1)[0]) == "host"
+
+    def body(rank, group, transport):
+        old_w = np.full((1, 3), float(rank), np.float32)
+        new_w = np.full((1, 3), -1.0, np.float32)
+        eplb.relocate_weights(plan, group, [old_w], [new_w], transport=transport)
+        return new_w
+
+    for transport in ("auto", "host"):
+        results = epx.run_host_ranks(epx.host_groups(2), lambda r, g: body(r, g, transport))
+        assert [w[0, 0] for w in results] == [1.0, 0.0]
+    group = epx.host_groups(1)[0]
+    one = eplb.plan_relocation(np.array([0], np.int32), np.array([0], np.int32), 1)
+    w = np.zeros((1, 3), np.float32)
+    for transport, needle in (("nccl", "needs a cuda group"), ("cuda", "needs a cuda group"),
+                              ("carrier-pigeon", "transport must be")):
+        with pytest.raises(epx.InvalidArgumentError, match=needle):
+            eplb.relocate_weights(one, group, [w], [w.copy()], transport=transport)
+
+
 def test_simulate_matches_the_cli():
     # `epx eplb simulate --layers 8 --experts 32 --replicas 40 --groups 4 --nodes 2 --gpus 8 --steps 300
     #  --tokens 512 --buffer 50 --every 50 --layers-per-step 4` (same seed and defaults otherwise).

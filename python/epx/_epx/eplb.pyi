@@ -740,9 +740,14 @@ class RelocationStats:
     @property
     def bytes_sent(self) -> int: ...
 
-def relocate_weights(plan: RelocationPlan, group: epx._epx.Group, old_slots: Sequence[object], new_slots: Sequence[object], max_slots_per_round: int = 8, failed_ranks: Sequence[bool] = [], staging_bytes: int = 67108864) -> RelocationStats:
+def relocate_weights(plan: RelocationPlan, group: epx._epx.Group, old_slots: Sequence[object], new_slots: Sequence[object], max_slots_per_round: int = 8, failed_ranks: Sequence[bool] = [], staging_bytes: int = 67108864, transport: str = 'auto') -> RelocationStats:
     """
-    Executes `plan` for group.rank: host groups over the host transport (host arrays; collective over live ranks), cuda groups over the cuda transport (CUDA arrays of the rank's GPU; copy engines through a staging region of staging_bytes per rank). old_slots[i] [old_slots_per_rank, ...] and new_slots[i] [new_slots_per_rank, ...]: contiguous, disjoint or identical (in place). GIL released.
+    Executes `plan` for group.rank: host groups over the host transport (host arrays; collective over live ranks), cuda groups (CUDA arrays of the rank's GPU) over transport 'cuda' (copy engines through a staging region of staging_bytes per rank; GPUs with peer access), 'nccl' (send/recv on the group's communicator; one process per GPU, any hosts) or 'auto' (choose_transport). old_slots[i] [old_slots_per_rank, ...] and new_slots[i] [new_slots_per_rank, ...]: contiguous, disjoint or identical (in place). GIL released.
+    """
+
+def choose_transport(group: epx._epx.Group) -> str:
+    """
+    'host', 'cuda' or 'nccl': the transport relocate_weights(transport='auto') uses for `group` (collective for a cuda group of one process per GPU). GIL released.
     """
 
 def zipf_loads(num_layers: int, num_logical: int, exponent: float, total_per_layer: float, seed: int) -> NDArray[numpy.float64]:

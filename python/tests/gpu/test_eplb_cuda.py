@@ -80,9 +80,12 @@ def test_relocation_over_the_cuda_transport():
         torch.cuda.set_device(devs[rank])
         src = slots(old, rank, 128, device)
         dst = torch.full((144, cols), -7, dtype=torch.int32, device=device)
+        assert eplb.choose_transport(group) == "cuda"  # ranks as threads: copy engines
         stats = eplb.relocate_weights(plan, group, [src], [dst], max_slots_per_round=5, staging_bytes=1000)
         torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), slots(new, rank, 144, "cpu"))
+        with pytest.raises(epx.InvalidArgumentError, match="create_cuda_groups"):  # no communicator for nccl
+            eplb.relocate_weights(plan, group, [src], [dst], transport="nccl")
         return stats.bytes_received
 
     received = epx.run_host_ranks(epx.cuda_groups(devs, timeout_ms=15_000), body)
