@@ -3,7 +3,7 @@
 # extension for that machine's Python 3.12 + torch), runs every GPU test, the Python tests (host backend
 # with numpy and torch CPU tensors, then CUDA), DeepEP's own public suites unchanged against the
 # epx.deep_ep shim (when a DeepEP checkout's tests/ are carried in .carry/DeepEP; nothing of it is built),
-# `epx bench` (normal SM sweep, low-latency, DP, TBO, EPLB live), `python -m epx.bench` beside it, and
+# `epx bench` (normal SM sweep, low-latency, DP, TBO, EPLB live, the hierarchical path with --nodes), `python -m epx.bench` beside it, and
 # compute-sanitizer memcheck/racecheck on small cases, and the end-to-end MoE layer example (examples/moe_layer: one
 # rank per GPU, or two ranks sharing the one GPU at tiny shapes); prints a short table last.
 #
@@ -109,6 +109,14 @@ if want bench; then
   done
   # EPLB live needs two ranks to balance: on one GPU both share it.
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  # The hierarchical (multi-node) path: forced on one node, then 2 nodes of 1 and of 2 ranks (ranks share GPUs
+  # where there are fewer), each timed beside the flat path with a bit-for-bit check.
+  timed "epx bench --routing hierarchical" 200 sh -c "'$BUILD/epx' bench --ranks 2 --routing hierarchical \
+    --json '$OUT/bench_nodes_1x2.json' >'$OUT/bench_nodes_1x2.txt'"
+  for ranks in 2 4; do
+    timed "epx bench --ranks $ranks --nodes 2" 200 sh -c "'$BUILD/epx' bench --ranks $ranks --nodes 2 \
+      --json '$OUT/bench_nodes_2x$((ranks / 2)).json' >'$OUT/bench_nodes_2x$((ranks / 2)).txt'"
+  done
   timed "epx bench --eplb" 200 sh -c "'$BUILD/epx' bench --eplb --ranks $((gpus < 2 ? 2 : gpus)) \
     --json '$OUT/bench_eplb.json' >'$OUT/bench_eplb.txt'"
 fi
@@ -139,6 +147,7 @@ fi
 echo
 echo "gpu-check summary (log: $LOG)"
 for i in "${!NAMES[@]}"; do printf '  %-44s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
-cat "$OUT/bench.txt" "$OUT/python_bench.txt" "$OUT/bench_dp.txt" "$OUT/bench_tbo.txt" "$OUT/bench_eplb.txt" 2>/dev/null |
+cat "$OUT/bench.txt" "$OUT/python_bench.txt" "$OUT/bench_dp.txt" "$OUT/bench_tbo.txt" "$OUT/bench_eplb.txt" \
+  "$OUT"/bench_nodes_*.txt 2>/dev/null |
   tail -130
 exit $status
