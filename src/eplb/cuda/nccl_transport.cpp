@@ -103,21 +103,10 @@ class NcclTransport final : public WeightTransport {
   }
 
   void copy(void* dst, const void* src, size_t bytes) override {
-    if (bytes == 0 || dst == src) return;
-    cuda::DeviceGuard guard(device_);
-    cuda::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "nccl transport: copy");
-    cuda::check_cuda(cudaStreamSynchronize(stream_), "nccl transport: copy");
+    device_copy(device_, stream_, dst, src, bytes, "nccl transport");
   }
 
-  void* allocate_temp(size_t bytes) override {
-    cuda::DeviceGuard guard(device_);
-    void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, bytes > 0 ? bytes : 1);
-    if (err != cudaSuccess) cudaGetLastError();
-    EPX_CHECK(ErrorCode::kOutOfMemory, err == cudaSuccess,
-              "nccl transport: cannot allocate {} temporary bytes on cuda:{}", bytes, device_);
-    return p;
-  }
+  void* allocate_temp(size_t bytes) override { return device_allocate_temp(device_, bytes, "nccl transport"); }
 
   void free_temp(void* ptr) noexcept override {
     // NOTE: after a failure NCCL may still write into a receive buffer: cudaFree would synchronize with that

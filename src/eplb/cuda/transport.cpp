@@ -116,21 +116,9 @@ class CudaTransport final : public WeightTransport {
   }
 
   void copy(void* dst, const void* src, size_t bytes) override {
-    if (bytes == 0 || dst == src) return;
-    cuda::DeviceGuard guard(device_);
-    cuda::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "cuda transport: copy");
-    cuda::check_cuda(cudaStreamSynchronize(stream_), "cuda transport: copy");
+    device_copy(device_, stream_, dst, src, bytes, "cuda transport");
   }
-
-  void* allocate_temp(size_t bytes) override {
-    cuda::DeviceGuard guard(device_);
-    void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, bytes > 0 ? bytes : 1);
-    if (err != cudaSuccess) cudaGetLastError();
-    EPX_CHECK(ErrorCode::kOutOfMemory, err == cudaSuccess,
-              "cuda transport: cannot allocate {} temporary bytes on cuda:{}", bytes, device_);
-    return p;
-  }
+  void* allocate_temp(size_t bytes) override { return device_allocate_temp(device_, bytes, "cuda transport"); }
   void free_temp(void* ptr) noexcept override {
     cuda::DeviceGuard guard(device_);
     cudaFree(ptr);
@@ -193,6 +181,24 @@ MessageTotals gather_message_totals(Group& group, std::span<const SendOp> sends,
     }
   }
   return out;
+}
+
+void device_copy(int device, cudaStream_t stream, void* dst, const void* src, size_t bytes, const char* name) {
+  if (bytes == 0 || dst == src) return;
+  cuda::DeviceGuard guard(device);
+  cuda::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
+                   fmt::format("{}: copy", name).c_str());
+  cuda::check_cuda(cudaStreamSynchronize(stream), fmt::format("{}: copy", name).c_str());
+}
+
+void* device_allocate_temp(int device, size_t bytes, const char* name) {
+  cuda::DeviceGuard guard(device);
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, bytes > 0 ? bytes : 1);
+  if (err != cudaSuccess) cudaGetLastError();
+  EPX_CHECK(ErrorCode::kOutOfMemory, err == cudaSuccess, "{}: cannot allocate {} temporary bytes on cuda:{}", name,
+            bytes, device);
+  return p;
 }
 
 std::unique_ptr<WeightTransport> make_cuda_transport_impl(Group& group, size_t staging_bytes) {

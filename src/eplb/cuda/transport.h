@@ -2,6 +2,8 @@
 // nccl_transport.cpp); the factories in cuda_transport.cpp check the arguments and call them.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -31,5 +33,11 @@ struct MessageTotals {
 // the transport in messages ("cuda transport").
 MessageTotals gather_message_totals(Group& group, std::span<const SendOp> sends, std::span<const RecvOp> recvs,
                                     const char* name);
+
+// The local operations both device transports share. device_copy: bytes from src to dst on `stream`, then waits
+// for it. device_allocate_temp: cudaMalloc on `device`, Error(kOutOfMemory) naming the transport (`name`) and the
+// bytes when it fails.
+void device_copy(int device, cudaStream_t stream, void* dst, const void* src, size_t bytes, const char* name);
+void* device_allocate_temp(int device, size_t bytes, const char* name);
 
 }  // namespace epx::eplb
