@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "hierarchical_cases.h"
+#include "testing/processes.h"
 
 namespace epx::hierarchical_test {
 namespace {
@@ -223,17 +224,10 @@ TEST(HierarchicalNccl, TwoNodes) {
     }
     children.push_back(pid);
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+  const std::vector<int> statuses =
+      testing::wait_children(children, std::chrono::steady_clock::now() + std::chrono::seconds(240));
   for (int r = 0; r < num_ranks; ++r) {
-    int status = 0;
-    while (waitpid(children[r], &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        for (pid_t p : children) kill(p, SIGKILL);
-        waitpid(children[r], &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    const int status = statuses[r];
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " failed (its output is above)";
   }
   std::remove(id_file.c_str());

@@ -29,6 +29,7 @@
 #include "epx/quant.h"
 #include "epx/tensor.h"
 #include "testing/gpu_util.h"
+#include "testing/processes.h"
 #include "testing/routing.h"
 
 namespace epx {
@@ -39,7 +40,6 @@ using testing::upload;
 
 constexpr int kRanks = 2;
 constexpr int kExitSkip = 77;
-
 
 // One rank's whole run; returns the number of mismatching elements.
 int64_t run_rank(int rank, const ncclUniqueId& id) {
@@ -180,18 +180,10 @@ std::vector<int> fork_ranks(const std::function<int(int, int*)>& body, std::chro
   }
   close(pipe_fds[0]);
   close(pipe_fds[1]);
-  const auto deadline = std::chrono::steady_clock::now() + limit;
+  const std::vector<int> statuses = testing::wait_children(children, std::chrono::steady_clock::now() + limit);
   std::vector<int> codes(kRanks, -1);
   for (int rank = 0; rank < kRanks; ++rank) {
-    int status = 0;
-    while (waitpid(children[rank], &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        for (pid_t p : children) kill(p, SIGKILL);
-        waitpid(children[rank], &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    const int status = statuses[rank];
     codes[rank] = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     if (WIFSIGNALED(status)) std::fprintf(stderr, "rank %d ended by signal %d\n", rank, WTERMSIG(status));
   }

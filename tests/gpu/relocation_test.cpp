@@ -35,6 +35,7 @@
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "testing/gpu_util.h"
+#include "testing/processes.h"
 #include "testing/routing.h"
 
 namespace epx::eplb {
@@ -356,17 +357,10 @@ TEST(NcclRelocation, OneProcessPerGpu) {
   }
   close(fds[0]);
   close(fds[1]);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+  const std::vector<int> statuses =
+      testing::wait_children(children, std::chrono::steady_clock::now() + std::chrono::seconds(300));
   for (int rank = 0; rank < kProcessRanks; ++rank) {
-    int status = 0;
-    while (waitpid(children[rank], &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        for (pid_t p : children) kill(p, SIGKILL);
-        waitpid(children[rank], &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    const int status = statuses[rank];
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == kChildPassed)
         << "rank " << rank << ": exit " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1) << ", signal "
         << (WIFSIGNALED(status) ? WTERMSIG(status) : 0) << " (" << kChildPassed << ": passed, 1: failed)";
