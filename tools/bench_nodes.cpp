@@ -15,7 +15,6 @@
 #include "epx/quant.h"
 #include "epx/routing.h"
 #include "epx/version.h"
-#include "testing/routing.h"
 #include "testing/stats.h"
 
 namespace epx::cli {
@@ -30,7 +29,7 @@ struct LegRows {
   double flat_cross_node = 0;   // flat: those of them whose destination is on another node
 };
 
-LegRows count_leg_rows(const BenchConfig& config, const std::vector<NodesRankInputs>& inputs, const Topology& topo) {
+LegRows count_leg_rows(const BenchConfig& config, const std::vector<RankInputs>& inputs, const Topology& topo) {
   const int num_ranks = topo.num_ranks();
   const int64_t num_tokens = config.num_tokens;
   LegRows rows;
@@ -116,7 +115,7 @@ double time_slowest_rank(const std::vector<std::shared_ptr<Group>>& groups, cons
 }
 
 // One routing on host groups of gpus_per_node ranks per node (0: one node).
-RoutingRun run_host_routing(const BenchConfig& config, const std::vector<NodesRankInputs>& inputs, int gpus_per_node,
+RoutingRun run_host_routing(const BenchConfig& config, const std::vector<RankInputs>& inputs, int gpus_per_node,
                             NormalRouting routing, const char* label) {
   const int num_ranks = config.num_ranks;
   const int64_t num_tokens = config.num_tokens, hidden = config.hidden;
@@ -188,35 +187,18 @@ RoutingRun run_host_routing(const BenchConfig& config, const std::vector<NodesRa
 
 }  // namespace
 
-std::vector<NodesRankInputs> make_nodes_inputs(const BenchConfig& config) {
-  const int64_t num_tokens = config.num_tokens, hidden = config.hidden;
+std::vector<RankInputs> make_nodes_inputs(const BenchConfig& config) {
   std::mt19937_64 rng(config.seed);
-  std::vector<NodesRankInputs> inputs(config.num_ranks);
-  for (auto& in : inputs) {
-    std::uniform_int_distribution<int> value(-8, 8);
-    in.x.resize(num_tokens * hidden);
-    for (auto& v : in.x) v = float_to_bf16(static_cast<float>(value(rng)));
-    in.topk = testing::random_distinct_topk(rng, num_tokens, config.num_topk, config.num_experts);
-    std::uniform_int_distribution<int> eighths(1, 4);
-    in.weights.resize(num_tokens * config.num_topk);
-    for (auto& w : in.weights) w = static_cast<float>(eighths(rng)) / 8.f;
-    in.x_fp8.resize(num_tokens * hidden);
-    in.x_scales.resize(num_tokens * (hidden / kFp8BlockSize));
-    quantize_fp8_host(TensorView::of(in.x.data(), DType::kBFloat16, {num_tokens, hidden}),
-                      TensorView::of(in.x_fp8.data(), DType::kFloat8E4M3, {num_tokens, hidden}),
-                      TensorView::of(in.x_scales.data(), DType::kFloat32, {num_tokens, hidden / kFp8BlockSize}),
-                      ScaleFormat::kFloat32);
-  }
-  return inputs;
+  return make_rank_inputs(rng, config.num_ranks, config.num_tokens, config.hidden, config.num_topk, config.num_experts);
 }
 
 Topology nodes_topology(const BenchConfig& config) {
   return Topology{config.num_nodes, config.num_ranks / config.num_nodes};
 }
 
-nlohmann::json nodes_report(const BenchConfig& config, const std::vector<NodesRankInputs>& inputs,
-                            const RoutingRun& flat, const RoutingRun& tested, const std::string& backend,
-                            const std::string& device, nlohmann::json extra_settings) {
+nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInputs>& inputs, const RoutingRun& flat,
+                            const RoutingRun& tested, const std::string& backend, const std::string& device,
+                            nlohmann::json extra_settings) {
   const Topology topo = nodes_topology(config);
   const int num_ranks = config.num_ranks;
   const int64_t num_tokens = config.num_tokens, hidden = config.hidden;
@@ -349,7 +331,7 @@ void print_nodes_report(const nlohmann::json& report) {
 
 nlohmann::json run_host_nodes_bench(const BenchConfig& config) {
   check_expert_split(config.num_experts, config.num_ranks);
-  const std::vector<NodesRankInputs> inputs = make_nodes_inputs(config);
+  const std::vector<RankInputs> inputs = make_nodes_inputs(config);
   const Topology topo = nodes_topology(config);
   const RoutingRun flat = run_host_routing(config, inputs, 0, NormalRouting::kFlat, "flat");
   const RoutingRun tested =

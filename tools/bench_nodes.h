@@ -11,20 +11,15 @@
 #include <vector>
 
 #include "bench.h"
+#include "bench_inputs.h"
 #include "epx/group.h"
 
 namespace epx::cli {
 
-// One rank's inputs. x holds small integers and the weights are eighths, so every sum the combine makes is exact
-// in fp32 and bf16: the hierarchical combine must then equal the flat one bit for bit (docs/multi-node.md).
-struct NodesRankInputs {
-  std::vector<uint16_t> x;      // [T, H] bf16
-  std::vector<uint8_t> x_fp8;   // [T, H] e4m3
-  std::vector<float> x_scales;  // [T, H / 128]
-  std::vector<int64_t> topk;    // [T, K]
-  std::vector<float> weights;   // [T, K]
-};
-std::vector<NodesRankInputs> make_nodes_inputs(const BenchConfig& config);
+// Each rank's inputs (bench_inputs.h), drawn from config.seed. x holds small integers and the weights are eighths,
+// so every sum the combine makes is exact in fp32 and bf16: the hierarchical combine must then equal the flat one
+// bit for bit (docs/multi-node.md).
+std::vector<RankInputs> make_nodes_inputs(const BenchConfig& config);
 
 // The nodes run's topology: config.num_nodes nodes of config.num_ranks / config.num_nodes ranks.
 Topology nodes_topology(const BenchConfig& config);
@@ -53,9 +48,9 @@ struct RoutingRun {
 // The report of a nodes run: {"backend", "device", "epx_version", "run": "nodes", "settings", "legs", "phases":
 // [{"name", "phase", "routing", "time_us", leg bytes...}], "check": {"passed", "details"}}. `tested` ran with
 // the topology's routing (hierarchical), `flat` on one-node groups with the flat routing; same inputs.
-nlohmann::json nodes_report(const BenchConfig& config, const std::vector<NodesRankInputs>& inputs,
-                            const RoutingRun& flat, const RoutingRun& tested, const std::string& backend,
-                            const std::string& device, nlohmann::json extra_settings);
+nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInputs>& inputs, const RoutingRun& flat,
+                            const RoutingRun& tested, const std::string& backend, const std::string& device,
+                            nlohmann::json extra_settings);
 void print_nodes_report(const nlohmann::json& report);
 
 nlohmann::json run_host_nodes_bench(const BenchConfig& config);

@@ -11,6 +11,7 @@
 
 #include "bench.h"
 #include "bench_dp.h"
+#include "bench_inputs.h"
 #include "bench_model.h"
 #include "bench_nodes.h"
 #include "command.h"
@@ -20,7 +21,6 @@
 #include "epx/quant.h"
 #include "epx/routing.h"
 #include "epx/version.h"
-#include "testing/routing.h"
 #include "testing/stats.h"
 
 namespace epx::cli {
@@ -29,36 +29,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 using testing::median;
-
-// Per-rank inputs. x holds small integers so that sums of up to 2^8 copies are exact in bf16.
-struct RankInputs {
-  std::vector<uint16_t> x;      // [T, H] bf16
-  std::vector<uint8_t> x_fp8;   // [T, H]
-  std::vector<float> x_scales;  // [T, H / 128]
-  std::vector<int64_t> topk;    // [T, K]
-  std::vector<float> weights;   // [T, K]
-  int64_t num_tokens = 0;
-};
-
-RankInputs make_inputs(std::mt19937_64& rng, int64_t num_tokens, int64_t hidden, int num_topk, int64_t num_experts) {
-  RankInputs in;
-  in.num_tokens = num_tokens;
-  in.x.resize(num_tokens * hidden);
-  std::uniform_int_distribution<int> value(-8, 8);
-  for (auto& v : in.x) v = float_to_bf16(static_cast<float>(value(rng)));
-  in.topk = testing::random_distinct_topk(rng, num_tokens, num_topk, num_experts);
-  // Weights are multiples of 1/8 so the weighted sums are exact in fp32 and representable in bf16.
-  std::uniform_int_distribution<int> w(1, 4);
-  in.weights.resize(num_tokens * num_topk);
-  for (auto& v : in.weights) v = static_cast<float>(w(rng)) / 8.f;
-  in.x_fp8.resize(num_tokens * hidden);
-  in.x_scales.resize(num_tokens * (hidden / kFp8BlockSize));
-  quantize_fp8_host(TensorView::of(in.x.data(), DType::kBFloat16, {num_tokens, hidden}),
-                    TensorView::of(in.x_fp8.data(), DType::kFloat8E4M3, {num_tokens, hidden}),
-                    TensorView::of(in.x_scales.data(), DType::kFloat32, {num_tokens, hidden / kFp8BlockSize}),
-                    ScaleFormat::kFloat32);
-  return in;
-}
 
 struct PhaseTimes {
   std::vector<double> seconds;  // per iteration, max over ranks (the collective's time)
@@ -113,10 +83,8 @@ nlohmann::json run_host_bench(const BenchConfig& config) {
   for (auto& g : groups) buffers.push_back(Buffer::create(g, options));
 
   std::mt19937_64 rng(config.seed);
-  std::vector<RankInputs> inputs;
-  for (int r = 0; r < num_ranks; ++r) {
-    inputs.push_back(make_inputs(rng, config.num_tokens, hidden, num_topk, config.num_experts));
-  }
+  std::vector<RankInputs> inputs =
+      make_rank_inputs(rng, num_ranks, config.num_tokens, hidden, num_topk, config.num_experts);
   auto x_view = [&](int r) {
     return TensorView::of(inputs[r].x.data(), DType::kBFloat16, {inputs[r].num_tokens, hidden});
   };
@@ -212,10 +180,7 @@ nlohmann::json run_host_bench(const BenchConfig& config) {
 
   // ---- low-latency mode ----
   const int64_t ll_tokens = config.num_ll_tokens;
-  std::vector<RankInputs> ll_inputs;
-  for (int r = 0; r < num_ranks; ++r) {
-    ll_inputs.push_back(make_inputs(rng, ll_tokens, hidden, num_topk, config.num_experts));
-  }
+  std::vector<RankInputs> ll_inputs = make_rank_inputs(rng, num_ranks, ll_tokens, hidden, num_topk, config.num_experts);
   for (bool use_fp8 : {false, true}) {
     progress(use_fp8 ? "low-latency dispatch fp8" : "low-latency dispatch bf16");
     std::vector<LowLatencyDispatchResult> ll(num_ranks);

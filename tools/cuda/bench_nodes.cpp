@@ -53,7 +53,7 @@ DispatchSnapshot download_snapshot(const DispatchResult& r, cudaStream_t stream)
 }
 
 // One routing on cuda groups of gpus_per_node ranks per node (0: one node).
-RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<NodesRankInputs>& inputs,
+RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInputs>& inputs,
                             const std::vector<int>& devices, int gpus_per_node, NormalRouting routing,
                             const char* label) {
   const int num_ranks = config.num_ranks;
@@ -79,7 +79,7 @@ RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<NodesRa
     options.num_normal_bytes = normal_buffer_size_hint(H, num_ranks, num_sms, T);
     options.normal_routing = routing;
     auto buffer = Buffer::create(groups[r], tuned_from_env(options));
-    const NodesRankInputs& in = inputs[r];
+    const RankInputs& in = inputs[r];
     const Device device = g.device();
     Tensor x = testing::upload(in.x, DType::kBFloat16, {T, H}, device, stream);
     Tensor x8 = testing::upload(in.x_fp8, DType::kFloat8E4M3, {T, H}, device, stream);
@@ -155,7 +155,7 @@ nlohmann::json run_cuda_nodes_bench(const BenchConfig& config) {
   grant_pool_access(devices);
   cudaDeviceProp prop{};
   cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  const std::vector<NodesRankInputs> inputs = make_nodes_inputs(config);
+  const std::vector<RankInputs> inputs = make_nodes_inputs(config);
   const Topology topo = nodes_topology(config);
   const RoutingRun flat = run_cuda_routing(config, inputs, devices, 0, NormalRouting::kFlat, "flat");
   const RoutingRun tested =
