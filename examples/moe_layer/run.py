@@ -23,11 +23,19 @@ import traceback
 from typing import Dict, List
 
 
-def _load_cuda_modules_eagerly_if_shared(argv: List[str]) -> None:
-    """Two rank threads on one GPU: CUDA loads a kernel's module on its first launch by default (lazy loading), and
-    that load waits for the GPU's running kernels, among them the peer rank's epx kernel, which spins until this
-    rank joins the call: a deadlock (seen on 1x H200 in SDPA's first launch). epx preloads its own kernels; torch's
-    must be loaded up front, before CUDA starts, so this runs before torch is imported."""
+def _prepare_for_a_shared_gpu(argv: List[str]) -> None:
+    """Two rank threads on one GPU: CUDA serializes the whole GPU for some host calls, and a peer rank's epx kernel
+    that spins until this rank joins the call then never ends (until the timeout): a deadlock. Seen on 1x H200:
+    - the first launch of a lazily loaded module (SDPA's first launch): loads modules up front instead;
+    - device memory allocations (the CUDA programming guide's "implicit synchronization": commands of two streams
+      cannot overlap across a cudaMalloc), which torch's caching allocator makes whenever its pool grows: the
+      first prefill's dispatch timed out in notify with the peer's notify never started. torch's cudaMallocAsync
+      backend allocates in stream order instead;
+    - hardware work queues: CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS queues (8 by default), and a queue
+      runs in order, so with more streams than queues (two ranks use ~16 here) one rank's stream can wait behind a
+      peer's spinning kernel that waits for it: the prefill still timed out in notify and in the combine's receive
+      with the two fixes above. 32 queues give every stream its own.
+    All must be set before CUDA starts, so this runs before torch is imported; warm_up_alone covers the rest."""
     devices = None
     for i, a in enumerate(argv):
         if a == "--devices" and i + 1 < len(argv):
@@ -38,9 +46,11 @@ def _load_cuda_modules_eagerly_if_shared(argv: List[str]) -> None:
         ids = [d.strip() for d in devices.split(",") if d.strip()]
         if len(ids) != len(set(ids)):
             os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 
-_load_cuda_modules_eagerly_if_shared(sys.argv[1:])
+_prepare_for_a_shared_gpu(sys.argv[1:])
 
 import torch  # noqa: E402
 
@@ -53,7 +63,8 @@ import eplb_live  # noqa: E402
 from collectives import DpComm, Exchange, plan_step, record  # noqa: E402
 from layers import MicroBatch, Rank  # noqa: E402
 from model import (Config, DecodeCache, Reference, Segment, attention_decode, attention_prefill, dense_weights,  # noqa: E402
-                   error_stats, rms_norm, segments_of, zipf_bias)
+                   dequantize_fp8, error_stats, grouped_experts, quantize_fp8, rms_norm, route, segments_of, swiglu,
+                   swiglu_batched, zipf_bias)
 
 TOLERANCE = {"bf16": 2 ** -6, "fp8": 2 ** -4}  # max |out - ref| <= tol * max |ref|
 
@@ -81,6 +92,10 @@ def parse_args(argv=None):
     p.add_argument("--zipf-strength", type=float, default=0.15,
                    help="bias = strength * log(popularity); the sigmoid scores spread about 0.2")
     p.add_argument("--sms", type=int, default=24)
+    p.add_argument("--no-copy-engines", action="store_true",
+                   help="cuda: normal dispatch/combine on the SM rings instead of the copy engines")
+    p.add_argument("--stage-timeline", action="store_true",
+                   help="cuda: print each copy-engine call's stage times to stderr (a debug aid)")
     p.add_argument("--timeout-ms", type=int, default=120_000)
     p.add_argument("--no-tbo", action="store_true")
     p.add_argument("--no-fp8", action="store_true")
@@ -146,6 +161,24 @@ def prefill_micro_batches(seq_lens: List[int], use_tbo: bool) -> List[MicroBatch
     return [MicroBatch(slice(0, cut), a), MicroBatch(slice(cut, total), b)]
 
 
+def warm_up_alone(rank: Rank, x: torch.Tensor, seq_lens) -> None:
+    """Runs each torch op of the steps once on each stream this rank uses, before its first epx call, then waits for
+    the GPU: first launches create cuBLAS handles and workspaces, load modules and grow the allocator's pool, and on
+    a GPU that ranks share such a call can wait for the peer's spinning epx kernel (see _prepare_for_a_shared_gpu)."""
+    w, cfg = rank.dense[0], rank.cfg
+    for stream in (rank.compute, rank.side, rank.comm):
+        with torch.cuda.stream(stream):
+            h = x + attention_prefill(x, segments_of(seq_lens), w, cfg)
+            hn = rms_norm(h)
+            idx, weights = route(hn, w, cfg)
+            local = torch.where(idx < rank.slots_per_rank, idx, -1)
+            grouped_experts(dequantize_fp8(*quantize_fp8(hn)), local, weights, None,
+                            lambda e: (rank.slots_w13[0][e], rank.slots_w2[0][e]))
+            swiglu(hn, w.shared_w13, w.shared_w2)
+            swiglu_batched(hn[None], rank.slots_w13[0][:1], rank.slots_w2[0][:1])
+    torch.cuda.synchronize(rank.device)
+
+
 def rank_main(rank_idx: int, group: epx.Group, args, cfg: Config, inputs: List[Dict], exchange: Exchange,
               devices: List[str], use_epx_dp: bool, log) -> Dict:
     try:
@@ -178,7 +211,10 @@ def _rank_body(rank_idx, group, args, cfg, inputs, exchange, device, use_epx_dp,
     dense = [dense_weights(cfg, layer, device) for layer in range(cfg.layers)]
     location = eplb.ExpertLocation.trivial(cfg.layers, cfg.num_experts, p, num_ranks)
     max_tokens = max(i["x"].shape[0] for i in inputs)
-    buffer = epx.Buffer(group, num_sms=args.sms,
+    normal = epx.NormalConfig()
+    normal.copy_engines = not args.no_copy_engines
+    normal.stage_timeline = args.stage_timeline
+    buffer = epx.Buffer(group, num_sms=args.sms, normal=normal,
                         num_normal_bytes=epx.normal_buffer_size_hint(cfg.hidden, num_ranks, args.sms, max_tokens),
                         num_low_latency_bytes=epx.low_latency_buffer_size_hint(m, cfg.hidden, num_ranks, p))
     rank = Rank(cfg, group, device, dense, location, buffer, fp8=False, ll_max_tokens=m)
@@ -203,6 +239,9 @@ def _rank_body(rank_idx, group, args, cfg, inputs, exchange, device, use_epx_dp,
     # ---- prefill ------------------------------------------------------------------------------------------
     seq_lens, x0 = mine["seq_lens"], mine["x"]
     xs = [x0] + [torch.empty_like(x0) for _ in range(cfg.layers)]
+    if rank.cuda:
+        warm_up_alone(rank, x0, seq_lens)
+        exchange.barrier.wait()
 
     def prefill(kind: str, use_tbo: bool, fp8: bool):
         info = dpc.sync(record(x0.shape[0], dp.ForwardMode.EXTEND))
