@@ -10,7 +10,8 @@
 // nodes ascending, bias_0, bias_1, one rounding). The seed is printed.
 //
 // HierarchicalNccl.TwoNodes runs the same comparison with one process per GPU on NCCL groups (2 nodes of 1 GPU, or
-// of 2 with 4 GPUs); it skips with a message when fewer than 2 GPUs are visible.
+// of 2 with 4 GPUs); it skips with a message when fewer than 2 GPUs are visible. HierarchicalNccl.
+// PeerThatNeverPostsTimesOut (2 GPUs; not run yet) checks that an exchange whose peer never posts ends in kTimeout.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -25,6 +26,8 @@
 #include <string>
 #include <thread>
 
+#include "comm/cuda/cuda_group.h"
+#include "comm/cuda/net_leg.h"
 #include "hierarchical_cases.h"
 #include "testing/processes.h"
 
@@ -168,29 +171,60 @@ Case nccl_case(int num_ranks) {
   return c;
 }
 
-TEST(HierarchicalNcclChild, Rank) {
-  const char* rank_env = std::getenv("EPX_HIER_RANK");
-  if (rank_env == nullptr) GTEST_SKIP() << "runs as a child of HierarchicalNccl.TwoNodes";
-  const int rank = std::atoi(rank_env), num_ranks = std::atoi(std::getenv("EPX_HIER_RANKS"));
-  const uint64_t seed = std::strtoull(std::getenv("EPX_HIER_SEED"), nullptr, 10);
-  const std::string id_file = std::getenv("EPX_HIER_ID_FILE");
+// The NCCL id: rank 0 draws it and writes it to id_file, the others wait for the file (up to 60 s; empty: none came).
+std::vector<uint8_t> shared_nccl_id(int rank, const std::string& id_file) {
   std::vector<uint8_t> id;
   if (rank == 0) {
     id = nccl_unique_id();
     std::ofstream(id_file + ".tmp", std::ios::binary).write(reinterpret_cast<const char*>(id.data()), id.size());
     std::rename((id_file + ".tmp").c_str(), id_file.c_str());
-  } else {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (true) {
-      std::ifstream f(id_file, std::ios::binary);
-      if (f) {
-        id.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-        break;
-      }
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "no NCCL id from rank 0";
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    return id;
   }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::ifstream f(id_file, std::ios::binary);
+    if (f) return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return id;
+}
+
+// Runs `child_test` (a HierarchicalNcclChild test) in num_ranks child processes, one per GPU, and expects each to
+// exit 0 within 240 s.
+void run_nccl_children(int num_ranks, uint64_t seed, const char* child_test) {
+  const std::string id_file = "/tmp/epx_hier_nccl_id_" + std::to_string(getpid());
+  std::remove(id_file.c_str());
+  const std::string filter = std::string("--gtest_filter=HierarchicalNcclChild.") + child_test;
+  std::vector<pid_t> children;
+  for (int r = 0; r < num_ranks; ++r) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      setenv("EPX_HIER_RANK", std::to_string(r).c_str(), 1);
+      setenv("EPX_HIER_RANKS", std::to_string(num_ranks).c_str(), 1);
+      setenv("EPX_HIER_SEED", std::to_string(seed).c_str(), 1);
+      setenv("EPX_HIER_ID_FILE", id_file.c_str(), 1);
+      execl("/proc/self/exe", "hierarchical_test", filter.c_str(), nullptr);
+      _exit(3);
+    }
+    children.push_back(pid);
+  }
+  const std::vector<int> statuses =
+      testing::wait_children(children, std::chrono::steady_clock::now() + std::chrono::seconds(240));
+  for (int r = 0; r < num_ranks; ++r) {
+    const int status = statuses[r];
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " failed (its output is above)";
+  }
+  std::remove(id_file.c_str());
+}
+
+TEST(HierarchicalNcclChild, Rank) {
+  const char* rank_env = std::getenv("EPX_HIER_RANK");
+  if (rank_env == nullptr) GTEST_SKIP() << "runs as a child of HierarchicalNccl.TwoNodes";
+  const int rank = std::atoi(rank_env), num_ranks = std::atoi(std::getenv("EPX_HIER_RANKS"));
+  const uint64_t seed = std::strtoull(std::getenv("EPX_HIER_SEED"), nullptr, 10);
+  const std::vector<uint8_t> id = shared_nccl_id(rank, std::getenv("EPX_HIER_ID_FILE"));
+  ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
   const Case c = nccl_case(num_ranks);
   const auto in = make_inputs(c, seed);
   const auto want = run_case(c, in, host_groups(c), true);
@@ -208,29 +242,104 @@ TEST(HierarchicalNccl, TwoNodes) {
   const int num_ranks = gpus >= 4 ? 4 : 2;
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes");
-  const std::string id_file = "/tmp/epx_hier_nccl_id_" + std::to_string(getpid());
-  std::remove(id_file.c_str());
-  std::vector<pid_t> children;
-  for (int r = 0; r < num_ranks; ++r) {
-    const pid_t pid = fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      setenv("EPX_HIER_RANK", std::to_string(r).c_str(), 1);
-      setenv("EPX_HIER_RANKS", std::to_string(num_ranks).c_str(), 1);
-      setenv("EPX_HIER_SEED", std::to_string(seed).c_str(), 1);
-      setenv("EPX_HIER_ID_FILE", id_file.c_str(), 1);
-      execl("/proc/self/exe", "hierarchical_test", "--gtest_filter=HierarchicalNcclChild.Rank", nullptr);
-      _exit(3);
+  run_nccl_children(num_ranks, seed, "Rank");
+}
+
+// ---- a peer that never posts its send/recv (issue 17) ---------------------------------------------------------
+// NOT RUN YET (written without a GPU; first run on 2 GPUs pending). The exchange of the hierarchical path
+// (comm/cuda/net_leg.h) on an NCCL group of 2 processes, timeout 3 s: one exchange both ranks post (it must
+// finish, with the peer's bytes); then rank 1 skips the next exchange. Rank 0's wait_finished() must end with
+// kTimeout after about the timeout (>= 3 s, < 13 s), naming rank 0, the peer set {1} and the timeout, having
+// aborted the communicator: its stream drains, and the group refuses the next collective (kPeerFailure). Rank 1's
+// next collective finds rank 0 gone: kTimeout (or kPeerFailure if NCCL notices the abort).
+TEST(HierarchicalNcclChild, PeerNeverPosts) {
+  const char* rank_env = std::getenv("EPX_HIER_RANK");
+  if (rank_env == nullptr) GTEST_SKIP() << "runs as a child of HierarchicalNccl.PeerThatNeverPostsTimesOut";
+  const int rank = std::atoi(rank_env);
+  const std::vector<uint8_t> id = shared_nccl_id(rank, std::getenv("EPX_HIER_ID_FILE"));
+  ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
+  constexpr int64_t kTimeoutMs = 3'000;
+  CudaGroupOptions options;
+  options.timeout_ms = kTimeoutMs;
+  options.gpus_per_node = 1;
+  std::shared_ptr<Group> group = create_cuda_group(id, rank, 2, rank, options);
+  auto& cuda_group = dynamic_cast<cuda::CudaGroup&>(*group);
+  ASSERT_NE(cuda_group.nccl_comm(), nullptr);
+  std::unique_ptr<cuda::ByteExchange> exchange = cuda::make_byte_exchange(cuda_group);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  constexpr int64_t kBytes = 1 << 16;  // per peer
+  void* send = nullptr;
+  void* recv = nullptr;
+  ASSERT_EQ(cudaMalloc(&send, 2 * kBytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&recv, 2 * kBytes), cudaSuccess);
+  const std::vector<int> peers = {0, 1};
+  const std::vector<int64_t> bytes = {kBytes, kBytes};
+
+  // Both ranks post: the exchange finishes, and rank r holds the peer's bytes (each rank sends 1 + rank).
+  ASSERT_EQ(cudaMemsetAsync(send, 1 + rank, 2 * kBytes, stream), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(recv, 0xEE, 2 * kBytes, stream), cudaSuccess);  // poison
+  exchange->run(peers, send, bytes, recv, bytes, stream, "test exchange");
+  exchange->wait_finished();
+  std::vector<uint8_t> got(2 * kBytes);
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), recv, got.size(), cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (int64_t i = 0; i < 2 * kBytes; ++i) ASSERT_EQ(got[i], i < kBytes ? 1 : 2) << "byte " << i;
+  group->barrier();
+
+  // Rank 1 skips the next exchange.
+  if (rank == 0) {
+    const auto start = std::chrono::steady_clock::now();
+    ErrorCode code = ErrorCode::kInternal;
+    std::string message = "no error";
+    try {
+      // NOTE: either may time out: ncclGroupEnd if NCCL waits for the peer to enqueue, else the wait for the event.
+      exchange->run(peers, send, bytes, recv, bytes, stream, "skipped exchange");
+      exchange->wait_finished();
+    } catch (const Error& e) {
+      code = e.code();
+      message = e.what();
     }
-    children.push_back(pid);
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_EQ(code, ErrorCode::kTimeout) << message;
+    for (const char* needle : {"cuda rank 0", "skipped exchange", "ranks {1}", "3000 ms", "aborted"}) {
+      EXPECT_NE(message.find(needle), std::string::npos) << "want '" << needle << "' in: " << message;
+    }
+    EXPECT_GE(waited, std::chrono::milliseconds(kTimeoutMs));
+    EXPECT_LT(waited, std::chrono::milliseconds(kTimeoutMs + 10'000));
+    EXPECT_EQ(cuda_group.nccl_comm(), nullptr);  // aborted
+    // The abort ended the NCCL kernels: the stream drains (polled, so a failure here cannot hang the test).
+    const auto drain_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    cudaError_t drained = cudaErrorNotReady;
+    while (drained == cudaErrorNotReady && std::chrono::steady_clock::now() < drain_deadline) {
+      drained = cudaStreamQuery(stream);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(drained, cudaSuccess) << cudaGetErrorString(drained);
+    try {
+      group->barrier();
+      ADD_FAILURE() << "a collective of the failed group returned";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
+    }
+  } else {
+    try {
+      group->barrier();
+      ADD_FAILURE() << "rank 1's collective returned without rank 0";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.code() == ErrorCode::kTimeout || e.code() == ErrorCode::kPeerFailure) << e.what();
+    }
   }
-  const std::vector<int> statuses =
-      testing::wait_children(children, std::chrono::steady_clock::now() + std::chrono::seconds(240));
-  for (int r = 0; r < num_ranks; ++r) {
-    const int status = statuses[r];
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " failed (its output is above)";
-  }
-  std::remove(id_file.c_str());
+  exchange.reset();
+  cudaStreamDestroy(stream);
+  cudaFree(send);
+  cudaFree(recv);
+}
+
+TEST(HierarchicalNccl, PeerThatNeverPostsTimesOut) {
+  const int gpus = num_gpus();
+  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs (one process per GPU on NCCL groups), " << gpus << " visible";
+  run_nccl_children(2, 0, "PeerNeverPosts");
 }
 
 }  // namespace

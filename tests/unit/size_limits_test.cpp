@@ -62,6 +62,43 @@ TEST(SizeLimits, TimeoutClampAndConversions) {
   EXPECT_INVALID(detail::deadline_after_ms(INT64_MAX), "timeout_ms");
 }
 
+// detail::poll_until, the bounded wait that replaces the CUDA backend's unbounded synchronizes (the hierarchical
+// exchange's event, a fresh dispatch's stream), on fake queries: done at once, done after a few polls, never done
+// (false after the deadline, not much later), done only by the last poll after the deadline, and a query that
+// throws.
+TEST(SizeLimits, PollUntilIsBounded) {
+  using Clock = std::chrono::steady_clock;
+  int calls = 0;
+  EXPECT_TRUE(detail::poll_until(Clock::now() + std::chrono::seconds(10), [&] { return ++calls >= 1; }));
+  EXPECT_EQ(calls, 1);
+  calls = 0;
+  EXPECT_TRUE(detail::poll_until(Clock::now() + std::chrono::seconds(10), [&] { return ++calls >= 3; }));
+  EXPECT_EQ(calls, 3);
+
+  calls = 0;
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::milliseconds(50);
+  EXPECT_FALSE(detail::poll_until(deadline, [&] {
+    ++calls;
+    return false;
+  }));
+  const auto waited = Clock::now() - start;
+  EXPECT_GE(waited, std::chrono::milliseconds(50));
+  EXPECT_LT(waited, std::chrono::seconds(5));
+  EXPECT_GE(calls, 2);
+
+  // Work that finished while the poller slept past the deadline counts as finished.
+  const auto finish = Clock::now() + std::chrono::milliseconds(5);
+  EXPECT_TRUE(detail::poll_until(
+      finish, [&] { return Clock::now() > finish; }, std::chrono::milliseconds(20)));
+
+  const auto [code, message] = error_of([&] {
+    detail::poll_until(Clock::now() + std::chrono::seconds(10),
+                       []() -> bool { throw Error(ErrorCode::kCudaError, "query failed"); });
+  });
+  EXPECT_EQ(code, ErrorCode::kCudaError) << message;
+}
+
 TEST(SizeLimits, TensorEmptyRejectsOverflowingBytes) {
   // 2^62 * 8 elements * 8 bytes wrapped to a 0-byte tensor.
   EXPECT_INVALID(Tensor::empty(DType::kInt64, {kPow62, 8}), "Tensor::empty");

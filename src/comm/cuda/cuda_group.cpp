@@ -140,6 +140,27 @@ class NcclCudaGroup final : public CudaGroup {
     if (total > 0) std::memcpy(recv, host_stage_, total);
   }
   bool single_process() const override { return false; }
+  // Marks the group failed (the first reason stays) and throws. An owned communicator is aborted first (that ends
+  // its kernels, so the streams drain and the group can be destroyed); a borrowed one is left to its owner.
+  [[noreturn]] void fail(ErrorCode code, const std::string& what) override {
+    if (failed_.empty()) failed_ = what;
+    if (owns_comm_) {
+      if (comm_ != nullptr) {
+        nccl().CommAbort(comm_);
+        comm_ = nullptr;
+        cudaStreamSynchronize(stream_);  // the aborted collective no longer blocks it
+      }
+      detail::raise(code,
+                    "cuda rank {}: {}; the group aborted its NCCL communicator and cannot be used again: "
+                    "destroy it and the buffers on it, and create a new group",
+                    rank_, what);
+    }
+    detail::raise(code,
+                  "cuda rank {}: {}; the caller's NCCL communicator may still run epx's NCCL calls (an all-gather, "
+                  "a hierarchical exchange): abort it (ncclCommAbort; it cannot be reused), then destroy this group "
+                  "and the buffers on it",
+                  rank_, what);
+  }
 
  private:
   // Waits until a non-blocking communicator finished its pending call (creation, a collective),
@@ -187,25 +208,6 @@ class NcclCudaGroup final : public CudaGroup {
     }
   }
 
-  // Marks the group failed and throws. An owned communicator is aborted first (that ends its kernels, so
-  // the stream drains and the group can be destroyed); a borrowed one is left to its owner.
-  [[noreturn]] void fail(ErrorCode code, const std::string& what) {
-    failed_ = what;
-    if (owns_comm_ && comm_ != nullptr) {
-      nccl().CommAbort(comm_);
-      comm_ = nullptr;
-      cudaStreamSynchronize(stream_);  // the aborted collective no longer blocks it
-      detail::raise(code,
-                    "cuda rank {}: {}; the group aborted its NCCL communicator and cannot be used again: "
-                    "destroy it and the buffers on it, and create a new group",
-                    rank_, what);
-    }
-    detail::raise(code,
-                  "cuda rank {}: {}; the caller's NCCL communicator may still run this all-gather: abort it "
-                  "(ncclCommAbort; it cannot be reused), then destroy this group and the buffers on it",
-                  rank_, what);
-  }
-
   // ncclCommFinalize + ncclCommDestroy, bounded by the timeout: a communicator that cannot finish its
   // pending work in time (an absent peer) is aborted instead.
   void finalize_owned_comm() noexcept {
@@ -235,6 +237,8 @@ class NcclCudaGroup final : public CudaGroup {
 };
 
 }  // namespace
+
+void CudaGroup::fail(ErrorCode code, const std::string& what) { detail::raise(code, "cuda rank {}: {}", rank(), what); }
 
 Topology cuda_group_topology(int num_ranks, int gpus_per_node) {
   EPX_CHECK_ARG(gpus_per_node >= 0 && gpus_per_node <= num_ranks,

@@ -4,8 +4,10 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "epx/cuda.h"
+#include "epx/error.h"
 
 namespace epx::cuda {
 
@@ -39,6 +41,13 @@ class CudaGroup : public Group {
   // The NCCL communicator of a group of one process per GPU (create_cuda_group), null for ranks as threads. The
   // hierarchical path's network leg (net_leg.h) sends and receives on it, on the caller's stream.
   virtual ncclComm_t nccl_comm() const { return nullptr; }
+  // For waits on the group's communicator outside the group (the hierarchical exchange, net_leg.h): fails the group
+  // and throws Error(code) "cuda rank R: <what>; <what the caller must do>". A group of one process per GPU that
+  // owns its communicator aborts it (ncclCommAbort ends its kernels in flight on every stream, so streams waiting on
+  // them drain); a borrowed one is left to its owner, who must abort it. Either way every later collective of the
+  // group raises kPeerFailure and nccl_comm() of an owned group is null. Ranks as threads have no communicator:
+  // this only throws, and the group stays usable.
+  [[noreturn]] virtual void fail(ErrorCode code, const std::string& what);
 };
 
 // Checks CudaGroupOptions::gpus_per_node against num_ranks (the wording of HostGroupOptions::gpus_per_node) and

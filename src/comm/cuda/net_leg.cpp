@@ -1,9 +1,11 @@
 #include "comm/cuda/net_leg.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
-#include <thread>
+#include <string>
 
 #include "comm/cuda/nccl_loader.h"
 #include "core/check.h"
@@ -57,7 +59,7 @@ class SharedMemoryExchange final : public ByteExchange {
   }
 
   void run(const std::vector<int>& peers, const void* send, const std::vector<int64_t>& send_bytes, void* recv,
-           const std::vector<int64_t>& recv_bytes, cudaStream_t stream) override {
+           const std::vector<int64_t>& recv_bytes, cudaStream_t stream, const char* what) override {
     const int num_ranks = group_.num_ranks();
     check_lists(peers, send_bytes, recv_bytes, num_ranks);
     const std::vector<int64_t> send_off = offsets_of(send_bytes), recv_off = offsets_of(recv_bytes);
@@ -77,7 +79,7 @@ class SharedMemoryExchange final : public ByteExchange {
     for (size_t i = 0; i < peers.size(); ++i) {
       const int p = peers[i];
       EPX_CHECK(ErrorCode::kInternal, posts[p].bytes_from[rank_] == send_bytes[i],
-                "exchange: rank {} sends {} bytes to rank {}, which expects {}", rank_, send_bytes[i], p,
+                "{}: rank {} sends {} bytes to rank {}, which expects {}", what, rank_, send_bytes[i], p,
                 posts[p].bytes_from[rank_]);
       if (send_bytes[i] == 0) continue;
       if (p != rank_) check_cuda(cudaStreamWaitEvent(stream, posts[p].ready, 0), "cudaStreamWaitEvent (exchange)");
@@ -109,14 +111,28 @@ class SharedMemoryExchange final : public ByteExchange {
   cudaEvent_t sent_ = nullptr;
 };
 
-// One process per GPU: grouped point-to-point on the group's communicator, on the caller's stream.
+// One process per GPU: grouped point-to-point on the group's communicator, on the caller's stream. A failing
+// ncclGroupEnd and a wait for the exchange that runs out go through CudaGroup::fail: the transfers may be in flight
+// or half posted, and only an abort of the communicator ends them.
 class NcclExchange final : public ByteExchange {
  public:
-  NcclExchange(CudaGroup& group, ncclComm_t comm) : group_(group), comm_(comm), rank_(group.rank()) {}
+  explicit NcclExchange(CudaGroup& group) : group_(group), rank_(group.rank()) {
+    DeviceGuard guard(group.device().index);
+    check_cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate (exchange)");
+  }
+  ~NcclExchange() override {
+    DeviceGuard guard(group_.device().index);
+    cudaEventDestroy(done_);
+  }
 
   void run(const std::vector<int>& peers, const void* send, const std::vector<int64_t>& send_bytes, void* recv,
-           const std::vector<int64_t>& recv_bytes, cudaStream_t stream) override {
+           const std::vector<int64_t>& recv_bytes, cudaStream_t stream, const char* what) override {
     check_lists(peers, send_bytes, recv_bytes, group_.num_ranks());
+    ncclComm_t comm = group_.nccl_comm();
+    EPX_CHECK(ErrorCode::kPeerFailure, comm != nullptr,
+              "cuda rank {}: the {}: the NCCL group failed earlier and cannot be used again; destroy the buffers on "
+              "it and the group, and create new ones",
+              rank_, what);
     const std::vector<int64_t> send_off = offsets_of(send_bytes), recv_off = offsets_of(recv_bytes);
     const char* src = static_cast<const char*>(send);
     char* dst = static_cast<char*>(recv);
@@ -125,7 +141,7 @@ class NcclExchange final : public ByteExchange {
     for (size_t i = 0; i < peers.size(); ++i) {
       if (peers[i] == rank_) {
         EPX_CHECK(ErrorCode::kInternal, send_bytes[i] == recv_bytes[i],
-                  "exchange: rank {} sends itself {} bytes and expects {}", rank_, send_bytes[i], recv_bytes[i]);
+                  "{}: rank {} sends itself {} bytes and expects {}", what, rank_, send_bytes[i], recv_bytes[i]);
         if (send_bytes[i] > 0) {
           check_cuda(
               cudaMemcpyAsync(dst + recv_off[i], src + send_off[i], send_bytes[i], cudaMemcpyDeviceToDevice, stream),
@@ -134,50 +150,115 @@ class NcclExchange final : public ByteExchange {
         continue;
       }
       if (send_bytes[i] > 0) {
-        check(api.Send(src + send_off[i], static_cast<size_t>(send_bytes[i]), ncclUint8, peers[i], comm_, stream),
+        check(api.Send(src + send_off[i], static_cast<size_t>(send_bytes[i]), ncclUint8, peers[i], comm, stream),
               "ncclSend");
       }
       if (recv_bytes[i] > 0) {
-        check(api.Recv(dst + recv_off[i], static_cast<size_t>(recv_bytes[i]), ncclUint8, peers[i], comm_, stream),
+        check(api.Recv(dst + recv_off[i], static_cast<size_t>(recv_bytes[i]), ncclUint8, peers[i], comm, stream),
               "ncclRecv");
       }
+      if (send_bytes[i] > 0 || recv_bytes[i] > 0) add_pending_peer(peers[i]);
     }
     const ncclResult_t ended = api.GroupEnd();
     if (ended == ncclInProgress) {
       // A non-blocking communicator (the groups epx creates) finishes enqueuing later: bounded wait on the host.
-      const auto deadline = detail::deadline_after_ms(group_.timeout_ms());
       ncclResult_t state = ncclInProgress;
-      while (true) {
-        const ncclResult_t r = api.CommGetAsyncError(comm_, &state);
-        if (r != ncclSuccess) state = r;
-        if (state != ncclInProgress) break;
-        EPX_CHECK(ErrorCode::kTimeout, std::chrono::steady_clock::now() < deadline,
-                  "cuda rank {}: the hierarchical exchange's ncclGroupEnd did not complete within {} ms", rank_,
-                  group_.timeout_ms());
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      const bool enqueued = detail::poll_until(detail::deadline_after_ms(group_.timeout_ms()), [&] {
+        state = comm_state(comm);
+        return state != ncclInProgress;
+      });
+      if (!enqueued) {
+        group_.fail(ErrorCode::kTimeout, fmt::format("the {}'s ncclGroupEnd (send/recv with ranks {}) did not "
+                                                     "complete within {} ms",
+                                                     what, pending_peers(), group_.timeout_ms()));
       }
-      check(state, "ncclGroupEnd (hierarchical exchange)");
-    } else {
-      check(ended, "ncclGroupEnd (hierarchical exchange)");
+      if (state != ncclSuccess) {
+        group_.fail(ErrorCode::kNcclError,
+                    fmt::format("the {}'s ncclGroupEnd failed: {}", what, api.GetErrorString(state)));
+      }
+    } else if (ended != ncclSuccess) {
+      group_.fail(ErrorCode::kNcclError,
+                  fmt::format("the {}'s ncclGroupEnd failed: {}", what, api.GetErrorString(ended)));
+    }
+    // NOTE: not under capture: the captured exchange runs when the graph is launched, and a query of an event
+    // recorded into a capture says nothing about it.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing (exchange)");
+    if (capture == cudaStreamCaptureStatusNone) {
+      check_cuda(cudaEventRecord(done_, stream), "cudaEventRecord (exchange done)");
+      recorded_ = true;
+      last_what_ = what;
+    }
+  }
+
+  void wait_finished() override {
+    if (!recorded_) return;
+    ncclComm_t comm = group_.nccl_comm();
+    const auto deadline = detail::deadline_after_ms(group_.timeout_ms());
+    ncclResult_t state = ncclSuccess;
+    const bool ended = detail::poll_until(deadline, [&] {
+      const cudaError_t status = cudaEventQuery(done_);
+      if (status == cudaSuccess) return true;
+      if (status != cudaErrorNotReady) check_cuda(status, "cudaEventQuery (exchange done)");
+      state = comm == nullptr ? ncclSuccess : comm_state(comm);
+      return state != ncclSuccess && state != ncclInProgress;  // NCCL saw a peer fail: no use waiting
+    });
+    const std::string peers = pending_peers();
+    // NOTE: forgotten before failing: a borrowed communicator is not aborted and the stream may stay stuck, but the
+    // group refuses every later collective, so the next call fails at once instead of waiting here again.
+    recorded_ = false;
+    peers_.clear();
+    if (!ended) {
+      group_.fail(ErrorCode::kTimeout,
+                  fmt::format("the hierarchical exchanges up to the {} (NCCL send/recv with ranks {}) did not finish "
+                              "within {} ms: a peer never posted its matching send or receive (it failed or left the "
+                              "call, or is stuck); the outputs of that call are invalid",
+                              last_what_, peers, group_.timeout_ms()));
+    }
+    if (state != ncclSuccess && state != ncclInProgress) {
+      group_.fail(ErrorCode::kPeerFailure,
+                  fmt::format("NCCL reports {} during the hierarchical exchanges up to the {} (send/recv with ranks "
+                              "{}): a peer failed; the outputs of that call are invalid",
+                              nccl().GetErrorString(state), last_what_, peers));
     }
   }
 
  private:
+  // Before any transfer was enqueued: the group is intact.
   void check(ncclResult_t result, const char* what) const {
     if (result != ncclSuccess && result != ncclInProgress) {
       detail::raise(ErrorCode::kNcclError, "cuda rank {}: {} failed: {}", rank_, what, nccl().GetErrorString(result));
     }
   }
 
+  // The state of the communicator's pending work: ncclSuccess, ncclInProgress, or the error it ended with.
+  static ncclResult_t comm_state(ncclComm_t comm) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = nccl().CommGetAsyncError(comm, &state);
+    return r == ncclSuccess ? state : r;
+  }
+
+  void add_pending_peer(int peer) {
+    if (std::find(peers_.begin(), peers_.end(), peer) == peers_.end()) peers_.push_back(peer);
+  }
+  std::string pending_peers() const {
+    std::vector<int> sorted = peers_;
+    std::sort(sorted.begin(), sorted.end());
+    return fmt::format("{{{}}}", fmt::join(sorted, ", "));
+  }
+
   CudaGroup& group_;
-  ncclComm_t comm_;
   int rank_;
+  cudaEvent_t done_ = nullptr;  // recorded after the last exchange run() enqueued outside a capture
+  bool recorded_ = false;       // done_ holds an exchange wait_finished() has not seen finish
+  const char* last_what_ = "";  // that exchange's name
+  std::vector<int> peers_;      // the remote peers of the exchanges since the last wait_finished()
 };
 
 }  // namespace
 
 std::unique_ptr<ByteExchange> make_byte_exchange(CudaGroup& group) {
-  if (group.nccl_comm() != nullptr) return std::make_unique<NcclExchange>(group, group.nccl_comm());
+  if (group.nccl_comm() != nullptr) return std::make_unique<NcclExchange>(group);
   EPX_CHECK(ErrorCode::kUnsupported, group.single_process(),
             "the hierarchical normal path needs an NCCL group or ranks of one process");
   return std::make_unique<SharedMemoryExchange>(group);

@@ -3,12 +3,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <exception>
 
 #include "core/check.h"
 #include "core/cuda/cuda_util.h"
 #include "core/limits.h"
+#include "core/timeout.h"
 #include "ep/cuda/hierarchical_kernels.h"
 #include "ep/cuda/hierarchical_plan.h"
 #include "ep/cuda/normal_kernels.h"
@@ -108,7 +110,20 @@ void HierarchicalEngine::route_locally(const DispatchArgs& args, int64_t T, Hier
     check_cuda(cudaMemcpyAsync(counts_host_ + R + E + N, given->data(), 4 * N, cudaMemcpyDeviceToHost, stream),
                "cudaMemcpyAsync (layout.num_tokens_per_node)");
   }
-  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (dispatch counts)");
+  // NOTE: bounded, spinning like cudaStreamSynchronize (the counts are on the dispatch's critical path): the stream
+  // may hold earlier work that never finishes. Thrown inside the dispatch's local checks, so every rank fails alike.
+  const bool synced = detail::poll_until(
+      detail::deadline_after_ms(group_.timeout_ms()),
+      [&] {
+        const cudaError_t status = cudaStreamQuery(stream);
+        if (status != cudaErrorNotReady) check_cuda(status, "cudaStreamQuery (dispatch counts)");
+        return status == cudaSuccess;
+      },
+      std::chrono::microseconds(0));
+  EPX_CHECK(ErrorCode::kTimeout, synced,
+            "cuda rank {}: the dispatch's layout counts did not reach the host within {} ms: earlier work on the "
+            "stream does not finish",
+            rank_, group_.timeout_ms());
   EPX_CHECK_ARG(
       given == nullptr || std::equal(counts_host_ + R + E, counts_host_ + R + E + N, counts_host_ + R + E + N),
       "layout.num_tokens_per_node does not match topk_idx (pass the layout get_dispatch_layout computed "
@@ -121,6 +136,7 @@ DispatchResult HierarchicalEngine::dispatch(const DispatchArgs& args) {
   const int R = num_ranks_, N = topology_.num_nodes, G = topology_.gpus_per_node;
   cudaStream_t stream = static_cast<cudaStream_t>(args.stream);
   DeviceGuard guard(device_);
+  exchange_->wait_finished();  // the previous call's exchanges (NCCL): a peer that never posted surfaces here
   const uint64_t call_id = ++call_seq_;
 
   // Local checks and, in a fresh dispatch, the layout (the one host sync). Errors wait for the header exchange.
@@ -256,7 +272,7 @@ DispatchResult HierarchicalEngine::dispatch(const DispatchArgs& args) {
   hier::launch_pack(pack, stream);
   check_cuda(cudaGetLastError(), "pack launch");
   exchange_->run(legs.net_peers, net_send.data(), Legs::bytes(legs.net_send, rec.bytes), relay.data(),
-                 Legs::bytes(legs.net_recv, rec.bytes), stream);
+                 Legs::bytes(legs.net_recv, rec.bytes), stream, "dispatch network leg");
 
   // Node leg: the forwarder sends each record to its flagged local ranks.
   if (!cached) {
@@ -269,7 +285,7 @@ DispatchResult HierarchicalEngine::dispatch(const DispatchArgs& args) {
                             routes->fwd_pos.data_as<const int32_t>(), legs.fwd_msgs, node_send.data_as<char>(), stream);
   const Tensor node_recv = empty(DType::kUInt8, {num_recv * rec.bytes}, stream);
   exchange_->run(legs.node_peers, node_send.data(), Legs::bytes(legs.fwd_send, rec.bytes), node_recv.data(),
-                 Legs::bytes(legs.fwd_recv, rec.bytes), stream);
+                 Legs::bytes(legs.fwd_recv, rec.bytes), stream, "dispatch node leg");
   check_cuda(cudaGetLastError(), "forward launch");
   EPX_CHECK_ARG(!overflow, "num_worst_tokens = {} is smaller than the {} rows rank {} receives", args.num_worst_tokens,
                 num_recv, rank_);
@@ -316,6 +332,7 @@ CombineResult HierarchicalEngine::combine(const CombineArgs& args) {
   const int R = num_ranks_, N = topology_.num_nodes, G = topology_.gpus_per_node;
   cudaStream_t stream = static_cast<cudaStream_t>(args.stream);
   DeviceGuard guard(device_);
+  exchange_->wait_finished();
   ++call_seq_;
   Header mine;
   std::shared_ptr<const HierarchicalHandle> handle;
@@ -361,7 +378,7 @@ CombineResult HierarchicalEngine::combine(const CombineArgs& args) {
   check_cuda(cudaGetLastError(), "combine pack launch");
   const Tensor node_recv = empty(DType::kUInt8, {legs.fwd_msgs.start[G] * node_bytes}, stream);
   exchange_->run(legs.node_peers, node_send.data(), Legs::bytes(legs.fwd_recv, node_bytes), node_recv.data(),
-                 Legs::bytes(legs.fwd_send, node_bytes), stream);
+                 Legs::bytes(legs.fwd_send, node_bytes), stream, "combine node leg");
 
   // Forwarder: fp32 partials per forwarded record (local rank ascending), back over the network leg.
   const Tensor partials = empty(DType::kUInt8, {legs.num_relay * partial_bytes}, stream);
@@ -378,7 +395,7 @@ CombineResult HierarchicalEngine::combine(const CombineArgs& args) {
   check_cuda(cudaGetLastError(), "combine reduce launch");
   const Tensor net_recv = empty(DType::kUInt8, {legs.net_msgs.start[N] * partial_bytes}, stream);
   exchange_->run(legs.net_peers, partials.data(), Legs::bytes(legs.net_recv, partial_bytes), net_recv.data(),
-                 Legs::bytes(legs.net_send, partial_bytes), stream);
+                 Legs::bytes(legs.net_send, partial_bytes), stream, "combine network leg");
 
   // Source: sum over nodes ascending, biases, one rounding.
   CombineResult result;

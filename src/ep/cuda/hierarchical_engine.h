@@ -6,8 +6,11 @@
 // Each call starts with a host rendezvous (all_gather_bytes of a small header: status, shapes, handle id and, in a
 // fresh dispatch, the rank's per-rank and per-node counts), so that bad or mismatched arguments fail every rank
 // alike before any data moves, as on the host backend. Host syncs: a fresh dispatch synchronizes its stream once
-// (the layout's counts, also in worst-token mode in this first version); cached dispatches and combines do not
-// synchronize the device, but wait on the host for the peers (the header, the exchanges' rendezvous).
+// (the layout's counts, also in worst-token mode in this first version; a bounded poll: kTimeout on every rank if
+// the stream does not get there within the group's timeout); cached dispatches and combines do not synchronize the
+// device, but wait on the host for the peers (the header, the exchanges' rendezvous). On NCCL groups every call
+// first waits, bounded, for the previous call's exchanges (ByteExchange::wait_finished): a peer that never posted
+// its send/recv there fails the group (its communicator aborted) with kTimeout on this call.
 #pragma once
 
 #include <cstdint>
