@@ -51,6 +51,20 @@ enum class NormalRouting : uint8_t {
   kHierarchical,
 };
 
+// Which way low-latency dispatch/combine move (token, expert) pairs (docs/multi-node.md, "Low-latency across
+// nodes"). The same on every rank.
+enum class LowLatencyRouting : uint8_t {
+  kAuto,  // kHierarchical when group.topology().num_nodes > 1, else kFlat
+  kFlat,  // each (token, expert) pair goes from its rank straight to the expert's rank (one node)
+  // A token crosses the network at most once per destination node: rank (m, l) sends token t once to rank (n, l) of
+  // each other node n holding one of t's experts, with t's expert ids on n; (n, l) forwards it to the ranks of n
+  // holding them. Ranks of node m get it directly. Dispatch results equal kFlat's bit for bit; combine reduces inside
+  // each node first (LowLatencyCombineResult); the rank mask also cuts the forwarder's paths (Buffer::mask_rank).
+  // Host backend only for now: the cuda backend's low_latency_dispatch throws kUnsupported on a buffer that resolves
+  // to it (pass kFlat there).
+  kHierarchical,
+};
+
 struct BufferOptions {
   // Bytes of peer-visible memory for the normal kernels (0: a size that fits the default workloads;
   // see normal_buffer_size_hint).
@@ -64,6 +78,7 @@ struct BufferOptions {
   NormalConfig normal;
   LowLatencyConfig low_latency;
   NormalRouting normal_routing = NormalRouting::kAuto;
+  LowLatencyRouting low_latency_routing = LowLatencyRouting::kAuto;
 };
 
 // Peer memory the low-latency path needs for two buffer sets with these limits.
@@ -220,7 +235,8 @@ struct LowLatencyDispatchResult {
   // masked_m = recv_count (DeepGEMM, DeepEP's layout) sees exactly the received pairs. Source s's pairs
   // are rows [begin, begin + count) with (begin, count) from recv_layout_range[e][s]; begin is the sum of
   // the counts of sources < s. Each (expert, source rank) block holds at most M pairs (host: more is
-  // kInvalidArgument). A masked source has count 0. Rows past recv_count[e] are unspecified (recv_x,
+  // kInvalidArgument). A masked source has count 0 (hierarchical routing: also a source whose path through
+  // the forwarder is cut, see Buffer::mask_rank). Rows past recv_count[e] are unspecified (recv_x,
   // scales). Shapes are fixed, so the cuda backend needs no host sync (CUDA-graph capturable). With
   // return_recv_hook, call the hook before the second-next dispatch of this buffer, from the thread that
   // drives it, and before destroying the buffer; calling it again does nothing.
@@ -250,6 +266,12 @@ struct LowLatencyCombineResult {
   //                topk_weights[t][k] * x[expert][row of (t, k)] ), accumulated in fp32.
   // Host order: start at 0, for k ascending add the fp32 product w * x (no fused multiply-add), round
   // once to bf16. A token with no unmasked expert gets zeros.
+  // Hierarchical routing (LowLatencyRouting) on the host: the forwarder (n, l) of each node n reduces its node's
+  // pairs into an fp32 partial p_n = 0 + (w * x for k ascending whose expert is on node n, products as above); the
+  // source adds out[t] = bf16(0 + p_0 + p_1 + ...) by node ascending. It equals the order above bit for bit with one
+  // node, when all of t's contributing experts sit on one node, and whenever the fp32 sums are exact; otherwise only
+  // by fp32 reassociation (as CombineResult's hierarchical order). A pair whose path is cut (Buffer::mask_rank)
+  // contributes zero, like a masked rank's.
   Tensor x;                         // [T, H] bf16
   std::function<void()> recv_hook;  // set iff return_recv_hook
 };
@@ -291,6 +313,12 @@ class Buffer {
   // locally: traffic with r resumes once r has unmasked this rank too, else the next low-latency call masks
   // r again (host: at once; cuda: after a timeout). Normal dispatch/combine ignore the mask: a missing rank
   // there is Error(kTimeout).
+  // Hierarchical low-latency routing (LowLatencyRouting): the pairs of source s = (m, l) for rank d = (n, g) of
+  // another node travel through the forwarder f = (n, l) only, both ways. They travel iff none of the three links
+  // s-d, s-f and f-d is masked (by either end, in that call; f = d: the link s-d alone). Otherwise d receives count 0
+  // from s and s's combine gets nothing back from d's experts: a masked or silent forwarder cuts its node off from
+  // the sources with its local index (the price of one network path per (node, local index)). Ranks of one node
+  // reach each other directly, as flat.
   virtual void mask_rank(int rank) = 0;
   virtual void unmask_rank(int rank) = 0;
   virtual std::vector<bool> rank_mask() const = 0;  // [num_ranks], true = masked

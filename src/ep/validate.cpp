@@ -207,6 +207,10 @@ void validate_options(const BufferOptions& options) {
   EPX_CHECK_ARG(
       routing >= static_cast<int>(NormalRouting::kAuto) && routing <= static_cast<int>(NormalRouting::kHierarchical),
       "normal_routing must be kAuto, kFlat or kHierarchical, got {}", routing);
+  const auto ll_routing = static_cast<int>(options.low_latency_routing);
+  EPX_CHECK_ARG(ll_routing >= static_cast<int>(LowLatencyRouting::kAuto) &&
+                    ll_routing <= static_cast<int>(LowLatencyRouting::kHierarchical),
+                "low_latency_routing must be kAuto, kFlat or kHierarchical, got {}", ll_routing);
   const int parts = options.low_latency.combine_send_parts;
   EPX_CHECK_ARG(parts == 1 || parts == 2 || parts == 4 || parts == 8,
                 "low_latency.combine_send_parts must be 1, 2, 4 or 8, got {}", parts);
@@ -231,6 +235,7 @@ constexpr AgreedOption kAgreed[] = {
     {"low_latency.combine_send_parts",
      [](const BufferOptions& o) { return int64_t{o.low_latency.combine_send_parts}; }},
     {"normal_routing", [](const BufferOptions& o) { return static_cast<int64_t>(o.normal_routing); }},
+    {"low_latency_routing", [](const BufferOptions& o) { return static_cast<int64_t>(o.low_latency_routing); }},
 };
 constexpr size_t kWords = 1 + std::size(kAgreed);  // word 0: this rank's options are valid
 

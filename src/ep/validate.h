@@ -59,10 +59,17 @@ void validate_low_latency_combine(const LowLatencyCombineArgs& args, const LowLa
 // [1, kNormalMaxCopyChunks], low_latency.combine_send_parts in {1, 2, 4, 8}.
 void validate_options(const BufferOptions& options);
 
+// Whether low-latency calls take the hierarchical routing: BufferOptions::low_latency_routing, kAuto resolved by
+// the number of nodes of `topology`.
+inline bool low_latency_hierarchical(const BufferOptions& options, const Topology& topology) {
+  return options.low_latency_routing == LowLatencyRouting::kHierarchical ||
+         (options.low_latency_routing == LowLatencyRouting::kAuto && topology.num_nodes > 1);
+}
+
 // Collective over `group` (one all_gather): validates this rank's options and checks that every rank passed
 // the same ones where they size or lay out memory that peers index or pick the protocol (the byte counts,
-// num_sms, NormalConfig except stage_timeline, LowLatencyConfig). Fails alike on every rank: the rank with
-// invalid options raises its own kInvalidArgument, its peers kPeerFailure; options that differ raise
+// num_sms, NormalConfig except stage_timeline, LowLatencyConfig, both routings). Fails alike on every rank: the rank
+// with invalid options raises its own kInvalidArgument, its peers kPeerFailure; options that differ raise
 // kInvalidArgument naming the field and both ranks' values.
 void agree_on_options(Group& group, const BufferOptions& options);
 

@@ -37,6 +37,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     EPX_CHECK_ARG(cgroup_ != nullptr, "group must be a cuda group (see epx/cuda.h)");
     rank_ = group_->rank();
     num_ranks_ = group_->num_ranks();
+    low_latency_hierarchical_ = ep::low_latency_hierarchical(options, group_->topology());
     device_ = group_->device().index;
     normal_ =
         std::make_unique<NormalEngine>(*group_, options.num_sms, options.num_normal_bytes, allocator_, options.normal);
@@ -108,6 +109,12 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   }
 
   LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args) override {
+    // NOTE: the same on every rank (the options are agreed), so every rank raises alike and none waits.
+    EPX_CHECK(ErrorCode::kUnsupported, !low_latency_hierarchical_,
+              "cuda rank {}: the hierarchical low-latency routing (BufferOptions::low_latency_routing = kHierarchical, "
+              "or kAuto on {} nodes) is not built on the cuda backend yet; pass low_latency_routing = kFlat (ranks of "
+              "one process or one node reach each other over peer memory)",
+              rank_, group_->topology().num_nodes);
     return low_latency().dispatch(args);
   }
   LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args) override {
@@ -182,6 +189,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   std::unique_ptr<NormalEngine> normal_;
   std::unique_ptr<HierarchicalEngine> hierarchical_;  // normal dispatch/combine with hierarchical routing
   std::unique_ptr<LowLatencyEngine> low_latency_;
+  bool low_latency_hierarchical_ = false;  // BufferOptions::low_latency_routing resolved: unsupported here yet
   // Reset requests, shared with the other ranks' buffers (see CudaWorld); null when the processes share no
   // memory (then a timeout cannot be recovered from in place).
   std::shared_ptr<CudaWorld> world_;

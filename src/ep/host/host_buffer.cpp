@@ -13,8 +13,8 @@
 #include "core/bf16.h"
 #include "core/check.h"
 #include "ep/backends.h"
-#include "epx/routing.h"
 #include "ep/host/host_low_latency.h"
+#include "epx/routing.h"
 
 namespace epx::host {
 
@@ -142,6 +142,7 @@ HostBuffer::HostBuffer(std::shared_ptr<Group> group, HostGroup* host_group, cons
       topology_(group_->topology()),
       hierarchical_(options.normal_routing == NormalRouting::kHierarchical ||
                     (options.normal_routing == NormalRouting::kAuto && topology_.num_nodes > 1)),
+      ll_route_{ep::low_latency_hierarchical(options, topology_) ? topology_ : Topology{1, num_ranks_}},
       mask_(num_ranks_, false) {
   if (options_.allocator == nullptr) options_.allocator = default_allocator();
   if (options_.num_low_latency_bytes > 0) mailbox_ = attach_mailbox(*host_group_);

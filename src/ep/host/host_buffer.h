@@ -2,7 +2,8 @@
 //
 // Normal mode moves data through HostGroup's two-phase rendezvous: every rank publishes a read-only
 // description of its inputs (exchange), every rank pulls the rows addressed to it, then all release.
-// Low-latency mode uses a per-buffer mailbox shared by the ranks' buffers (host_low_latency.cpp):
+// Low-latency mode uses a per-buffer mailbox shared by the ranks' buffers (host_low_latency.cpp; the routing
+// and receive sides, flat or hierarchical, in host_low_latency_routing.cpp):
 // a sender posts an immutable, reference-counted copy of what it sends and never waits; a receiver
 // waits, with the group's timeout, only for the ranks it has not masked. So a masked or dead rank is
 // never waited on, and no rank ever reads memory that its owner may still change.
@@ -14,11 +15,11 @@
 #include <optional>
 #include <vector>
 
-#include "ep/validate.h"
-#include "epx/buffer.h"
 #include "comm/host/host_group.h"
 #include "ep/host/host_low_latency.h"
 #include "ep/host/host_normal.h"
+#include "ep/validate.h"
+#include "epx/buffer.h"
 
 namespace epx::host {
 
@@ -73,6 +74,7 @@ class HostBuffer final : public Buffer {
   // ++ll_seq_ first, so that peers raise at once and the sequence numbers stay in step.
   template <typename Prepare>
   void prepare_or_post_failure(LowLatencyKind kind, Prepare&& prepare);
+  // The receive sides (host_low_latency_routing.cpp): the forwarders' legs computed from the call's posts.
   void finish_dispatch_receive(const std::shared_ptr<LowLatencyState>& state);
   void finish_combine_receive(const std::shared_ptr<LowLatencyState>& state);
 
@@ -82,7 +84,8 @@ class HostBuffer final : public Buffer {
   int rank_;
   int num_ranks_;
   Topology topology_;
-  bool hierarchical_;  // normal dispatch/combine take the hierarchical routing (BufferOptions::normal_routing)
+  bool hierarchical_;         // normal dispatch/combine take the hierarchical routing (BufferOptions::normal_routing)
+  LowLatencyRoute ll_route_;  // BufferOptions::low_latency_routing: the group's topology, or one node (flat)
   std::vector<bool> mask_;
   std::shared_ptr<LowLatencyMailbox> mailbox_;
   uint64_t ll_seq_ = 0;             // low-latency calls since creation or clean (the same on every rank)

@@ -10,9 +10,9 @@
 
 #include "core/bf16.h"
 #include "core/check.h"
+#include "ep/host/host_buffer.h"
 #include "epx/log.h"
 #include "epx/routing.h"
-#include "ep/host/host_buffer.h"
 
 namespace epx::host {
 
@@ -188,22 +188,24 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
   message->use_fp8 = args.use_fp8;
   const ep::LowLatencyScales scales = ep::LowLatencyScales::of(args, hidden);
   message->scale_format = scales.wire_ue8m0 ? ScaleFormat::kUE8M0 : ScaleFormat::kFloat32;
-  message->topk.resize(num_tokens * num_topk);
+  std::vector<int64_t> topk(num_tokens * num_topk);  // [T, K]
   for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int64_t k = 0; k < num_topk; ++k) message->topk[t * num_topk + k] = topk_at(args.topk_idx, t, k);
+    for (int64_t k = 0; k < num_topk; ++k) topk[t * num_topk + k] = topk_at(args.topk_idx, t, k);
   }
+  const int64_t num_blocks = hidden / kFp8BlockSize;
+  const DType scale_dtype = scales.wire_ue8m0 ? DType::kUInt8 : DType::kFloat32;
+  std::vector<uint8_t> x8, scales8;  // fp8: the quantized rows and their wire scales
   if (args.use_fp8) {
-    const int64_t num_blocks = hidden / kFp8BlockSize;
-    const DType scale_dtype = scales.wire_ue8m0 ? DType::kUInt8 : DType::kFloat32;
-    message->x.resize(num_tokens * hidden);
-    message->scales.resize(num_tokens * num_blocks * dtype_size(scale_dtype));
-    quantize_fp8_host(args.x, TensorView::of(message->x.data(), DType::kFloat8E4M3, {num_tokens, hidden}),
-                      TensorView::of(message->scales.data(), scale_dtype, {num_tokens, num_blocks}),
-                      message->scale_format);
-  } else {
-    const auto* src = static_cast<const uint8_t*>(args.x.data);
-    message->x.assign(src, src + args.x.nbytes());
+    x8.resize(num_tokens * hidden);
+    scales8.resize(num_tokens * num_blocks * dtype_size(scale_dtype));
+    quantize_fp8_host(args.x, TensorView::of(x8.data(), DType::kFloat8E4M3, {num_tokens, hidden}),
+                      TensorView::of(scales8.data(), scale_dtype, {num_tokens, num_blocks}), message->scale_format);
   }
+  std::vector<int32_t> node_slot;
+  message->node_messages =
+      ll_route_.pack(topk, num_tokens, num_topk, args.use_fp8 ? x8.data() : static_cast<const uint8_t*>(args.x.data),
+                     hidden * (args.use_fp8 ? 1 : 2), scales8.data(),
+                     args.use_fp8 ? num_blocks * dtype_size(scale_dtype) : 0, num_local_experts, node_slot);
 
   auto state = std::make_shared<LowLatencyState>();
   state->owner = this;
@@ -216,7 +218,8 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
   state->use_fp8 = args.use_fp8;
   state->scale_format = message->scale_format;
   state->scales = scales;
-  state->topk = message->topk;
+  state->topk = std::move(topk);
+  state->node_slot = std::move(node_slot);
   // Slot order inside an (expert, source rank) block: ascending token index, then ascending k.
   state->slot_idx.assign(num_tokens * num_topk, -1);
   std::vector<int32_t> next_slot(args.num_experts, 0);
@@ -274,96 +277,6 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
   return result;
 }
 
-namespace {
-
-// One received row's scales (num_blocks in the wire format: exponent bytes or fp32) into recv_x_scales at
-// (expert e, row) in the caller's format and layout (ep::LowLatencyScales).
-void put_scales(const ep::LowLatencyScales& s, const uint8_t* wire, int64_t num_blocks, int64_t e, int64_t row,
-                int64_t num_slots, uint8_t* out) {
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    if (s.out_fp32) {
-      float v;
-      if (s.wire_ue8m0) {
-        v = ue8m0_to_float(wire[b]);
-      } else {
-        std::memcpy(&v, wire + b * 4, 4);
-      }
-      const int64_t i =
-          s.column_major ? (e * num_blocks + b) * num_slots + row : (e * num_slots + row) * num_blocks + b;
-      std::memcpy(out + i * 4, &v, 4);
-    } else if (s.column_major) {  // word b / 4 of the row, byte b % 4 (little-endian int32)
-      out[((e * s.units + b / 4) * num_slots + row) * 4 + b % 4] = wire[b];
-    } else {
-      out[(e * num_slots + row) * num_blocks + b] = wire[b];
-    }
-  }
-}
-
-}  // namespace
-
-void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>& state) {
-  EPX_CHECK_ARG(state->epoch == ll_epoch_,
-                "the receive hook of low-latency dispatch #{} ran after clean_low_latency_buffer", state->seq);
-  EPX_CHECK_ARG(recv_sets_[state->set_idx].owner_dispatch == state->dispatch_number,
-                "the receive hook of low-latency dispatch #{} ran after two later dispatches reused its buffer set",
-                state->seq);
-  const auto posts = collect(state->seq, static_cast<int>(LowLatencyKind::kDispatch));
-  const int64_t hidden = state->shape.hidden, num_local_experts = state->shape.num_local_experts;
-  const int64_t max_tokens = state->max_tokens, num_slots = num_ranks_ * max_tokens;
-  const int64_t num_blocks = hidden / kFp8BlockSize;
-  const size_t row_bytes = hidden * (state->use_fp8 ? 1 : 2);
-  const size_t scale_bytes = num_blocks * (state->scale_format == ScaleFormat::kUE8M0 ? 1 : 4);
-  for (int s = 0; s < num_ranks_; ++s) {
-    const LowLatencyPost* p = posts[s].get();
-    EPX_CHECK_ARG(
-        p == nullptr || (p->hidden == hidden && p->max_tokens == max_tokens && p->num_experts == state->num_experts &&
-                         p->use_fp8 == state->use_fp8 && (!p->use_fp8 || p->scale_format == state->scale_format)),
-        "low-latency dispatch arguments differ between rank {} and rank {} (hidden, max_tokens_per_rank, "
-        "num_experts, use_fp8 and scale_format must agree)",
-        s, rank_);
-  }
-  auto* recv_x = static_cast<uint8_t*>(state->recv_x.get());
-  auto* recv_scales = static_cast<uint8_t*>(state->recv_x_scales.get());
-  auto* src_info = static_cast<int32_t*>(state->recv_src_info.get());
-  auto* count = static_cast<int32_t*>(state->recv_count.get());
-  auto* layout_range = static_cast<int64_t*>(state->recv_layout_range.get());
-  std::fill(src_info, src_info + num_local_experts * num_slots, -1);
-  std::vector<int32_t>& block_count = state->recv_block_count;
-  block_count.assign(num_local_experts * num_ranks_, 0);
-  const int64_t first_local = rank_ * num_local_experts;
-  // Packed rows: expert e's rows fill [0, recv_count[e]) by source rank, then token, then k; this loop visits
-  // the pairs in exactly that order, so each pair takes the expert's next row.
-  std::vector<int32_t> next_row(num_local_experts, 0);
-  for (int s = 0; s < num_ranks_; ++s) {
-    const LowLatencyPost* p = posts[s].get();
-    if (p == nullptr) continue;  // masked: its blocks stay empty
-    for (int64_t t = 0; t < p->num_tokens; ++t) {
-      for (int64_t k = 0; k < p->num_topk; ++k) {
-        const int64_t e = p->topk[t * p->num_topk + k] - first_local;
-        if (e < 0 || e >= num_local_experts) continue;
-        ++block_count[e * num_ranks_ + s];
-        const int64_t slot = e * num_slots + next_row[e]++;
-        std::memcpy(recv_x + slot * row_bytes, p->x.data() + t * row_bytes, row_bytes);
-        if (state->use_fp8)
-          put_scales(state->scales, p->scales.data() + t * scale_bytes, num_blocks, e, next_row[e] - 1, num_slots,
-                     recv_scales);
-        src_info[slot] = static_cast<int32_t>(t);
-      }
-    }
-  }
-  for (int64_t e = 0; e < num_local_experts; ++e) {
-    int32_t total = 0;
-    for (int s = 0; s < num_ranks_; ++s) {
-      const int32_t n = block_count[e * num_ranks_ + s];
-      layout_range[e * num_ranks_ + s] = (static_cast<int64_t>(total) << 32) | n;
-      total += n;
-    }
-    count[e] = total;
-    if (state->cumulative_recv_counts.defined()) state->cumulative_recv_counts.data_as<int32_t>()[e] += total;
-  }
-  state->received = true;
-}
-
 LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineArgs& args) {
   const Device cpu = Device::cpu();
   std::shared_ptr<const LowLatencyState> dispatch;
@@ -400,9 +313,13 @@ LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineA
   message->block_offset.assign(num_local_experts * num_ranks_, 0);
   message->block_count.assign(num_local_experts * num_ranks_, 0);
   int64_t num_rows = 0;
+  const int node = ll_route_.topology.node_of(rank_);
   for (int64_t i = 0; i < num_local_experts * num_ranks_; ++i) {
+    // Source s's rows go back through its forwarder on this node (s itself when flat or on this node): nothing
+    // when either is masked.
+    const int s = static_cast<int>(i % num_ranks_);
     message->block_offset[i] = num_rows;
-    message->block_count[i] = mask_[i % num_ranks_] ? 0 : dispatch->recv_block_count[i];  // nothing to masked ranks
+    message->block_count[i] = mask_[s] || mask_[ll_route_.forwarder(s, node)] ? 0 : dispatch->recv_block_count[i];
     num_rows += message->block_count[i];
   }
   message->rows.resize(num_rows * hidden);
@@ -417,6 +334,18 @@ LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineA
     }
   }
 
+  // As a source: each node message's weights, for the forwarder that reduces the node's pairs.
+  const auto* weights = args.topk_weights.data_as<const float>();
+  const int num_nodes = ll_route_.topology.num_nodes;
+  message->node_weights.resize(num_nodes);
+  for (int n = 0; n < num_nodes; ++n) {
+    std::vector<float>& node_weights = message->node_weights[n];  // records are in ascending token order
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      if (dispatch->node_slot[t * num_nodes + n] < 0) continue;
+      node_weights.insert(node_weights.end(), weights + t * num_topk, weights + (t + 1) * num_topk);
+    }
+  }
+
   auto state = std::make_shared<LowLatencyState>();
   state->owner = this;
   state->kind = LowLatencyKind::kCombine;
@@ -424,8 +353,6 @@ LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineA
   state->epoch = ll_epoch_;
   state->shape = dispatch->shape;
   state->dispatch = dispatch;
-  const auto* weights = args.topk_weights.data_as<const float>();
-  state->topk_weights.assign(weights, weights + num_tokens * num_topk);
   LowLatencyCombineResult result;
   result.x = args.out.defined() ? Tensor::wrap(args.out, nullptr) : alloc(DType::kBFloat16, {num_tokens, hidden});
   state->out = result.x.view();
@@ -439,49 +366,6 @@ LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineA
     finish_combine_receive(state);
   }
   return result;
-}
-
-void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& state) {
-  EPX_CHECK_ARG(state->epoch == ll_epoch_,
-                "the receive hook of low-latency combine #{} ran after clean_low_latency_buffer", state->seq);
-  const auto posts = collect(state->seq, static_cast<int>(LowLatencyKind::kCombine));
-  const LowLatencyState& dispatch = *state->dispatch;
-  const int64_t num_tokens = dispatch.shape.num_tokens, num_topk = dispatch.shape.num_topk;
-  const int64_t hidden = dispatch.shape.hidden, num_local_experts = dispatch.shape.num_local_experts;
-  // NOTE: checked before the blocks are indexed (with this rank's expert count). Every rank compares every
-  // peer it did not mask, so a mismatch is raised on all of them alike.
-  for (int r = 0; r < num_ranks_; ++r) {
-    const LowLatencyPost* p = posts[r].get();
-    EPX_CHECK_ARG(p == nullptr || (p->hidden == hidden && p->num_local_experts == num_local_experts &&
-                                   p->dispatch_seq == dispatch.seq),
-                  "low-latency combine: rank {} reverses dispatch #{} (hidden {}, {} local experts) but rank {} "
-                  "reverses dispatch #{} (hidden {}, {} local experts); every rank must pass the handle of the same "
-                  "dispatch",
-                  r, p->dispatch_seq, p->hidden, p->num_local_experts, rank_, dispatch.seq, hidden, num_local_experts);
-  }
-  auto* out = state->out.data_as<uint16_t>();
-  std::vector<float> acc(hidden);
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    // NOTE: fixed fp32 order: k ascending, acc += w * x (a product, then a sum; no fused multiply-add).
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t k = 0; k < num_topk; ++k) {
-      const int64_t e = dispatch.topk[t * num_topk + k];
-      if (e < 0) continue;
-      const LowLatencyPost* p = posts[e / num_local_experts].get();
-      if (p == nullptr) continue;  // masked: contributes zero
-      const int64_t block = (e % num_local_experts) * num_ranks_ + rank_;
-      const int32_t idx = dispatch.slot_idx[t * num_topk + k];
-      if (idx >= p->block_count[block]) continue;  // the expert's rank did not receive it (it masked us)
-      const uint16_t* row = p->rows.data() + (p->block_offset[block] + idx) * hidden;
-      const float w = state->topk_weights[t * num_topk + k];
-      for (int64_t h = 0; h < hidden; ++h) {
-        const float product = w * detail::bf16_to_float(row[h]);
-        acc[h] += product;
-      }
-    }
-    for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
-  }
-  state->received = true;
 }
 
 }  // namespace epx::host
