@@ -26,6 +26,7 @@ from ._epx import (  # noqa: F401
     InternalError,
     InvalidArgumentError,
     LowLatencyConfig,
+    LowLatencyRouting,
     NcclError,
     NormalConfig,
     NormalRouting,

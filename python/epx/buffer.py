@@ -81,25 +81,32 @@ class Buffer:
     0 low-latency: none, and low_latency_* raise). num_sms: SMs the normal kernels may use (cuda).
     normal / low_latency: epx.NormalConfig / epx.LowLatencyConfig, the kernels' tuning (cuda; None: the
     defaults). normal_routing: "auto" (hierarchical when group.topology has more than one node), "flat" or
-    "hierarchical" (or an epx.NormalRouting); see docs/multi-node.md. On the cuda backend the byte counts,
-    num_sms, normal_routing and the configs must be the same on every rank: creation checks that collectively and
-    raises on every rank, naming the field, when they differ.
+    "hierarchical" (or an epx.NormalRouting); see docs/multi-node.md. low_latency_routing: the same choice for
+    low_latency_dispatch/combine (or an epx.LowLatencyRouting): "hierarchical" sends a token over the network once
+    per destination node and reduces the combine inside each node first (host backend only for now: the cuda
+    backend's low_latency_dispatch raises UnsupportedError on it, pass "flat" there). On the cuda backend the byte
+    counts, num_sms, both routings and the configs must be the same on every rank: creation checks that collectively
+    and raises on every rank, naming the field, when they differ.
     """
 
     def __init__(self, group: _epx.Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0,
                  num_sms: int = 24, normal: Optional[_epx.NormalConfig] = None,
                  low_latency: Optional[_epx.LowLatencyConfig] = None,
-                 normal_routing: Union[str, _epx.NormalRouting] = "auto"):
+                 normal_routing: Union[str, _epx.NormalRouting] = "auto",
+                 low_latency_routing: Union[str, _epx.LowLatencyRouting] = "auto"):
         routing = enum_arg(_epx.NormalRouting, normal_routing, "normal_routing")
+        ll_routing = enum_arg(_epx.LowLatencyRouting, low_latency_routing, "low_latency_routing")
         self._allocations = Allocations()
         self._native = _epx.Buffer.create(group, num_normal_bytes=num_normal_bytes,
                                           num_low_latency_bytes=num_low_latency_bytes, num_sms=num_sms,
                                           allocator=self._allocations,
                                           normal=normal if normal is not None else _epx.NormalConfig(),
                                           low_latency=low_latency if low_latency is not None
-                                          else _epx.LowLatencyConfig(), normal_routing=routing)
+                                          else _epx.LowLatencyConfig(), normal_routing=routing,
+                                          low_latency_routing=ll_routing)
         self.group = group
         self.normal_routing = routing
+        self.low_latency_routing = ll_routing
 
     @property
     def rank(self) -> int:

@@ -193,12 +193,20 @@ void register_buffer(nb::module_& m) {
       .value("auto", NormalRouting::kAuto)
       .value("flat", NormalRouting::kFlat)
       .value("hierarchical", NormalRouting::kHierarchical);
+  nb::enum_<LowLatencyRouting>(m, "LowLatencyRouting",
+                               "Which way low-latency dispatch/combine move (token, expert) pairs "
+                               "(BufferOptions::low_latency_routing, docs/multi-node.md): auto (hierarchical when the "
+                               "group's topology has more than one node), flat, or hierarchical (host backend only for "
+                               "now). The same on every rank.")
+      .value("auto", LowLatencyRouting::kAuto)
+      .value("flat", LowLatencyRouting::kFlat)
+      .value("hierarchical", LowLatencyRouting::kHierarchical);
   nb::class_<Buffer>(m, "Buffer", "One rank's expert-parallel communication buffer (see include/epx/buffer.h).")
       .def_static(
           "create",
           [](std::shared_ptr<Group> group, int64_t num_normal_bytes, int64_t num_low_latency_bytes, int num_sms,
              nb::object allocator, const NormalConfig& normal, const LowLatencyConfig& low_latency,
-             NormalRouting normal_routing) {
+             NormalRouting normal_routing, LowLatencyRouting low_latency_routing) {
             BufferOptions options;
             options.num_normal_bytes = num_normal_bytes;
             options.num_low_latency_bytes = num_low_latency_bytes;
@@ -206,13 +214,15 @@ void register_buffer(nb::module_& m) {
             options.normal = normal;
             options.low_latency = low_latency;
             options.normal_routing = normal_routing;
+            options.low_latency_routing = low_latency_routing;
             options.allocator = python_allocator(std::move(allocator));
             nb::gil_scoped_release release;
             return Buffer::create(std::move(group), options);
           },
           nb::arg("group"), nb::arg("num_normal_bytes") = 0, nb::arg("num_low_latency_bytes") = 0,
           nb::arg("num_sms") = 24, nb::arg("allocator") = nb::none(), nb::arg("normal") = NormalConfig(),
-          nb::arg("low_latency") = LowLatencyConfig(), nb::arg("normal_routing") = NormalRouting::kAuto)
+          nb::arg("low_latency") = LowLatencyConfig(), nb::arg("normal_routing") = NormalRouting::kAuto,
+          nb::arg("low_latency_routing") = LowLatencyRouting::kAuto)
       .def_prop_ro("rank", &Buffer::rank)
       .def_prop_ro("num_ranks", &Buffer::num_ranks)
       .def(

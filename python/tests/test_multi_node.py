@@ -196,3 +196,50 @@ def test_combine_order_shows_the_routing(gpus_per_node, routing, expected):
 
     results = run(gpus_per_node, fn)
     assert results[0].shape == (1, H) and (results[0] == expected).all()
+
+
+def test_low_latency_routing_argument():
+    group = epx.host_groups(1)[0]
+    assert epx.Buffer(group).low_latency_routing == epx.LowLatencyRouting.auto
+    assert (epx.Buffer(group, low_latency_routing="hierarchical").low_latency_routing
+            == epx.LowLatencyRouting.hierarchical)
+    assert (epx.Buffer(group, low_latency_routing=epx.LowLatencyRouting.flat).low_latency_routing
+            == epx.LowLatencyRouting.flat)
+    with pytest.raises(epx.InvalidArgumentError, match="low_latency_routing: 'diagonal' is not one of auto, flat, "
+                                                       "hierarchical"):
+        epx.Buffer(group, low_latency_routing="diagonal")
+
+
+@pytest.mark.parametrize("gpus_per_node", [2, 1])
+def test_low_latency_across_nodes(gpus_per_node):
+    """The hierarchical low-latency routing (auto on more than one node) receives what the flat one does, bit for
+    bit, hooks included, and its combine equals the flat one (k / 8 values and weights in sixteenths: exact fp32
+    sums, so the node partials add up to the same bits)."""
+    M, LL_H = 64, 2 * H  # low-latency rows are a multiple of 128 wide
+    inputs = [(np.concatenate([x, x], axis=1), idx, (np.round(w * 16) / 16).astype(np.float32))
+              for x, idx, w in inputs_for(idle=True)]
+    nbytes = epx.low_latency_buffer_size_hint(M, LL_H, R, E)
+
+    def fn(rank, group):
+        x, idx, w = inputs[rank]
+        out = {}
+        for routing in ("flat", "auto"):
+            buffer = epx.Buffer(group, num_low_latency_bytes=nbytes, low_latency_routing=routing)
+            d = buffer.low_latency_dispatch(epx.bf16(x), idx, M, E, return_recv_hook=True)
+            d.recv_hook()
+            counts = np.asarray(d.recv_count).copy()
+            rows = [bits(d.recv_x[e, :counts[e]]).copy() for e in range(NUM_LOCAL)]
+            c = buffer.low_latency_combine(epx.bf16(bits(d.recv_x)), idx, w, d.handle)
+            out[routing] = (counts, np.asarray(d.recv_src_info).copy(), np.asarray(d.recv_layout_range).copy(),
+                            rows, bits(c.x).copy())
+        flat, hier = out["flat"], out["auto"]
+        for a, b in zip(flat[:3], hier[:3]):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(flat[3], hier[3]):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(flat[4], hier[4])
+        expect = to_f32(x) * np.where(idx >= 0, w, 0).sum(1, keepdims=True)
+        np.testing.assert_allclose(to_f32(hier[4]), expect, rtol=2 ** -8, atol=0)
+        return True
+
+    assert all(run(gpus_per_node, fn))

@@ -252,13 +252,24 @@ class NormalRouting(enum.Enum):
 
     hierarchical = 2
 
+class LowLatencyRouting(enum.Enum):
+    """
+    Which way low-latency dispatch/combine move (token, expert) pairs (BufferOptions::low_latency_routing, docs/multi-node.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical (host backend only for now). The same on every rank.
+    """
+
+    auto = 0
+
+    flat = 1
+
+    hierarchical = 2
+
 class Buffer:
     """
     One rank's expert-parallel communication buffer (see include/epx/buffer.h).
     """
 
     @staticmethod
-    def create(group: Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0, num_sms: int = 24, allocator: object | None = None, normal: NormalConfig = ..., low_latency: LowLatencyConfig = ..., normal_routing: NormalRouting = NormalRouting.auto) -> Buffer: ...
+    def create(group: Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0, num_sms: int = 24, allocator: object | None = None, normal: NormalConfig = ..., low_latency: LowLatencyConfig = ..., normal_routing: NormalRouting = NormalRouting.auto, low_latency_routing: LowLatencyRouting = LowLatencyRouting.auto) -> Buffer: ...
 
     @property
     def rank(self) -> int: ...
