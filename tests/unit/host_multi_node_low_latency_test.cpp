@@ -321,6 +321,7 @@ void run_case(const Case& c, std::mt19937& rng) {
   });
   const Reaches all = [](int, int) { return true; };
   for (int r = 0; r < R; ++r) {
+    if (!c.use_fp8) expect_dispatch(c, in, r, flat[r], all);  // kFlat on a multi-node group: still the flat rows
     expect_same_dispatch(c, r, flat[r], hier[r]);
     EXPECT_EQ(std::vector<int32_t>(hier_counts[r].data_as<int32_t>(), hier_counts[r].data_as<int32_t>() + 2),
               std::vector<int32_t>(flat_counts[r].data_as<int32_t>(), flat_counts[r].data_as<int32_t>() + 2));
@@ -333,10 +334,15 @@ void run_case(const Case& c, std::mt19937& rng) {
   }
 }
 
-TEST(HostMultiNodeLowLatency, HierarchicalEqualsFlatOnEveryTopology) {
-  const unsigned seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+// Fresh random inputs in every test, its seed in every failure message.
+class HostMultiNodeLowLatency : public ::testing::Test {
+ protected:
+  const unsigned seed_ = std::random_device{}();
+  std::mt19937 rng_{seed_};
+  ::testing::ScopedTrace trace_{__FILE__, __LINE__, "seed " + std::to_string(seed_)};
+};
+
+TEST_F(HostMultiNodeLowLatency, HierarchicalEqualsFlatOnEveryTopology) {
   struct Fp8 {
     ScaleFormat format;
     bool round_scale;
@@ -367,7 +373,7 @@ TEST(HostMultiNodeLowLatency, HierarchicalEqualsFlatOnEveryTopology) {
         }
         c.hooks = i % 3 == 1;
         ++i;
-        run_case(c, rng);
+        run_case(c, rng_);
         if (::testing::Test::HasFatalFailure()) return;
       }
     }
@@ -375,14 +381,8 @@ TEST(HostMultiNodeLowLatency, HierarchicalEqualsFlatOnEveryTopology) {
 }
 
 // Masks on 3 nodes x 2 GPUs (rank (n, l) = 2n + l); each entry: which rank masks which, before the calls.
-TEST(HostMultiNodeLowLatency, MaskCutsThePathsThroughTheForwarder) {
-  const unsigned seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
-  Case c;
-  c.num_nodes = 3;
-  c.gpus_per_node = 2;
-  c.num_topk = 6;
+TEST_F(HostMultiNodeLowLatency, MaskCutsThePathsThroughTheForwarder) {
+  Case c{.num_nodes = 3, .gpus_per_node = 2, .num_topk = 6};
   const int R = c.num_ranks();
   const std::vector<std::vector<std::pair<int, int>>> scenarios = {
       {{0, 2}},                          // a source masks its forwarder on node 1: its tokens miss node 1
@@ -393,7 +393,7 @@ TEST(HostMultiNodeLowLatency, MaskCutsThePathsThroughTheForwarder) {
   for (const auto& scenario : scenarios) {
     SCOPED_TRACE(fmt::format("scenario: first mask {} -> {}", scenario[0].first, scenario[0].second));
     auto groups = create_host_groups(R, {.timeout_ms = 20'000, .gpus_per_node = c.gpus_per_node});
-    auto in = make_inputs(rng, c);
+    auto in = make_inputs(rng_, c);
     std::vector<std::vector<bool>> closed(R, std::vector<bool>(R, false));
     for (auto [a, b] : scenario) closed[a][b] = closed[b][a] = true;
     const Reaches reaches = path_rule(c, closed);
@@ -418,17 +418,12 @@ TEST(HostMultiNodeLowLatency, MaskCutsThePathsThroughTheForwarder) {
 
 // A rank that never calls is masked after the timeout; as a forwarder it cuts its node off from the sources with
 // its local index.
-TEST(HostMultiNodeLowLatency, SilentRankIsMaskedAfterTimeout) {
-  const unsigned seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
-  Case c;
-  c.num_nodes = 2;
-  c.gpus_per_node = 2;
+TEST_F(HostMultiNodeLowLatency, SilentRankIsMaskedAfterTimeout) {
+  Case c{.num_nodes = 2, .gpus_per_node = 2};
   constexpr int kSilent = 3;
   const int R = c.num_ranks();
   auto groups = create_host_groups(R, {.timeout_ms = 200, .gpus_per_node = c.gpus_per_node});
-  auto in = make_inputs(rng, c);
+  auto in = make_inputs(rng_, c);
   std::vector<std::vector<bool>> closed(R, std::vector<bool>(R, false));
   for (int r = 0; r < R; ++r) closed[r][kSilent] = closed[kSilent][r] = r != kSilent;
   const Reaches reaches = path_rule(c, closed);
@@ -450,17 +445,12 @@ TEST(HostMultiNodeLowLatency, SilentRankIsMaskedAfterTimeout) {
 
 // An invalid top-k entry on one rank: it raises kInvalidArgument, its peers kPeerFailure, nobody waits out the
 // timeout, and the next calls work on every rank.
-TEST(HostMultiNodeLowLatency, InvalidTopkFailsPeersAndTheGroupStaysUsable) {
-  const unsigned seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
-  Case c;
-  c.num_nodes = 2;
-  c.gpus_per_node = 2;
+TEST_F(HostMultiNodeLowLatency, InvalidTopkFailsPeersAndTheGroupStaysUsable) {
+  Case c{.num_nodes = 2, .gpus_per_node = 2};
   constexpr int kBad = 1;
   const int R = c.num_ranks();
   auto groups = create_host_groups(R, {.timeout_ms = 20'000, .gpus_per_node = c.gpus_per_node});
-  auto bad = make_inputs(rng, c);
+  auto bad = make_inputs(rng_, c);
   if (bad[kBad].num_tokens == 0) {
     bad[kBad].num_tokens = 1;
     bad[kBad].x.assign(c.hidden, 0);
@@ -468,7 +458,7 @@ TEST(HostMultiNodeLowLatency, InvalidTopkFailsPeersAndTheGroupStaysUsable) {
     bad[kBad].weights.assign(c.num_topk, 0.f);
   }
   bad[kBad].topk[0] = c.num_experts();  // out of range
-  auto in = make_inputs(rng, c);
+  auto in = make_inputs(rng_, c);
   std::vector<ErrorCode> codes(R, ErrorCode::kInternal);
   Step step(R);
   std::barrier sync(R);
@@ -490,7 +480,7 @@ TEST(HostMultiNodeLowLatency, InvalidTopkFailsPeersAndTheGroupStaysUsable) {
   step.expect(c, in, [](int, int) { return true; });
 }
 
-TEST(HostMultiNodeLowLatency, RoutingOptionIsChecked) {
+TEST_F(HostMultiNodeLowLatency, RoutingOptionIsChecked) {
   auto groups = create_host_groups(1);
   BufferOptions options;
   options.low_latency_routing = static_cast<LowLatencyRouting>(7);
