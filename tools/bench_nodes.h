@@ -39,18 +39,33 @@ struct DispatchSnapshot {
 inline constexpr int kNumNodesPhases = 4;
 inline constexpr const char* kNodesPhases[kNumNodesPhases] = {"dispatch_bf16", "dispatch_bf16_cached",
                                                               "dispatch_fp8_cached", "combine_bf16"};
+// The low-latency phases, on config.num_ll_tokens tokens per rank (BufferOptions::low_latency_routing). The host
+// run only: the cuda backend's hierarchical low-latency path is not built (docs/multi-node.md).
+inline constexpr int kNumLowLatencyPhases = 2;
+inline constexpr const char* kLowLatencyPhases[kNumLowLatencyPhases] = {"ll_dispatch_fp8", "ll_combine_bf16"};
 struct RoutingRun {
   double seconds[kNumNodesPhases] = {};         // median over iterations of the slowest rank
   std::vector<DispatchSnapshot> dispatched[3];  // [phase 0..2][rank]: the last call's results
   std::vector<std::vector<uint16_t>> combined;  // [rank] [T, H] bf16: the last combine's output
+  bool has_low_latency = false;
+  double ll_seconds[kNumLowLatencyPhases] = {};
+  // [rank]: the last fp8 dispatch's defined bytes: per local expert its count, its layout ranges, then its received
+  // rows [0, count) of recv_x, scales and source indices (the rows past the count are unspecified).
+  std::vector<std::vector<uint8_t>> ll_dispatched;
+  std::vector<std::vector<uint16_t>> ll_combined;  // [rank] [T_ll, H] bf16: the last combine of identity experts
 };
+
+// The low-latency inputs of a nodes run (config.num_ll_tokens per rank), from their own generator so that the
+// normal path's inputs stay those of make_nodes_inputs.
+std::vector<RankInputs> make_nodes_ll_inputs(const BenchConfig& config);
 
 // The report of a nodes run: {"backend", "device", "epx_version", "run": "nodes", "settings", "legs", "phases":
 // [{"name", "phase", "routing", "time_us", leg bytes...}], "check": {"passed", "details"}}. `tested` ran with
 // the topology's routing (hierarchical), `flat` on one-node groups with the flat routing; same inputs.
-nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInputs>& inputs, const RoutingRun& flat,
-                            const RoutingRun& tested, const std::string& backend, const std::string& device,
-                            nlohmann::json extra_settings);
+// ll_inputs: make_nodes_ll_inputs's, read when both runs have the low-latency phases.
+nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInputs>& inputs,
+                            const std::vector<RankInputs>& ll_inputs, const RoutingRun& flat, const RoutingRun& tested,
+                            const std::string& backend, const std::string& device, nlohmann::json extra_settings);
 void print_nodes_report(const nlohmann::json& report);
 
 nlohmann::json run_host_nodes_bench(const BenchConfig& config);

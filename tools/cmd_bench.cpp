@@ -350,6 +350,7 @@ void run_model_command(const BenchConfig& c, ModelConfig m, const std::string& n
 // The flags of `epx bench --nodes N` / `--routing hierarchical` as given.
 struct NodesFlags {
   bool nodes_given = false;
+  bool ll_tokens_given = false;
   std::string nodes;      // --nodes as typed
   int gpus_per_node = 0;  // 0: --gpus-per-node not given
   bool force_hierarchical = false;
@@ -361,7 +362,12 @@ struct NodesFlags {
 // run (bench_nodes.h), the table printed and the JSON written.
 void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const std::string& json_path) {
   for (const char* name : f.not_with_nodes) {
-    throw BadInput(fmt::format("{} does not apply to --nodes / --routing (a run of the normal path only)", name));
+    throw BadInput(fmt::format("{} does not apply to --nodes / --routing (a run of dispatch/combine only)", name));
+  }
+  if (use_cuda && f.ll_tokens_given) {
+    throw BadInput(
+        "--ll-tokens does not apply to --nodes on GPUs: the cuda backend's hierarchical low-latency path is not built, "
+        "so that run has no low-latency phases (the host backend's has)");
   }
   int num_nodes = 1;
   if (f.nodes_given) {
@@ -425,6 +431,12 @@ void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const 
         static_cast<double>(num_ranks) * static_cast<double>(c.num_tokens) * static_cast<double>(c.hidden) * 14,
         fmt::format("bench --nodes on the host backend: {} ranks x --tokens {} x --hidden {} x 14 bytes", num_ranks,
                     c.num_tokens, c.hidden));
+    // The low-latency phases: every rank's receive buffer [E_local, R * M, H] bf16 (E x M x H x 2 bytes each).
+    check_fits_in_memory(static_cast<double>(num_ranks) * static_cast<double>(c.num_experts) *
+                             static_cast<double>(c.num_ll_tokens) * static_cast<double>(c.hidden) * 2,
+                         fmt::format("bench --nodes on the host backend: {} ranks' low-latency receive buffers, "
+                                     "--experts {} x --ll-tokens {} x --hidden {} x 2 bytes each",
+                                     num_ranks, c.num_experts, c.num_ll_tokens, c.hidden));
   }
   c.num_ranks = num_ranks;
   c.num_nodes = num_nodes;
@@ -511,7 +523,8 @@ void add_bench(CLI::App& app) {
       "Instead: the normal dispatch/combine with hierarchical routing over this many nodes, an integer in [1, 1024] "
       "dividing --ranks (host groups, or cuda groups of ranks as threads, with that topology), timed beside the flat "
       "routing on the same inputs: time, bytes of the network and node legs, results compared bit for bit "
-      "(docs/multi-node.md). --model: node counts, comma-separated, each in [1, 1024] (default 1,2,4,9: EP8, EP16, "
+      "(docs/multi-node.md); the host backend also runs the low-latency path so (--ll-tokens). --model: node counts, "
+      "comma-separated, each in [1, 1024] (default 1,2,4,9: EP8, EP16, "
       "EP32, EP72)");
   auto* gpus_per_node = cmd->add_option("--gpus-per-node", model_config->gpus_per_node,
                                         "--nodes: ranks per node (default --ranks / --nodes; sets --ranks when that is "
@@ -607,8 +620,9 @@ void add_bench(CLI::App& app) {
       f.gpus_per_node = gpus_per_node->count() > 0 ? model_config->gpus_per_node : 0;
       f.force_hierarchical = *routing == "hierarchical";
       f.ranks_given = ranks->count() > 0;
-      for (const auto& [opt, name] : std::vector<std::pair<CLI::Option*, const char*>>{
-               {ll_tokens, "--ll-tokens"}, {dp, "--dp"}, {tbo, "--tbo"}, {eplb, "--eplb"}}) {
+      f.ll_tokens_given = ll_tokens->count() > 0;
+      for (const auto& [opt, name] :
+           std::vector<std::pair<CLI::Option*, const char*>>{{dp, "--dp"}, {tbo, "--tbo"}, {eplb, "--eplb"}}) {
         if (opt->count() > 0) f.not_with_nodes.push_back(name);
       }
       run_nodes_command(c, use_cuda, f, *json_path);

@@ -117,9 +117,8 @@ TEST(CliContract, BenchNodesFlagsChecked) {
   expect_rejected("bench --host --quiet --routing auto", "--nodes 1 has no network leg");
   expect_rejected("bench --host --quiet --nodes 2 --experts 6",
                   "--experts 6 must be divisible by the 4 ranks (the host backend's default; set --ranks)");
-  expect_rejected("bench --host --quiet --nodes 2 --ll-tokens 4",
-                  "--ll-tokens does not apply to --nodes / --routing (a run of the normal path only)");
-  expect_rejected("bench --host --quiet --nodes 2 --dp", "--dp does not apply to --nodes / --routing");
+  expect_rejected("bench --host --quiet --nodes 2 --dp",
+                  "--dp does not apply to --nodes / --routing (a run of dispatch/combine only)");
   expect_rejected("bench --host --quiet --nodes 2 --sms 8,24", "--sms takes one value with --nodes / --routing, got 2");
   expect_rejected("bench --model --routing hierarchical", "--routing does not apply to --model");
   expect_rejected("bench --backend gpu", "--backend: 'gpu' is not one of auto | host | cuda");

@@ -71,26 +71,31 @@ TEST(Cli, HostBenchNodesMatchesTheFlatPath) {
   EXPECT_EQ(report["run"], "nodes");
   EXPECT_EQ(report["settings"]["num_nodes"], 2);
   EXPECT_EQ(report["settings"]["gpus_per_node"], 2);
-  EXPECT_EQ(report["check"]["details"].size(), 5u);
+  EXPECT_EQ(report["check"]["details"].size(), 8u);  // 5 of the normal path, 3 of the low-latency path
   for (const auto& c : report["check"]["details"]) EXPECT_EQ(c["mismatches"], 0) << c.dump();
   // 64 tokens x top-8 of 32 experts over 2 nodes: nearly every token reaches the other node.
   EXPECT_GT(report["legs"]["network_rows"].get<double>(), 4 * 32);
   EXPECT_LE(report["legs"]["network_rows"].get<double>(), 4 * 64);
   EXPECT_GT(report["legs"]["node_rows"].get<double>(), 0);
-  ASSERT_EQ(report["phases"].size(), 8u);
+  EXPECT_GT(report["legs"]["ll_network_records"].get<double>(), 0);
+  EXPECT_GT(report["legs"]["ll_node_pairs"].get<double>(), 0);
+  EXPECT_LT(report["legs"]["ll_node_pairs"].get<double>(), report["legs"]["ll_flat_peer_pairs"].get<double>());
+  ASSERT_EQ(report["phases"].size(), 12u);  // 4 normal and 2 low-latency phases, each hierarchical and flat
   int hierarchical = 0;
   for (const auto& p : report["phases"]) {
     EXPECT_GT(p["time_us"].get<double>(), 0) << p.dump();
     if (p["routing"] != "hierarchical") {
       EXPECT_GT(p["peer_bytes"].get<double>(), 0) << p.dump();
-      EXPECT_GT(p["cross_node_bytes"].get<double>(), 0) << p.dump();
+      if (!p["phase"].get<std::string>().starts_with("ll_")) {
+        EXPECT_GT(p["cross_node_bytes"].get<double>(), 0) << p.dump();
+      }
       continue;
     }
     ++hierarchical;
     EXPECT_GT(p["network_bytes"].get<double>(), 0) << p.dump();
     EXPECT_GT(p["node_bytes"].get<double>(), 0) << p.dump();
   }
-  EXPECT_EQ(hierarchical, 4);
+  EXPECT_EQ(hierarchical, 6);
   // The combine's network leg carries fp32 partials: twice the bf16 dispatch's bytes.
   EXPECT_EQ(report["phases"][6]["network_bytes"].get<double>(), 2 * report["phases"][0]["network_bytes"].get<double>());
 }
@@ -103,6 +108,8 @@ TEST(Cli, HostBenchRoutingHierarchicalOnOneNode) {
   EXPECT_EQ(report["legs"]["network_rows"], 0);  // one node: everything goes over the node leg
   EXPECT_GT(report["legs"]["node_rows"].get<double>(), 0);
   EXPECT_EQ(report["legs"]["node_rows"], report["legs"]["flat_peer_rows"]);
+  EXPECT_EQ(report["legs"]["ll_network_records"], 0);
+  EXPECT_EQ(report["legs"]["ll_node_pairs"], report["legs"]["ll_flat_peer_pairs"]);
 }
 
 TEST(Cli, HostBenchNodesOneRankPerNode) {

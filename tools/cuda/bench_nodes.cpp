@@ -162,7 +162,7 @@ nlohmann::json run_cuda_nodes_bench(const BenchConfig& config) {
       run_cuda_routing(config, inputs, devices, topo.gpus_per_node,
                        config.force_hierarchical ? NormalRouting::kHierarchical : NormalRouting::kAuto, "hierarchical");
   const int num_used = std::min(num_gpus, config.num_ranks);
-  return nodes_report(config, inputs, flat, tested, "cuda",
+  return nodes_report(config, inputs, {}, flat, tested, "cuda",
                       fmt::format("{} x {} ({} SMs)", num_used, prop.name, prop.multiProcessorCount),
                       {{"num_sms", config.num_sms.empty() ? 24 : config.num_sms[0]},
                        {"devices", devices},
