@@ -132,9 +132,12 @@ class Buffer:
         self._max_sms = int(epx_num_sms) if epx_num_sms else max(MIN_BUFFER_SMS, Buffer.num_sms)
         normal_bytes = num_nvl_bytes or epx.normal_buffer_size_hint(8192, self.group_size, self._max_sms)
         self._low_latency_bytes = num_rdma_bytes if low_latency_mode else 0
+        # NOTE: DeepEP's low-latency kernels send every (token, expert) pair straight to its rank, across nodes too,
+        # and its combine adds the pairs in top-k order: epx's flat low-latency routing, not the hierarchical one
+        # that `auto` picks on more than one node (docs/multi-node.md, "Low-latency across nodes").
         self.runtime: Optional[epx.Buffer] = epx.Buffer(epx_group, num_normal_bytes=normal_bytes,
                                                         num_low_latency_bytes=self._low_latency_bytes,
-                                                        num_sms=self._max_sms)
+                                                        num_sms=self._max_sms, low_latency_routing="flat")
         self._native = self.runtime._native
         self._call_num_sms = _accepts(self.runtime.dispatch, "num_sms") and _accepts(self.runtime.combine, "num_sms")
         self._column_major_scales = epx_column_major_scales
