@@ -73,6 +73,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     DeviceGuard guard(device_);
     // NOTE: peers may still write into our region until they finished their last call: wait for them.
     try {
+      if (hierarchical_) hierarchical_->wait_exchanges();
       if (last_stream_ != nullptr) cudaStreamSynchronize(last_stream_);
       group_->barrier();
     } catch (...) {

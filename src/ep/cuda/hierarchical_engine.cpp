@@ -132,6 +132,11 @@ void HierarchicalEngine::route_locally(const DispatchArgs& args, int64_t T, Hier
   routes.per_node.assign(counts_host_ + R + E, counts_host_ + R + E + N);
 }
 
+void HierarchicalEngine::wait_exchanges() {
+  DeviceGuard guard(device_);
+  exchange_->wait_finished();
+}
+
 DispatchResult HierarchicalEngine::dispatch(const DispatchArgs& args) {
   const int R = num_ranks_, N = topology_.num_nodes, G = topology_.gpus_per_node;
   cudaStream_t stream = static_cast<cudaStream_t>(args.stream);

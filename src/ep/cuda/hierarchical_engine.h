@@ -40,6 +40,10 @@ class HierarchicalEngine {
   // Collective, as Buffer::dispatch / Buffer::combine.
   DispatchResult dispatch(const DispatchArgs& args);
   CombineResult combine(const CombineArgs& args);
+  // Waits (bounded by the group's timeout) for this rank's last network exchange: Error(kTimeout) when a peer never
+  // posted its part (NCCL groups; see ByteExchange::wait_finished). The buffer's destructor calls it before it
+  // synchronizes the stream of its last call, which would otherwise wait for such an exchange forever.
+  void wait_exchanges();
 
  private:
   Tensor empty(DType dtype, const std::vector<int64_t>& shape, Stream stream) const;
