@@ -151,7 +151,7 @@ nlohmann::json run_model(const ModelConfig& c) {
 
 void print_model_report(const nlohmann::json& r) {
   const auto& m = r["model"];
-  std::printf("epx bench --model: predicted time per call of the busiest rank (docs/multi-node.md \"Scale model\")\n");
+  std::printf("epx bench --model: predicted time per call of the busiest rank (docs/internode.md \"Scale model\")\n");
   std::printf(
       "hidden %lld, top-%d experts in the top-%d of %d groups; network %g GB/s + %g us, NVLink %g GB/s per "
       "GPU; prefill %lld tokens/rank, decode %lld\n",

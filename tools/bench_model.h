@@ -1,4 +1,4 @@
-// `epx bench --model`: the scale model of issue 17 (src/ep/scale_model.h, docs/multi-node.md "Scale model"),
+// `epx bench --model`: the scale model of issue 17 (src/ep/scale_model.h, docs/internode.md "Scale model"),
 // printed for several node counts. Pure arithmetic: no GPU, no group, well under a second.
 #pragma once
 

@@ -430,7 +430,7 @@ nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInp
       {"num_ll_tokens", config.num_ll_tokens},
       {"low_latency", low_latency ? "run: BufferOptions::low_latency_routing, the same topology"
                                   : "not run: the cuda backend's hierarchical low-latency path is not built "
-                                    "(docs/multi-node.md)"},
+                                    "(docs/internode.md)"},
       {"num_warmup", config.num_warmup},
       {"num_iters", config.num_iters},
       {"seed", config.seed},

@@ -1,5 +1,5 @@
 // `epx bench --nodes N` and `--routing hierarchical` (issue 17): the normal dispatch/combine with hierarchical
-// routing (docs/multi-node.md) over N nodes of ranks / N ranks, timed beside the flat single-node path on the
+// routing (docs/internode.md) over N nodes of ranks / N ranks, timed beside the flat single-node path on the
 // same routing, with the bytes of each leg and a check that the two give the same results. Host backend in
 // bench_nodes.cpp (wall time), cuda backend in tools/cuda/bench_nodes.cpp (CUDA events); the pieces both share
 // are declared here.
@@ -18,7 +18,7 @@ namespace epx::cli {
 
 // Each rank's inputs (bench_inputs.h), drawn from config.seed. x holds small integers and the weights are eighths,
 // so every sum the combine makes is exact in fp32 and bf16: the hierarchical combine must then equal the flat one
-// bit for bit (docs/multi-node.md).
+// bit for bit (docs/internode.md).
 std::vector<RankInputs> make_nodes_inputs(const BenchConfig& config);
 
 // The nodes run's topology: config.num_nodes nodes of config.num_ranks / config.num_nodes ranks.
@@ -40,7 +40,7 @@ inline constexpr int kNumNodesPhases = 4;
 inline constexpr const char* kNodesPhases[kNumNodesPhases] = {"dispatch_bf16", "dispatch_bf16_cached",
                                                               "dispatch_fp8_cached", "combine_bf16"};
 // The low-latency phases, on config.num_ll_tokens tokens per rank (BufferOptions::low_latency_routing). The host
-// run only: the cuda backend's hierarchical low-latency path is not built (docs/multi-node.md).
+// run only: the cuda backend's hierarchical low-latency path is not built (docs/internode.md).
 inline constexpr int kNumLowLatencyPhases = 2;
 inline constexpr const char* kLowLatencyPhases[kNumLowLatencyPhases] = {"ll_dispatch_fp8", "ll_combine_bf16"};
 struct RoutingRun {

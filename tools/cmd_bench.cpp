@@ -516,14 +516,14 @@ void add_bench(CLI::App& app) {
   auto model_config = std::make_shared<ModelConfig>();
   auto* model = cmd->add_flag("--model")->description(
       "Instead: the scale model (no GPU needed): predicted dispatch/combine times for --nodes x --gpus-per-node from "
-      "the routing statistics of group-limited top-k (docs/multi-node.md, \"Scale model\")");
+      "the routing statistics of group-limited top-k (docs/internode.md, \"Scale model\")");
   auto nodes = std::make_shared<std::string>();
   auto* nodes_opt = cmd->add_option(
       "--nodes", *nodes,
       "Instead: the normal dispatch/combine with hierarchical routing over this many nodes, an integer in [1, 1024] "
       "dividing --ranks (host groups, or cuda groups of ranks as threads, with that topology), timed beside the flat "
       "routing on the same inputs: time, bytes of the network and node legs, results compared bit for bit "
-      "(docs/multi-node.md); the host backend also runs the low-latency path so (--ll-tokens). --model: node counts, "
+      "(docs/internode.md); the host backend also runs the low-latency path so (--ll-tokens). --model: node counts, "
       "comma-separated, each in [1, 1024] (default 1,2,4,9: EP8, EP16, "
       "EP32, EP72)");
   auto* gpus_per_node = cmd->add_option("--gpus-per-node", model_config->gpus_per_node,

@@ -37,7 +37,7 @@ struct LowLatencyConfig {
   int combine_send_parts = 2;  // blocks per local expert in the combine send: 1, 2, 4 or 8
 };
 
-// Which way normal dispatch/combine move tokens (docs/multi-node.md). The same on every rank.
+// Which way normal dispatch/combine move tokens (docs/internode.md). The same on every rank.
 enum class NormalRouting : uint8_t {
   kAuto,  // kHierarchical when group.topology().num_nodes > 1, else kFlat
   kFlat,  // each token goes from its rank straight to every destination rank (one node)
@@ -47,11 +47,11 @@ enum class NormalRouting : uint8_t {
   // reassociation (see CombineResult). Both backends; the cuda backend's results equal the host backend's
   // hierarchical ones bit for bit, combine included. cuda backend, this first version: a fresh dispatch synchronizes
   // its stream once also in worst-token mode, and no hierarchical call can be captured in a CUDA graph (each starts
-  // with a host rendezvous of the ranks); see docs/multi-node.md.
+  // with a host rendezvous of the ranks); see docs/internode.md.
   kHierarchical,
 };
 
-// Which way low-latency dispatch/combine move (token, expert) pairs (docs/multi-node.md, "Low-latency across
+// Which way low-latency dispatch/combine move (token, expert) pairs (docs/internode.md, "Low-latency across
 // nodes"). The same on every rank.
 enum class LowLatencyRouting : uint8_t {
   kAuto,  // kHierarchical when group.topology().num_nodes > 1, else kFlat

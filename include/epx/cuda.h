@@ -29,7 +29,7 @@ struct CudaGroupOptions {
   // Ranks per node of the group's Topology (Group::topology()): 0 puts every rank on one node; else in
   // [1, num_ranks] and a divisor of num_ranks (num_nodes = num_ranks / gpus_per_node), kInvalidArgument naming
   // gpus_per_node and num_ranks otherwise. Ranks are numbered node-major. With more than one node the normal
-  // dispatch/combine take the hierarchical path (BufferOptions::normal_routing, docs/multi-node.md). Ranks of
+  // dispatch/combine take the hierarchical path (BufferOptions::normal_routing, docs/internode.md). Ranks of
   // one process (create_cuda_groups) may declare several nodes too: the node boundary then only decides the
   // routing, as for host groups.
   int gpus_per_node = 0;

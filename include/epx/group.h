@@ -26,7 +26,7 @@ inline constexpr int64_t kMaxTimeoutMs = int64_t{100} * 365 * 24 * 3600 * 1000; 
 
 // Where a group's ranks sit: num_nodes machines of gpus_per_node ranks each, numbered node-major, so rank =
 // node * gpus_per_node + local_rank. Ranks of one node reach each other over NVLink (the host backend: shared
-// memory); ranks of different nodes only over the network. The hierarchical normal path (docs/multi-node.md)
+// memory); ranks of different nodes only over the network. The hierarchical normal path (docs/internode.md)
 // routes by it; everything else sees one flat set of num_ranks() ranks.
 struct Topology {
   int num_nodes = 1;

@@ -6,7 +6,7 @@ The same C++ core as the `epx` library and CLI, for numpy and torch:
 * ``host_groups(n)`` + ``run_host_ranks``: n ranks as threads of this process (no GPU needed);
 * ``cuda_groups(devices)``, ``Group.from_process_group(pg)``: CUDA groups;
 * ``gpus_per_node=`` on every group constructor and ``Group.topology``: ranks on several nodes, where the normal
-  dispatch/combine route hierarchically (``Buffer(..., normal_routing=...)``, docs/multi-node.md);
+  dispatch/combine route hierarchically (``Buffer(..., normal_routing=...)``, docs/internode.md);
 * errors: ``epx.Error`` and one subclass per code (``InvalidArgumentError`` is also a ``ValueError``,
   ``TimeoutError`` also the builtin ``TimeoutError``).
 

@@ -81,7 +81,7 @@ class Buffer:
     0 low-latency: none, and low_latency_* raise). num_sms: SMs the normal kernels may use (cuda).
     normal / low_latency: epx.NormalConfig / epx.LowLatencyConfig, the kernels' tuning (cuda; None: the
     defaults). normal_routing: "auto" (hierarchical when group.topology has more than one node), "flat" or
-    "hierarchical" (or an epx.NormalRouting); see docs/multi-node.md. low_latency_routing: the same choice for
+    "hierarchical" (or an epx.NormalRouting); see docs/internode.md. low_latency_routing: the same choice for
     low_latency_dispatch/combine (or an epx.LowLatencyRouting): "hierarchical" sends a token over the network once
     per destination node and reduces the combine inside each node first (host backend only for now: the cuda
     backend's low_latency_dispatch raises UnsupportedError on it, pass "flat" there). On the cuda backend the byte

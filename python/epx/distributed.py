@@ -19,7 +19,7 @@ def group_from_process_group(pg: Any = None, timeout_ms: int = 60_000, device: O
 
     Collective over `pg`. `device`: the CUDA ordinal of this rank (default: torch's current device).
     `gpus_per_node`: ranks per node of the group's topology, numbered node-major (0: one node; else a divisor of
-    the group's size, epx.InvalidArgumentError naming gpus_per_node otherwise). See docs/multi-node.md.
+    the group's size, epx.InvalidArgumentError naming gpus_per_node otherwise). See docs/internode.md.
     """
     import torch
     import torch.distributed as dist

@@ -188,14 +188,14 @@ void register_buffer(nb::module_& m) {
       .def_rw("combine_send_parts", &LowLatencyConfig::combine_send_parts);
   nb::enum_<NormalRouting>(m, "NormalRouting",
                            "Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, "
-                           "docs/multi-node.md): auto (hierarchical when the group's topology has more than one "
+                           "docs/internode.md): auto (hierarchical when the group's topology has more than one "
                            "node), flat, or hierarchical. The same on every rank.")
       .value("auto", NormalRouting::kAuto)
       .value("flat", NormalRouting::kFlat)
       .value("hierarchical", NormalRouting::kHierarchical);
   nb::enum_<LowLatencyRouting>(m, "LowLatencyRouting",
                                "Which way low-latency dispatch/combine move (token, expert) pairs "
-                               "(BufferOptions::low_latency_routing, docs/multi-node.md): auto (hierarchical when the "
+                               "(BufferOptions::low_latency_routing, docs/internode.md): auto (hierarchical when the "
                                "group's topology has more than one node), flat, or hierarchical (host backend only for "
                                "now). The same on every rank.")
       .value("auto", LowLatencyRouting::kAuto)

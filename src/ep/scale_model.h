@@ -1,4 +1,4 @@
-// The scale model of issue 17 (`epx bench --model`, docs/multi-node.md "Scale model"): predicted dispatch and
+// The scale model of issue 17 (`epx bench --model`, docs/internode.md "Scale model"): predicted dispatch and
 // combine times of N nodes x G GPUs from the routing statistics of group-limited top-k routing. Host-only
 // arithmetic; nothing here touches a GPU or a group.
 //

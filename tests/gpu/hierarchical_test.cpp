@@ -1,4 +1,4 @@
-// GPU tests of the hierarchical normal dispatch/combine (NormalRouting::kHierarchical, docs/multi-node.md) against
+// GPU tests of the hierarchical normal dispatch/combine (NormalRouting::kHierarchical, docs/internode.md) against
 // the host backend's hierarchical path (the oracle), on ONE GPU: the ranks are threads sharing device 0, and cuda
 // groups declare the nodes (CudaGroupOptions::gpus_per_node) as host groups do.
 //

@@ -1,4 +1,4 @@
-// Host backend, multi-node low-latency path: the hierarchical routing (LowLatencyRouting, docs/multi-node.md
+// Host backend, multi-node low-latency path: the hierarchical routing (LowLatencyRouting, docs/internode.md
 // "Low-latency across nodes") against the flat one and against references built here.
 //
 // Routing: one global routing per case. Every rank draws 0-12 tokens (one rank idle, T = 0) with K distinct experts

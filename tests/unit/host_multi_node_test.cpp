@@ -1,4 +1,4 @@
-// Host backend, multi-node: the group topology and the hierarchical normal routing (docs/multi-node.md).
+// Host backend, multi-node: the group topology and the hierarchical normal routing (docs/internode.md).
 //
 // Routing: one global routing per case, run twice on fresh buffers: flat (one node, the single-node path) and
 // hierarchical (the same ranks grouped into nodes of gpus_per_node; forced on one node). Every rank draws 0-12

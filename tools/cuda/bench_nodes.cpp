@@ -23,7 +23,7 @@ namespace epx::cli {
 namespace {
 
 // NOTE: with ranks of one process on several GPUs the hierarchical exchange copies between stream-ordered
-// allocations of different devices (docs/multi-node.md), which the default pools do not grant to peers: grant
+// allocations of different devices (docs/internode.md), which the default pools do not grant to peers: grant
 // every device used read/write access to every other one's default pool, where the pair has peer access.
 void grant_pool_access(const std::vector<int>& devices) {
   const std::set<int> used(devices.begin(), devices.end());

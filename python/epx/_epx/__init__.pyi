@@ -243,7 +243,7 @@ class LowLatencyConfig:
 
 class NormalRouting(enum.Enum):
     """
-    Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, docs/multi-node.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical. The same on every rank.
+    Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, docs/internode.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical. The same on every rank.
     """
 
     auto = 0
@@ -254,7 +254,7 @@ class NormalRouting(enum.Enum):
 
 class LowLatencyRouting(enum.Enum):
     """
-    Which way low-latency dispatch/combine move (token, expert) pairs (BufferOptions::low_latency_routing, docs/multi-node.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical (host backend only for now). The same on every rank.
+    Which way low-latency dispatch/combine move (token, expert) pairs (BufferOptions::low_latency_routing, docs/internode.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical (host backend only for now). The same on every rank.
     """
 
     auto = 0

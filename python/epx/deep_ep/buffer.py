@@ -79,7 +79,7 @@ class Buffer:
     ranks, which is gpus_per_node (DeepEP's fixed 8 GPUs per node, NUM_MAX_NVL_PEERS, is the usual case).
     ``epx_gpus_per_node`` overrides that. With more than one node, get_dispatch_layout returns
     num_tokens_per_rdma_rank, dispatch returns DeepEP's internode handle, and dispatch/combine run epx's
-    hierarchical path (docs/multi-node.md).
+    hierarchical path (docs/internode.md).
 
     epx-only keywords: epx_num_sms, the most SMs a call may use (default max(24, Buffer.num_sms); a
     Config asking for more is clamped, with a warning); epx_timeout_ms, the group's timeout for peer
@@ -134,7 +134,7 @@ class Buffer:
         self._low_latency_bytes = num_rdma_bytes if low_latency_mode else 0
         # NOTE: DeepEP's low-latency kernels send every (token, expert) pair straight to its rank, across nodes too,
         # and its combine adds the pairs in top-k order: epx's flat low-latency routing, not the hierarchical one
-        # that `auto` picks on more than one node (docs/multi-node.md, "Low-latency across nodes").
+        # that `auto` picks on more than one node (docs/internode.md, "Low-latency across nodes").
         self.runtime: Optional[epx.Buffer] = epx.Buffer(epx_group, num_normal_bytes=normal_bytes,
                                                         num_low_latency_bytes=self._low_latency_bytes,
                                                         num_sms=self._max_sms, low_latency_routing="flat")

@@ -1,4 +1,4 @@
-// The exchange legs of the hierarchical normal path (docs/multi-node.md): an all-to-all-v of byte buffers among a
+// The exchange legs of the hierarchical normal path (docs/internode.md): an all-to-all-v of byte buffers among a
 // set of peer ranks, enqueued on a CUDA stream. Private to the CUDA backend.
 //
 // Two implementations, chosen from the group (make_byte_exchange):

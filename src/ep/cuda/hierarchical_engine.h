@@ -1,5 +1,5 @@
 // The hierarchical normal dispatch/combine of the cuda Buffer (NormalRouting::kHierarchical, and kAuto on more
-// than one node; docs/multi-node.md): the same calls and results as the host backend's hierarchical path
+// than one node; docs/internode.md): the same calls and results as the host backend's hierarchical path
 // (src/ep/host/host_hierarchical.cpp), on the kernels of hierarchical_kernels.h and the exchanges of
 // comm/cuda/net_leg.h. Private to the CUDA backend.
 //

@@ -1,4 +1,4 @@
-// The kernels of the hierarchical normal path (docs/multi-node.md) and the plain structs they take by value.
+// The kernels of the hierarchical normal path (docs/internode.md) and the plain structs they take by value.
 // Private to the CUDA backend; the host side is hierarchical_engine.cpp.
 //
 // N nodes of G ranks; rank (n, l) = n * G + l. A record is one token's trip: the network leg carries records from

@@ -1,4 +1,4 @@
-// Host backend, normal mode, hierarchical routing (docs/multi-node.md): the reference of the multi-node path.
+// Host backend, normal mode, hierarchical routing (docs/internode.md): the reference of the multi-node path.
 //
 // N nodes of G ranks; rank (n, l) = n * G + l. Dispatch is two legs, each one HostGroup collective in which a rank
 // reads only from the peers that leg connects it to:

@@ -1,5 +1,5 @@
 // Host backend, low-latency routing and receive sides: the flat routing and the hierarchical one across nodes
-// (BufferOptions::low_latency_routing, docs/multi-node.md "Low-latency across nodes"); the reference of both.
+// (BufferOptions::low_latency_routing, docs/internode.md "Low-latency across nodes"); the reference of both.
 //
 // The flat routing is the hierarchical one on a topology of one node, so one code path serves both. N nodes of G
 // ranks, rank (n, l) = n * G + l:
@@ -15,7 +15,7 @@
 // NOTE: the posts never change and senders never wait, so a rank computes the node leg of its forwarders itself,
 // from the posts of its call (what f received, and f's mask): a receive (or its hook) then waits only for posts
 // made when the peers entered the call, as in the flat routing, never for a peer's hook. The data each step reads
-// is exactly what that step's sender holds on the GPU (see the cuda plan in docs/multi-node.md).
+// is exactly what that step's sender holds on the GPU (see the cuda plan in docs/internode.md).
 #include <fmt/format.h>
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // Host backend, normal mode (private): what the flat routing (host_buffer.cpp) and the hierarchical routing
-// (host_hierarchical.cpp, docs/multi-node.md) share: the routes a handle records, what ranks publish, and the
+// (host_hierarchical.cpp, docs/internode.md) share: the routes a handle records, what ranks publish, and the
 // checks and bookkeeping both run, so that the two give the same rows, metadata and errors.
 #pragma once
 
