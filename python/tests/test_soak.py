@@ -1,7 +1,8 @@
 """Soak: random shapes through every host-backend path, each round checked against reference.py, with and
 without injected faults.
 
-Per round: ranks 1-8, tokens 0-300 per rank (each rank its own count), hidden a multiple of 128 up to 1024,
+Per round: ranks 1-8 (half the rounds on several nodes of G ranks, G a divisor of the ranks: every path then
+routes hierarchically, docs/internode.md), tokens 0-300 per rank (each rank its own count), hidden a multiple of 128 up to 1024,
 top-k 1-9, experts a multiple of the ranks (>= top-k), about one top-k entry in six -1, int32 or int64 ids.
 Paths: layout, normal dispatch (with and without the layout), combine with weights, cached dispatch,
 worst-token dispatch, low-latency dispatch and combine (with and without the hook). References are computed
@@ -74,8 +75,10 @@ def make_round(rng, min_ranks=1):
 class Round:
     """One round's inputs and, per rank, what a valid round returns (computed before the ranks start)."""
 
-    def __init__(self, R, K, E, H, inputs):
-        self.R, self.K, self.E, self.H, self.inputs = R, K, E, H, inputs
+    def __init__(self, R, K, E, H, inputs, G=0):
+        # G: ranks per node (0: one node). On more than one node every path routes hierarchically
+        # (docs/internode.md); with these small integers and eighths every sum is exact, so the flat references hold.
+        self.R, self.K, self.E, self.H, self.inputs, self.G = R, K, E, H, inputs, G
         self.ll_bytes = epx.low_latency_buffer_size_hint(MAX_TOKENS, H, R, E)
         as64 = [(a, b.astype(np.int64), c) for a, b, c in inputs]
         self.want = []
@@ -89,7 +92,8 @@ class Round:
                 packed=reference.low_latency_rows(as64, rank, E, R)))
 
     def describe(self):
-        return f"R={self.R} K={self.K} E={self.E} H={self.H} T={[i[0].shape[0] for i in self.inputs]}"
+        return (f"R={self.R} G={self.G} K={self.K} E={self.E} H={self.H} "
+                f"T={[i[0].shape[0] for i in self.inputs]}")
 
     def ll_combine_want(self, rank, dropped=()):
         """Low-latency combine of `rank` when the experts of the ranks in `dropped` contribute nothing."""
@@ -235,6 +239,8 @@ def test_soak_random_rounds(capsys):
     rounds = checks = 0
     while time.monotonic() < deadline or rounds == 0:
         rnd = Round(*make_round(rng))
+        if rng.random() < 0.5:  # several nodes: G ranks per node, G a divisor of R
+            rnd.G = int(rng.choice([g for g in range(1, rnd.R + 1) if rnd.R % g == 0]))
 
         def body(rank, group):
             later = []
@@ -242,7 +248,7 @@ def test_soak_random_rounds(capsys):
             return run_checks(later)
 
         try:
-            checks += sum(run_ranks(epx.host_groups(rnd.R, timeout_ms=30_000), body))
+            checks += sum(run_ranks(epx.host_groups(rnd.R, timeout_ms=30_000, gpus_per_node=rnd.G), body))
         except Exception as e:  # name the round so it can be replayed
             raise AssertionError(f"soak seed {seed} round {rounds}: {rnd.describe()}: {e}") from e
         rounds += 1
