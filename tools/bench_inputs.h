@@ -24,4 +24,9 @@ struct RankInputs {
 std::vector<RankInputs> make_rank_inputs(std::mt19937_64& rng, int num_ranks, int64_t num_tokens, int64_t hidden,
                                          int num_topk, int64_t num_experts);
 
+// Elements of a normal combine of identity experts (out: [T, H] bf16 of in's rank) that differ from x times the
+// number of ranks the token visited (exact: x holds small integers). An output of another size counts T * H.
+int64_t count_identity_combine_mismatches(const RankInputs& in, const std::vector<uint16_t>& out, int64_t hidden,
+                                          int num_topk, int64_t num_experts, int num_ranks);
+
 }  // namespace epx::cli

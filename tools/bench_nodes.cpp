@@ -361,22 +361,8 @@ nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInp
   int64_t bad_vs_flat = 0, bad_vs_identity = 0;
   for (int r = 0; r < num_ranks; ++r) {
     bad_vs_flat += count_different(tested.combined[r], flat.combined[r]);
-    const HostLayout layout = compute_layout_host(
-        TensorView::of(const_cast<int64_t*>(inputs[r].topk.data()), DType::kInt64, {num_tokens, config.num_topk}),
-        config.num_experts, num_ranks);
-    const std::vector<uint16_t>& out = tested.combined[r];
-    if (out.size() != static_cast<size_t>(num_tokens * hidden)) {
-      bad_vs_identity += num_tokens * hidden;
-      continue;
-    }
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      int visits = 0;
-      for (int d = 0; d < num_ranks; ++d) visits += layout.is_token_in_rank[t * num_ranks + d];
-      for (int64_t c = 0; c < hidden; ++c) {
-        const float expected = bf16_to_float(inputs[r].x[t * hidden + c]) * static_cast<float>(visits);
-        bad_vs_identity += bf16_to_float(out[t * hidden + c]) != expected;
-      }
-    }
+    bad_vs_identity += count_identity_combine_mismatches(inputs[r], tested.combined[r], hidden, config.num_topk,
+                                                         config.num_experts, num_ranks);
   }
   checks.push_back({{"name", "hierarchical == flat, combine bf16: elements that differ"}, {"mismatches", bad_vs_flat}});
   checks.push_back({{"name", "hierarchical combine(dispatch(x)) == x * ranks visited (every element)"},

@@ -163,16 +163,9 @@ nlohmann::json run_host_bench(const BenchConfig& config) {
   {
     int64_t bad = 0;
     for (int r = 0; r < num_ranks; ++r) {
-      const HostLayout layout = compute_layout_host(topk_view(r), config.num_experts, num_ranks);
       const auto* out = combined[r].x.data_as<const uint16_t>();
-      for (int64_t t = 0; t < inputs[r].num_tokens; ++t) {
-        int visits = 0;
-        for (int d = 0; d < num_ranks; ++d) visits += layout.is_token_in_rank[t * num_ranks + d];
-        for (int64_t c = 0; c < hidden; ++c) {
-          const float expected = bf16_to_float(inputs[r].x[t * hidden + c]) * static_cast<float>(visits);
-          bad += bf16_to_float(out[t * hidden + c]) != expected;
-        }
-      }
+      bad += count_identity_combine_mismatches(inputs[r], std::vector<uint16_t>(out, out + combined[r].x.numel()),
+                                               hidden, num_topk, config.num_experts, num_ranks);
     }
     checks.push_back({{"name", "normal: combine(dispatch(x)) == x * ranks visited"}, {"mismatches", bad}});
     passed = passed && bad == 0;
