@@ -116,13 +116,15 @@ inline CliResult run_cli(const std::string& args) {
   return r;
 }
 
-// Bad CLI input: exit code 2, nothing on stdout, exactly one line on stderr containing `needle`.
-inline void expect_bad_input(const std::string& args, const std::string& needle) {
-  const auto r = run_cli(args);
+// Bad CLI input: exit code 2, nothing on stdout, exactly one line on stderr containing `needle`. Returns the run
+// so callers can check more of it without running the CLI again.
+inline CliResult expect_bad_input(const std::string& args, const std::string& needle) {
+  auto r = run_cli(args);
   EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out << r.err;
   EXPECT_TRUE(r.out.empty()) << args << ": " << r.out;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << ": " << r.err;
   EXPECT_NE(r.err.find(needle), std::string::npos) << args << ": " << r.err;
+  return r;
 }
 #endif
 
