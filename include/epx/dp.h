@@ -20,6 +20,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "epx/forward_mode.h"
@@ -136,14 +137,14 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 // Attention context parallelism (attn_cp_size > 1; SGLang's dp_attention.py `_dp_gather` / `dp_scatter` with
 // `cp_shard_counts`). Without cp_shard_counts the CP ranks of a DP rank hold the same rows and CP rank 0's are
 // gathered (its leader's, or for kPartialSums the sum over CP rank 0's attention-TP ranks). With cp_shard_counts
-// ([attn_cp_size], this rank's DP rank's, e.g. ZigzagSplit::num_tokens; >= 0, summing to plan.num_tokens of the DP
-// rank; the same on every rank of the DP rank) each CP rank holds a different shard of the DP rank's tokens: its
-// first cp_shard_counts[c] local rows land at offsets[d] + cp_shard_counts[0] + ... + cp_shard_counts[c - 1], the
-// shards back to back in CP rank order (rows past a shard's count, e.g. its padding to ZigzagSplit::padded_rank_len,
-// are skipped); local then needs >= cp_shard_counts[attn_cp_rank] rows. DP ranks may differ in whether they pass
-// shards (one may run a split extend batch, another a decode batch). With attn_cp_size > 1 both padding modes run
-// as the SUM_LEN all-reduce (SGLang: "an all-gather takes a block from every rank of the TP group, CP ranks
-// included"), so MAX_LEN rows are 0 + x too (-0 reads back as +0); the buffer layout is the plan's either way.
+// ([attn_cp_size], this rank's DP rank's, e.g. ZigzagSplit::num_tokens or InterleaveSplit::num_tokens; >= 0,
+// summing to plan.num_tokens of the DP rank; the same on every rank of the DP rank) each CP rank holds a different
+// shard of the DP rank's tokens: its first cp_shard_counts[c] local rows land at offsets[d] + cp_shard_counts[0] +
+// ... + cp_shard_counts[c - 1], the shards back to back in CP rank order (rows past a shard's count, e.g. its
+// padding to padded_rank_len, are skipped); local then needs >= cp_shard_counts[attn_cp_rank] rows. DP ranks may differ
+// in whether they pass shards (one may run a split extend batch, another a decode batch). With attn_cp_size > 1 both
+// padding modes run as the SUM_LEN all-reduce (SGLang: "an all-gather takes a block from every rank of the TP group, CP
+// ranks included"), so MAX_LEN rows are 0 + x too (-0 reads back as +0); the buffer layout is the plan's either way.
 
 // global [plan.buffer_len, hidden] (or [plan.buffer_len]) on every rank receives every DP rank's first num_tokens[d]
 // rows of its leader's `local` at offsets[d]; all other rows are zero. SUM_LEN rows are 0 + x in the dtype (an
@@ -185,7 +186,7 @@ enum class DpScatterKind : uint8_t {
 // dp_gather) takes back only this CP rank's shard: local[0, cp_shard_counts[c]) = global rows
 // [offsets[d] + prefix(c), + cp_shard_counts[c]), the rest of local zero (SGLang's dp_scatter). kReduceScatter
 // takes no shards (kInvalidArgument; SGLang's reduce-scatter has no shard form): pick the shard's rows out of the
-// DP rank's rows with zigzag_local_rows.
+// DP rank's rows with zigzag_local_rows or interleave_local_rows.
 void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                 const TensorView& local, DpScatterKind kind = DpScatterKind::kSlice, Stream stream = nullptr,
                 std::span<const int64_t> cp_shard_counts = {});
@@ -227,6 +228,77 @@ std::vector<int64_t> zigzag_local_rows(const ZigzagSplit& split, int cp_rank);
 // cp_shard_counts = split.num_tokens puts it relative to the DP rank's offset. So batch row i of DP rank d is
 // global row plan.offsets[d] + zigzag_gathered_rows(split)[i].
 std::vector<int64_t> zigzag_gathered_rows(const ZigzagSplit& split);
+
+// ---- attention context parallelism: SGLang's interleave split --------------------------------------
+// SGLang (python/sglang/srt/layers/cp/interleave.py, InterleaveCPStrategy) deals the batch's rows out round-robin,
+// ignoring sequence boundaries: batch row i goes to CP rank i % cp as its local row i / cp. Every rank so holds about
+// 1 / cp of every stretch of positions, which balances the causal work without blocks. The shards are used with
+// dp_gather / dp_scatter exactly as the zigzag ones (cp_shard_counts = InterleaveSplit::num_tokens; batch row i of DP
+// rank d is then global row plan.offsets[d] + interleave_gathered_rows(split)[i]). Host-only, no allocation beyond
+// the returned vectors; throws Error(kInvalidArgument) naming the argument.
+
+// SGLang's --cp-strategy (ContextParallelStrategyKind): which split the attention-CP ranks use.
+enum class CpStrategy : uint8_t {
+  kZigzag,      // "zigzag": 2 * cp blocks per sequence, rank c holds blocks c and 2cp - 1 - c (plan_zigzag_split)
+  kInterleave,  // "interleave": batch row i on rank i % cp (plan_interleave_split)
+};
+const char* to_string(CpStrategy strategy) noexcept;  // "zigzag" / "interleave"
+// SGLang's ContextParallelStrategyKind.from_string: exactly "zigzag" or "interleave"; anything else throws
+// kInvalidArgument naming cp_strategy, the value and the two names.
+CpStrategy parse_cp_strategy(std::string_view cp_strategy);
+
+// Whether SGLang shards the batch (InterleaveCPStrategy.can_apply): cp_size > 1, mode EXTEND or MIXED (as for
+// can_zigzag_split) and num_tokens >= cp_size. The sequence lengths do not matter: a sequence shorter than cp is
+// spread over fewer ranks. When false every CP rank of the DP rank holds the whole batch. num_tokens >= 0; cp_size in
+// [1, 1024].
+bool can_interleave_split(int cp_size, ForwardMode mode, int64_t num_tokens);
+// The rule of `strategy`: can_zigzag_split, or can_interleave_split (extend_seq_lens checked as there, then unused).
+bool can_cp_split(CpStrategy strategy, std::span<const int64_t> extend_seq_lens, int cp_size, ForwardMode mode,
+                  int64_t num_tokens);
+
+struct InterleaveSplit {
+  int cp_size = 1;
+  std::vector<int64_t> seq_lens;      // [num_seqs] the extend lengths; padding rows belong to no sequence
+  std::vector<int64_t> seq_offsets;   // [num_seqs] first batch row of each sequence (exclusive prefix sums)
+  int64_t num_batch_tokens = 0;       // rows dealt out, padding included (SGLang's num_tokens / total_padded_tokens)
+  int64_t num_real_batch_tokens = 0;  // sum of seq_lens (SGLang's total_seq_lens); rows from here on are padding
+  // [cp_size] rows CP rank c holds: batch rows c, c + cp, ... below num_batch_tokens, i.e.
+  // ceil((num_batch_tokens - c) / cp) (SGLang's per_rank_actual_token). These are the cp_shard_counts.
+  std::vector<int64_t> num_tokens;
+  // [cp_size] how many of them are real rows (below num_real_batch_tokens; SGLang's per_rank_real_token). Local rows
+  // ascend, so they are the first num_real_tokens[c] local rows.
+  std::vector<int64_t> num_real_tokens;
+  int64_t max_rank_len = 0;     // max of num_tokens = ceil(num_batch_tokens / cp)
+  int64_t padded_rank_len = 0;  // max_rank_len rounded up to a multiple of cp_size (SGLang's
+                                // pad_logical_token_to_physical, whose alignment is cp for interleave)
+};
+// SGLang's InterleaveCPStrategy.build_metadata. num_tokens: the batch's rows, >= the sum of extend_seq_lens (-1: the
+// sum); the rows past the sum are padding, dealt out like the others. extend_seq_lens: 1 to 2^24 sequences, each >= 0,
+// the total at most 2^40 (SGLang, given no lengths, takes one sequence of num_tokens rows: pass {num_tokens}).
+InterleaveSplit plan_interleave_split(std::span<const int64_t> extend_seq_lens, int cp_size, int64_t num_tokens = -1);
+// [split.num_tokens[cp_rank]] the batch row of each of CP rank cp_rank's rows, ascending: cp_rank, cp_rank + cp, ...
+// (SGLang's local_token_indices, what shard_hidden_states / shard_position_ids select).
+std::vector<int64_t> interleave_local_rows(const InterleaveSplit& split, int cp_rank);
+// [num_batch_tokens] for batch row i, its row once the CP ranks' rows lie back to back in CP rank order (each
+// num_tokens[c] rows, no padding to padded_rank_len): num_tokens[0] + ... + num_tokens[i % cp - 1] + i / cp. This is
+// SGLang's restore_indices (the argsort of the rank-major row list; gather_hidden_states selects it after the
+// all-gather) and where dp_gather with cp_shard_counts = split.num_tokens puts the row relative to the DP rank's
+// offset. real_rows_only: [num_real_batch_tokens], the same for the real rows when each rank contributes its first
+// num_real_tokens[c] rows (SGLang's restore_real_indices, used by gather_kv_cache).
+std::vector<int64_t> interleave_gathered_rows(const InterleaveSplit& split, bool real_rows_only = false);
+
+// The attention metadata of CP rank cp_rank's real rows (SGLang's query_request_indices / query_cache_lengths): one
+// query per real local row, in local order, each a causal query of its own sequence. SGLang's attention runs on these
+// num_real_tokens[cp_rank] rows only and gives the rank's padding rows zero output.
+struct InterleaveQueries {
+  std::vector<int64_t> seq_idx;  // [num_real_tokens[cp_rank]] the sequence of each real local row
+  // [num_real_tokens[cp_rank]] the KV length it attends to: prefix_lens[s] + (row - seq_offsets[s]) + 1
+  std::vector<int64_t> kv_lens;
+};
+// prefix_lens: [num_seqs] the cached prefix of each sequence (SGLang: seq_len - extend_len, floored at 0), each in
+// [0, 2^40]; empty: all 0 (SGLang when it has no full lengths).
+InterleaveQueries interleave_local_queries(const InterleaveSplit& split, int cp_rank,
+                                           std::span<const int64_t> prefix_lens = {});
 
 // ---- batch-metadata sync ---------------------------------------------------------------------------
 

@@ -27,17 +27,23 @@ from ._epx.dp import (  # noqa: F401
     BatchMetadata,
     BatchMetadataSync,
     BatchSyncResult,
+    CpStrategy,
     DpGatherPlan,
     DpGatherSource,
     DpPaddingMode,
     DpScatterKind,
     ForwardMode,
     GlobalBatchInfo,
+    InterleaveQueries,
+    InterleaveSplit,
     ParallelGroupKind,
     ParallelLayout,
     ParallelSizes,
     RankCoords,
     ZigzagSplit,
+    interleave_gathered_rows,
+    interleave_local_rows,
+    parse_cp_strategy,
     reduce_batch_metadata,
     zigzag_gathered_rows,
     zigzag_local_rows,
@@ -48,10 +54,13 @@ from ._tensors import cuda_stream_of, is_torch, to_arg
 _native = _epx.dp
 
 __all__ = [
-    "BATCH_METADATA_FIELDS", "BatchMetadata", "BatchMetadataSync", "BatchSyncResult", "DpGatherPlan",
-    "DpGatherSource", "DpPaddingMode", "DpScatterKind", "ForwardMode", "GlobalBatchInfo", "ParallelGroupKind", "ParallelLayout",
-    "ParallelSizes", "RankCoords", "ZigzagSplit", "can_zigzag_split", "choose_padding_mode", "dp_gather", "dp_scatter",
-    "plan_dp_gather", "plan_zigzag_split", "reduce_batch_metadata", "zigzag_gathered_rows", "zigzag_local_rows",
+    "BATCH_METADATA_FIELDS", "BatchMetadata", "BatchMetadataSync", "BatchSyncResult", "CpStrategy", "DpGatherPlan",
+    "DpGatherSource", "DpPaddingMode", "DpScatterKind", "ForwardMode", "GlobalBatchInfo", "InterleaveQueries",
+    "InterleaveSplit", "ParallelGroupKind", "ParallelLayout", "ParallelSizes", "RankCoords", "ZigzagSplit",
+    "can_cp_split", "can_interleave_split", "can_zigzag_split", "choose_padding_mode", "cp_gathered_rows",
+    "cp_local_rows", "dp_gather", "dp_scatter", "interleave_gathered_rows", "interleave_local_queries",
+    "interleave_local_rows", "parse_cp_strategy", "plan_cp_split", "plan_dp_gather", "plan_interleave_split",
+    "plan_zigzag_split", "reduce_batch_metadata", "zigzag_gathered_rows", "zigzag_local_rows",
 ]
 
 
@@ -94,6 +103,60 @@ def plan_zigzag_split(extend_seq_lens: Sequence[int], cp_size: int, num_tokens: 
     return _native.plan_zigzag_split(int_list(extend_seq_lens, "extend_seq_lens"), cp_size, num_tokens)
 
 
+def can_interleave_split(cp_size: int, mode: Union[ForwardMode, str], num_tokens: int) -> bool:
+    """Whether SGLang shards the batch round-robin (``InterleaveCPStrategy.can_apply``): cp_size > 1, EXTEND or
+    MIXED and ``num_tokens >= cp_size``; the sequence lengths do not matter."""
+    return _native.can_interleave_split(cp_size, enum_arg(ForwardMode, mode, "mode"), num_tokens)
+
+
+def plan_interleave_split(extend_seq_lens: Sequence[int], cp_size: int, num_tokens: int = -1) -> InterleaveSplit:
+    """SGLang's interleave split: batch row i goes to CP rank ``i % cp_size`` as its local row ``i // cp_size``,
+    across sequence boundaries; ``num_tokens`` past the sum (padding) is dealt out the same way but belongs to no
+    sequence. See ``interleave_local_rows`` / ``interleave_gathered_rows`` / ``interleave_local_queries``."""
+    return _native.plan_interleave_split(int_list(extend_seq_lens, "extend_seq_lens"), cp_size, num_tokens)
+
+
+def interleave_local_queries(split: InterleaveSplit, cp_rank: int,
+                             prefix_lens: Optional[Sequence[int]] = None) -> InterleaveQueries:
+    """The sequence (``seq_idx``) and causal KV length (``kv_lens``) of each of CP rank ``cp_rank``'s real rows
+    (SGLang's ``query_request_indices`` / ``query_cache_lengths``); ``prefix_lens`` ``[num_seqs]`` (default 0)."""
+    prefix = [] if prefix_lens is None else int_list(prefix_lens, "prefix_lens")
+    return _native.interleave_local_queries(split, cp_rank, prefix)
+
+
+def can_cp_split(strategy: Union[CpStrategy, str], extend_seq_lens: Sequence[int], cp_size: int,
+                 mode: Union[ForwardMode, str], num_tokens: Optional[int] = None) -> bool:
+    """SGLang's ``can_apply`` of the chosen strategy (``"zigzag"`` or ``"interleave"``); ``num_tokens`` defaults
+    to the sum of ``extend_seq_lens``."""
+    lens = int_list(extend_seq_lens, "extend_seq_lens")
+    return _native.can_cp_split(enum_arg(CpStrategy, strategy, "strategy"), lens, cp_size,
+                                enum_arg(ForwardMode, mode, "mode"), sum(lens) if num_tokens is None else num_tokens)
+
+
+def plan_cp_split(strategy: Union[CpStrategy, str], extend_seq_lens: Sequence[int], cp_size: int,
+                  num_tokens: int = -1) -> Union[ZigzagSplit, InterleaveSplit]:
+    """``plan_zigzag_split`` or ``plan_interleave_split``. Either result's ``num_tokens`` are the
+    ``cp_shard_counts`` for ``dp_gather`` / ``dp_scatter``; ``cp_local_rows`` / ``cp_gathered_rows`` map its rows."""
+    if enum_arg(CpStrategy, strategy, "strategy") == CpStrategy.zigzag:
+        return plan_zigzag_split(extend_seq_lens, cp_size, num_tokens)
+    return plan_interleave_split(extend_seq_lens, cp_size, num_tokens)
+
+
+def cp_local_rows(split: Union[ZigzagSplit, InterleaveSplit], cp_rank: int) -> list:
+    """``zigzag_local_rows`` or ``interleave_local_rows``, by the type of ``split``."""
+    if isinstance(split, ZigzagSplit):
+        return zigzag_local_rows(split, cp_rank)
+    return interleave_local_rows(split, cp_rank)
+
+
+def cp_gathered_rows(split: Union[ZigzagSplit, InterleaveSplit]) -> list:
+    """``zigzag_gathered_rows`` or ``interleave_gathered_rows``, by the type of ``split``: batch row i of DP rank d
+    is global row ``plan.offsets[d] + cp_gathered_rows(split)[i]`` after ``dp_gather`` with the split's shards."""
+    if isinstance(split, ZigzagSplit):
+        return zigzag_gathered_rows(split)
+    return interleave_gathered_rows(split)
+
+
 def _empty_like(t: Any, rows: int) -> Any:
     shape = (rows,) + tuple(t.shape[1:])
     if is_torch(t):
@@ -116,7 +179,7 @@ def dp_gather(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, loc
     (only the first count are read). ``out`` (allocated like ``local`` when None) is written and returned.
 
     Attention CP (``attn_cp_size > 1``): without ``cp_shard_counts`` CP rank 0's rows are gathered (the CP ranks
-    hold the same batch); with them (``[attn_cp_size]``, this DP rank's, e.g. ``plan_zigzag_split(...).num_tokens``)
+    hold the same batch); with them (``[attn_cp_size]``, this DP rank's, e.g. ``plan_cp_split(...).num_tokens``)
     each CP rank's first ``cp_shard_counts[c]`` rows land back to back in CP rank order at the DP rank's offset.
     """
     if out is None:

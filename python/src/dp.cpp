@@ -238,6 +238,71 @@ void bind_gather(nb::module_& m) {
   m.def("zigzag_gathered_rows", &zigzag_gathered_rows, nb::arg("split"),
         "[total rows] each batch row's row once the CP ranks' rows lie back to back in CP rank order (its row "
         "relative to the DP rank's offset after dp_gather with cp_shard_counts = split.num_tokens).");
+
+  nb::enum_<CpStrategy>(m, "CpStrategy", "SGLang's --cp-strategy: how the attention-CP ranks split a prefill batch.")
+      .value("zigzag", CpStrategy::kZigzag, "2 * cp blocks per sequence; rank c holds blocks c and 2 cp - 1 - c.")
+      .value("interleave", CpStrategy::kInterleave, "Round-robin: batch row i on rank i % cp.");
+  m.def(
+      "parse_cp_strategy", [](const std::string& cp_strategy) { return parse_cp_strategy(cp_strategy); },
+      nb::arg("cp_strategy"), "\"zigzag\" or \"interleave\" (SGLang's ContextParallelStrategyKind.from_string).");
+  m.def(
+      "can_cp_split",
+      [](CpStrategy strategy, const std::vector<int64_t>& extend_seq_lens, int cp_size, ForwardMode mode,
+         int64_t num_tokens) { return can_cp_split(strategy, extend_seq_lens, cp_size, mode, num_tokens); },
+      nb::arg("strategy"), nb::arg("extend_seq_lens"), nb::arg("cp_size"), nb::arg("mode"), nb::arg("num_tokens"),
+      "The strategy's can_apply: can_zigzag_split or can_interleave_split.");
+
+  nb::class_<InterleaveSplit>(
+      m, "InterleaveSplit",
+      "SGLang's interleave (round-robin) split of a prefill batch over the attention-CP ranks (plan_interleave_split).")
+      .def_ro("cp_size", &InterleaveSplit::cp_size)
+      .def_ro("seq_lens", &InterleaveSplit::seq_lens, "[num_seqs] extend lengths (padding rows join none).")
+      .def_ro("seq_offsets", &InterleaveSplit::seq_offsets, "[num_seqs] first batch row of each sequence.")
+      .def_ro("num_batch_tokens", &InterleaveSplit::num_batch_tokens, "Rows dealt out, padding included.")
+      .def_ro("num_real_batch_tokens", &InterleaveSplit::num_real_batch_tokens,
+              "Sum of seq_lens; rows past are padding.")
+      .def_ro("num_tokens", &InterleaveSplit::num_tokens, "[cp_size] rows each CP rank holds (the cp_shard_counts).")
+      .def_ro("num_real_tokens", &InterleaveSplit::num_real_tokens, "[cp_size] how many of them are real rows.")
+      .def_ro("max_rank_len", &InterleaveSplit::max_rank_len)
+      .def_ro("padded_rank_len", &InterleaveSplit::padded_rank_len, "max_rank_len rounded up to cp_size.")
+      .def("__repr__", [](const InterleaveSplit& z) {
+        return "InterleaveSplit(cp_size=" + std::to_string(z.cp_size) + ", seq_lens=" + list_repr(z.seq_lens) +
+               ", num_batch_tokens=" + str(z.num_batch_tokens) + ", num_tokens=" + list_repr(z.num_tokens) +
+               ", num_real_tokens=" + list_repr(z.num_real_tokens) + ", padded_rank_len=" + str(z.padded_rank_len) +
+               ")";
+      });
+  nb::class_<InterleaveQueries>(m, "InterleaveQueries",
+                                "Attention metadata of a CP rank's real rows (interleave_local_queries).")
+      .def_ro("seq_idx", &InterleaveQueries::seq_idx, "[num_real_tokens[cp_rank]] the sequence of each real row.")
+      .def_ro("kv_lens", &InterleaveQueries::kv_lens,
+              "[num_real_tokens[cp_rank]] its causal KV length: prefix_lens[s] + (row - seq_offsets[s]) + 1.");
+  m.def(
+      "can_interleave_split",
+      [](int cp_size, ForwardMode mode, int64_t num_tokens) { return can_interleave_split(cp_size, mode, num_tokens); },
+      nb::arg("cp_size"), nb::arg("mode"), nb::arg("num_tokens"),
+      "SGLang's InterleaveCPStrategy.can_apply: cp_size > 1, EXTEND or MIXED and num_tokens >= cp_size.");
+  m.def(
+      "plan_interleave_split",
+      [](const std::vector<int64_t>& extend_seq_lens, int cp_size, int64_t num_tokens) {
+        return plan_interleave_split(extend_seq_lens, cp_size, num_tokens);
+      },
+      nb::arg("extend_seq_lens"), nb::arg("cp_size"), nb::arg("num_tokens") = -1,
+      "Batch row i on CP rank i % cp_size as its local row i // cp_size. num_tokens (-1: the sum) adds padding rows "
+      "at the end, dealt out like the others.");
+  m.def("interleave_local_rows", &interleave_local_rows, nb::arg("split"), nb::arg("cp_rank"),
+        "[num_tokens[cp_rank]] the batch rows of the CP rank: cp_rank, cp_rank + cp_size, ... (ascending).");
+  m.def("interleave_gathered_rows", &interleave_gathered_rows, nb::arg("split"), nb::arg("real_rows_only") = false,
+        "[num_batch_tokens] each batch row's row once the CP ranks' rows lie back to back in CP rank order (SGLang's "
+        "restore_indices; relative to the DP rank's offset after dp_gather with cp_shard_counts = split.num_tokens). "
+        "real_rows_only: [num_real_batch_tokens] over the real rows (restore_real_indices).");
+  m.def(
+      "interleave_local_queries",
+      [](const InterleaveSplit& split, int cp_rank, const std::vector<int64_t>& prefix_lens) {
+        return interleave_local_queries(split, cp_rank, prefix_lens);
+      },
+      nb::arg("split"), nb::arg("cp_rank"), nb::arg("prefix_lens") = std::vector<int64_t>{},
+      "The sequence and causal KV length of each of the CP rank's real rows (SGLang's query_request_indices / "
+      "query_cache_lengths); prefix_lens [num_seqs] (empty: 0).");
 }
 
 // The group ranks of `obj`: None (none) or a sequence of ints (list, tuple, numpy or torch integers).

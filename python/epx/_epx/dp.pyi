@@ -283,6 +283,106 @@ def zigzag_gathered_rows(split: ZigzagSplit) -> list[int]:
     [total rows] each batch row's row once the CP ranks' rows lie back to back in CP rank order (its row relative to the DP rank's offset after dp_gather with cp_shard_counts = split.num_tokens).
     """
 
+class CpStrategy(enum.Enum):
+    """
+    SGLang's --cp-strategy: how the attention-CP ranks split a prefill batch.
+    """
+
+    zigzag = 0
+    """2 * cp blocks per sequence; rank c holds blocks c and 2 cp - 1 - c."""
+
+    interleave = 1
+    """Round-robin: batch row i on rank i % cp."""
+
+def parse_cp_strategy(cp_strategy: str) -> CpStrategy:
+    """
+    "zigzag" or "interleave" (SGLang's ContextParallelStrategyKind.from_string).
+    """
+
+def can_cp_split(strategy: CpStrategy, extend_seq_lens: Sequence[int], cp_size: int, mode: ForwardMode, num_tokens: int) -> bool:
+    """The strategy's can_apply: can_zigzag_split or can_interleave_split."""
+
+class InterleaveSplit:
+    """
+    SGLang's interleave (round-robin) split of a prefill batch over the attention-CP ranks (plan_interleave_split).
+    """
+
+    @property
+    def cp_size(self) -> int: ...
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """[num_seqs] extend lengths (padding rows join none)."""
+
+    @property
+    def seq_offsets(self) -> list[int]:
+        """[num_seqs] first batch row of each sequence."""
+
+    @property
+    def num_batch_tokens(self) -> int:
+        """Rows dealt out, padding included."""
+
+    @property
+    def num_real_batch_tokens(self) -> int:
+        """Sum of seq_lens; rows past are padding."""
+
+    @property
+    def num_tokens(self) -> list[int]:
+        """[cp_size] rows each CP rank holds (the cp_shard_counts)."""
+
+    @property
+    def num_real_tokens(self) -> list[int]:
+        """[cp_size] how many of them are real rows."""
+
+    @property
+    def max_rank_len(self) -> int: ...
+
+    @property
+    def padded_rank_len(self) -> int:
+        """max_rank_len rounded up to cp_size."""
+
+    def __repr__(self) -> str: ...
+
+class InterleaveQueries:
+    """
+    Attention metadata of a CP rank's real rows (interleave_local_queries).
+    """
+
+    @property
+    def seq_idx(self) -> list[int]:
+        """[num_real_tokens[cp_rank]] the sequence of each real row."""
+
+    @property
+    def kv_lens(self) -> list[int]:
+        """
+        [num_real_tokens[cp_rank]] its causal KV length: prefix_lens[s] + (row - seq_offsets[s]) + 1.
+        """
+
+def can_interleave_split(cp_size: int, mode: ForwardMode, num_tokens: int) -> bool:
+    """
+    SGLang's InterleaveCPStrategy.can_apply: cp_size > 1, EXTEND or MIXED and num_tokens >= cp_size.
+    """
+
+def plan_interleave_split(extend_seq_lens: Sequence[int], cp_size: int, num_tokens: int = -1) -> InterleaveSplit:
+    """
+    Batch row i on CP rank i % cp_size as its local row i // cp_size. num_tokens (-1: the sum) adds padding rows at the end, dealt out like the others.
+    """
+
+def interleave_local_rows(split: InterleaveSplit, cp_rank: int) -> list[int]:
+    """
+    [num_tokens[cp_rank]] the batch rows of the CP rank: cp_rank, cp_rank + cp_size, ... (ascending).
+    """
+
+def interleave_gathered_rows(split: InterleaveSplit, real_rows_only: bool = False) -> list[int]:
+    """
+    [num_batch_tokens] each batch row's row once the CP ranks' rows lie back to back in CP rank order (SGLang's restore_indices; relative to the DP rank's offset after dp_gather with cp_shard_counts = split.num_tokens). real_rows_only: [num_real_batch_tokens] over the real rows (restore_real_indices).
+    """
+
+def interleave_local_queries(split: InterleaveSplit, cp_rank: int, prefix_lens: Sequence[int] = []) -> InterleaveQueries:
+    """
+    The sequence and causal KV length of each of the CP rank's real rows (SGLang's query_request_indices / query_cache_lengths); prefix_lens [num_seqs] (empty: 0).
+    """
+
 class ForwardMode(enum.Enum):
     """The kind of batch a DP rank runs in a step."""
 
