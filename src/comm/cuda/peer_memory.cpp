@@ -1,3 +1,5 @@
+#include "comm/cuda/peer_memory.h"
+
 #include <cuda_runtime.h>
 
 #include <mutex>
@@ -5,7 +7,6 @@
 #include <utility>
 
 #include "core/cuda/cuda_util.h"
-#include "comm/cuda/peer_memory.h"
 
 namespace epx::cuda {
 namespace {
@@ -28,11 +29,12 @@ void enable_peer_access(int device, int peer) {
 
 }  // namespace
 
-PeerRegions open_peer_regions(Group& group, bool single_process, void* mine, int device) {
+PeerRegions open_peer_regions(Group& group, bool single_process, void* mine, int device, int gpus_per_node) {
   DeviceGuard guard(device);
   const int rank = group.rank();
   const int num_ranks = group.num_ranks();
   PeerRegions out{std::vector<char*>(num_ranks, nullptr), std::vector<bool>(num_ranks, false)};
+  const auto mapped = [&](int r) { return gpus_per_node <= 0 || r / gpus_per_node == rank / gpus_per_node; };
   if (single_process) {
     struct Entry {
       void* ptr;
@@ -42,6 +44,7 @@ PeerRegions open_peer_regions(Group& group, bool single_process, void* mine, int
     std::vector<Entry> all(num_ranks);
     group.all_gather_bytes(&entry, all.data(), sizeof(Entry));
     for (int r = 0; r < num_ranks; ++r) {
+      if (!mapped(r)) continue;
       out.ptrs[r] = static_cast<char*>(all[r].ptr);
       if (all[r].device == device) continue;
       int can = 0;
@@ -63,6 +66,7 @@ PeerRegions open_peer_regions(Group& group, bool single_process, void* mine, int
       out.ptrs[r] = static_cast<char*>(mine);
       continue;
     }
+    if (!mapped(r)) continue;
     void* ptr = nullptr;
     const cudaError_t err = cudaIpcOpenMemHandle(&ptr, all[r], cudaIpcMemLazyEnablePeerAccess);
     if (err == cudaErrorPeerAccessUnsupported || err == cudaErrorInvalidDevice) {

@@ -65,22 +65,25 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     group_->barrier();
     if (options.num_low_latency_bytes > 0) {
       low_latency_ = std::make_unique<LowLatencyEngine>(*group_, cgroup_->single_process(), device_,
-                                                        options.num_low_latency_bytes, allocator_, options.low_latency);
+                                                        options.num_low_latency_bytes, allocator_, options.low_latency,
+                                                        low_latency_hierarchical_ ? cgroup_ : nullptr);
     }
   }
 
   ~CudaBuffer() override {
     DeviceGuard guard(device_);
-    // NOTE: peers may still write into our region until they finished their last call: wait for them.
+    // NOTE: peers may still write into our region until they finished their last call: wait for them. Our own
+    // writes into theirs finish first, abort_call's included (abort_stream_ writes their abort words; its bounded
+    // wait may have given up): a peer frees its region once it passed the barrier.
     try {
       if (hierarchical_) hierarchical_->wait_exchanges();
       if (last_stream_ != nullptr) cudaStreamSynchronize(last_stream_);
+      cudaStreamSynchronize(abort_stream_);
       group_->barrier();
     } catch (...) {
     }
     hierarchical_.reset();
     normal_.reset();
-    cudaStreamSynchronize(abort_stream_);
     cudaStreamDestroy(abort_stream_);
   }
 
@@ -110,12 +113,6 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   }
 
   LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args) override {
-    // NOTE: the same on every rank (the options are agreed), so every rank raises alike and none waits.
-    EPX_CHECK(ErrorCode::kUnsupported, !low_latency_hierarchical_,
-              "cuda rank {}: the hierarchical low-latency routing (BufferOptions::low_latency_routing = kHierarchical, "
-              "or kAuto on {} nodes) is not built on the cuda backend yet; pass low_latency_routing = kFlat (ranks of "
-              "one process or one node reach each other over peer memory)",
-              rank_, group_->topology().num_nodes);
     return low_latency().dispatch(args);
   }
   LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args) override {
@@ -190,7 +187,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   std::unique_ptr<NormalEngine> normal_;
   std::unique_ptr<HierarchicalEngine> hierarchical_;  // normal dispatch/combine with hierarchical routing
   std::unique_ptr<LowLatencyEngine> low_latency_;
-  bool low_latency_hierarchical_ = false;  // BufferOptions::low_latency_routing resolved: unsupported here yet
+  bool low_latency_hierarchical_ = false;  // BufferOptions::low_latency_routing resolved (LowLatencyRelay)
   // Reset requests, shared with the other ranks' buffers (see CudaWorld); null when the processes share no
   // memory (then a timeout cannot be recovered from in place).
   std::shared_ptr<CudaWorld> world_;

@@ -40,7 +40,18 @@ struct LowLatencyPeers {
   // (kErrExpertOverflow); the host reports it after the call and zeroes `code`.
   ErrorRecord* error = nullptr;
   uint64_t timeout_ns = 0;  // the budget of every wait (%globaltimer)
+  // Hierarchical routing (hierarchical_low_latency_kernels.h): ranks per node; 0 = one node of every rank (flat). A
+  // source on another node reaches this rank through its forwarder here (path_peer), whose bases[] entry is the only
+  // one mapped there: bases[] is null for the ranks of other nodes.
+  int gpus_per_node = 0;
 };
+
+// The rank that writes src's dispatch signals on `rank` (and that a timeout there masks): src itself on the same
+// node (always, in the flat routing), else src's forwarder on rank's node, the rank with src's local index.
+__host__ __device__ inline int path_peer(int rank, int src, int gpus_per_node) {
+  if (gpus_per_node == 0 || rank / gpus_per_node == src / gpus_per_node) return src;
+  return rank / gpus_per_node * gpus_per_node + src % gpus_per_node;
+}
 
 struct LowLatencyDispatchLaunch {
   const void* x;     // [T, H] bf16

@@ -177,10 +177,13 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   const uint64_t tag = ctrl->dispatch_seq[set] + 1;
   if (threadIdx.x < R) {
     const int src = threadIdx.x;
+    // NOTE: hierarchical routing: a source of another node signals through its forwarder `via` on this node; the
+    // path is cut when either is masked, and a timeout masks the forwarder (it owed the signal). Flat: via == src.
+    const int via = path_peer(peers.rank, src, peers.gpus_per_node);
     int c = 0;
     uint64_t v = 0;
-    if (ld_volatile_global(&ctrl->mask[src]) == 0 &&
-        wait_tag(peers, ctrl, at<uint64_t>(base, s.dispatch_signals) + e_local * R + src, tag, 32, src,
+    if (ld_volatile_global(&ctrl->mask[src]) == 0 && ld_volatile_global(&ctrl->mask[via]) == 0 &&
+        wait_tag(peers, ctrl, at<uint64_t>(base, s.dispatch_signals) + e_local * R + src, tag, 32, via,
                  static_cast<int>(src * layout.num_local_experts + e_local), kSiteLowLatencyDispatchRecv, &v)) {
       c = static_cast<int>(v & 0xffffffffu);
     }

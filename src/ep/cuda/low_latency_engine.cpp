@@ -35,7 +35,8 @@ std::function<void()> once(std::function<void()> fn) {
 }  // namespace
 
 LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device, int64_t bytes,
-                                   std::shared_ptr<Allocator> allocator, const LowLatencyConfig& config)
+                                   std::shared_ptr<Allocator> allocator, const LowLatencyConfig& config,
+                                   CudaGroup* relay_group)
     : group_(group),
       device_(device),
       rank_(group.rank()),
@@ -59,7 +60,9 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
              "cudaHostAlloc (low-latency error record)");
   std::memset(error_, 0, sizeof(ErrorRecord));
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  peers_map_ = open_peer_regions(group_, single_process, raw, device_);
+  const int gpus_per_node = relay_group != nullptr ? group_.topology().gpus_per_node : 0;
+  peers_map_ = open_peer_regions(group_, single_process, raw, device_, gpus_per_node);
+  peers_.gpus_per_node = gpus_per_node;
   peers_.rank = rank_;
   peers_.num_ranks = num_ranks_;
   for (int r = 0; r < num_ranks_; ++r) peers_.bases[r] = peers_map_.ptrs[r];
@@ -67,16 +70,23 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
   check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device), error_, 0), "cudaHostGetDevicePointer");
   peers_.error = error_device;
   peers_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_.timeout_ms()));
+  if (relay_group != nullptr) relay_ = std::make_unique<LowLatencyRelay>(*relay_group, device_);  // collective
   group_.barrier();
 }
 
 LowLatencyEngine::~LowLatencyEngine() {
   DeviceGuard guard(device_);
+  try {
+    // NCCL: a network exchange whose peer never posted would keep the device synchronize below waiting forever.
+    if (relay_) relay_->wait_exchanges();
+  } catch (...) {
+  }
   cudaDeviceSynchronize();
   try {
     group_.barrier();  // peers may still write into this region until they finished their last call
   } catch (...) {
   }
+  relay_.reset();
   close_peer_regions(peers_map_);
   cudaFreeHost(error_);
 }
@@ -152,7 +162,15 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
       scales.column_major,
       args.cumulative_recv_counts.defined() ? args.cumulative_recv_counts.data_as<int>() : nullptr};
   auto stream = reinterpret_cast<cudaStream_t>(args.stream);
-  if (args.return_recv_hook) {
+  if (relay_) {
+    // Hierarchical: pack, network leg and forwarding on the relay's stream; the receive is the flat kernel's.
+    relay_->ensure(layout_);
+    relay_->send_dispatch(peers_, layout_, set, launch, stream);
+    if (!args.return_recv_hook) {
+      relay_->join_dispatch(set, stream);
+      launch_low_latency_dispatch(ll::Phase::kRecv, peers_, layout_, set, launch, stream);
+    }
+  } else if (args.return_recv_hook) {
     launch_low_latency_dispatch(ll::Phase::kSend, peers_, layout_, set, launch, stream);
   } else {
     launch_low_latency_dispatch(ll::Phase::kBoth, peers_, layout_, set, launch, stream);
@@ -184,6 +202,7 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
   if (args.return_recv_hook) {
     result.recv_hook = once([this, set, launch, stream] {
       DeviceGuard g(device_);
+      if (relay_) relay_->join_dispatch(set, stream);
       launch_low_latency_dispatch(ll::Phase::kRecv, peers_, layout_, set, launch, stream);
     });
   }
@@ -214,6 +233,18 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
                                        handle->set,
                                        config_.combine_send_parts,
                                        handle->dispatch_id};
+  if (relay_) {
+    relay_->send_combine(peers_, layout_, set, launch, stream);
+    if (!args.return_recv_hook) {
+      relay_->receive_combine(peers_, layout_, set, launch, stream);
+      return result;
+    }
+    result.recv_hook = once([this, set, launch, stream] {
+      DeviceGuard g(device_);
+      relay_->receive_combine(peers_, layout_, set, launch, stream);
+    });
+    return result;
+  }
   if (!args.return_recv_hook) {
     launch_low_latency_combine(ll::Phase::kBoth, peers_, layout_, set, launch, stream);
     return result;
@@ -257,6 +288,7 @@ void LowLatencyEngine::clean() {
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (clean_low_latency_buffer)");
   group_.barrier();
   check_cuda(cudaMemset(region_.get(), 0, region_bytes_), "cudaMemset (clean_low_latency_buffer)");
+  if (relay_) relay_->clean();
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (clean_low_latency_buffer)");
   error_->code = kErrNone;
   has_layout_ = false;

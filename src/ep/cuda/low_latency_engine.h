@@ -5,8 +5,10 @@
 #include <memory>
 #include <vector>
 
-#include "ep/cuda/low_latency.h"
+#include "comm/cuda/cuda_group.h"
 #include "comm/cuda/peer_memory.h"
+#include "ep/cuda/hierarchical_low_latency_engine.h"
+#include "ep/cuda/low_latency.h"
 #include "ep/validate.h"
 #include "epx/buffer.h"
 
@@ -15,9 +17,11 @@ namespace epx::cuda {
 class LowLatencyEngine {
  public:
   // Collective over `group`: allocates `bytes` on `device`, zeroes it and maps every rank's region.
-  // config: the same on every rank (Buffer::create checked it).
+  // config: the same on every rank (Buffer::create checked it). relay_group: the hierarchical routing
+  // (LowLatencyRouting) on that group's topology, through a LowLatencyRelay; only the regions of this rank's node are
+  // mapped then. Null: the flat routing.
   LowLatencyEngine(Group& group, bool single_process, int device, int64_t bytes, std::shared_ptr<Allocator> allocator,
-                   const LowLatencyConfig& config);
+                   const LowLatencyConfig& config, CudaGroup* relay_group = nullptr);
   ~LowLatencyEngine();
   LowLatencyEngine(const LowLatencyEngine&) = delete;
   LowLatencyEngine& operator=(const LowLatencyEngine&) = delete;
@@ -53,6 +57,7 @@ class LowLatencyEngine {
   uint64_t num_combines_ = 0;
   std::shared_ptr<Allocator> allocator_;
   LowLatencyConfig config_;
+  std::unique_ptr<LowLatencyRelay> relay_;  // hierarchical routing; null when flat
 };
 
 }  // namespace epx::cuda
