@@ -12,7 +12,7 @@
 // HierarchicalNccl.TwoNodes runs the same comparison with one process per GPU on NCCL groups (2 nodes of 1 GPU, or
 // of 2 with 4 GPUs); it skips with a message when fewer than 2 GPUs are visible. HierarchicalNccl.
 // PeerThatNeverPostsTimesOut (2 GPUs; not run yet) checks that an exchange whose peer never posts ends in kTimeout.
-// LowLatencyAcrossNodesNeedsFlatRouting (not run yet): the cuda backend refuses the hierarchical low-latency routing.
+// LowLatencyAcrossNodesRunsBothRoutings (not run yet): the hierarchical low-latency routing runs beside the flat one.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -161,54 +161,61 @@ TEST_F(HierarchicalGpuTest, InvalidTopkFailsEveryRankAlike) {
   }
 }
 
-// The hierarchical low-latency routing (LowLatencyRouting) is host-only for now: on 2 nodes x 1 GPU, kAuto makes
-// low_latency_dispatch throw kUnsupported naming low_latency_routing on every rank (nothing waits); kFlat runs the
-// single-node kernels (the ranks share device 0). Routing: one token per rank, to the first expert of the other rank.
-TEST_F(HierarchicalGpuTest, LowLatencyAcrossNodesNeedsFlatRouting) {
+// The hierarchical low-latency routing (LowLatencyRouting) runs on the cuda backend: on 2 nodes x 1 GPU, kAuto (the
+// hierarchical routing there) and kFlat both run and give the same receive counts and combine. Routing: one token per
+// rank, to the first expert of the other rank, weight 1. (Element-by-element comparisons with the host backend:
+// hierarchical_low_latency_test.cpp.)
+TEST_F(HierarchicalGpuTest, LowLatencyAcrossNodesRunsBothRoutings) {
   constexpr int kRanks = 2;
   constexpr int64_t kMaxTokens = 8, kHidden = 128, kExperts = 4;
   Case c = make_case(kRanks, 1, {1, 1});
   auto groups = create_cuda_groups(std::vector<int>(kRanks, 0), cuda_options(c));
-  std::vector<ErrorCode> codes(kRanks, ErrorCode::kInternal);
-  std::vector<std::string> messages(kRanks);
-  std::vector<std::vector<int32_t>> counts(kRanks);
+  std::vector<std::vector<int32_t>> counts(kRanks * 2);
+  std::vector<std::vector<uint16_t>> combined(kRanks * 2);
   run_host_ranks(groups, [&](int r, Group& g) {
     cudaSetDevice(0);
     cudaStream_t stream;
     cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    int i = 0;
     for (LowLatencyRouting routing : {LowLatencyRouting::kAuto, LowLatencyRouting::kFlat}) {
       BufferOptions options;
       options.num_low_latency_bytes = low_latency_buffer_size_hint(kMaxTokens, kHidden, kRanks, kExperts);
       options.low_latency_routing = routing;
       auto buffer = Buffer::create(groups[r], options);
-      const std::vector<uint16_t> x(kHidden, float_to_bf16(1.f));
+      const std::vector<uint16_t> x(kHidden, float_to_bf16(1.f + r));
       const std::vector<int64_t> topk = {((r + 1) % kRanks) * (kExperts / kRanks)};
+      const std::vector<float> weights = {1.f};
+      const std::vector<uint16_t> y((kExperts / kRanks) * kRanks * kMaxTokens * kHidden, float_to_bf16(3.f));
       const Tensor xd = testing::upload(x, DType::kBFloat16, {1, kHidden}, g.device(), stream);
       const Tensor td = testing::upload(topk, DType::kInt64, {1, 1}, g.device(), stream);
+      const Tensor wd = testing::upload(weights, DType::kFloat32, {1, 1}, g.device(), stream);
+      const Tensor yd =
+          testing::upload(y, DType::kBFloat16, {kExperts / kRanks, kRanks * kMaxTokens, kHidden}, g.device(), stream);
       LowLatencyDispatchArgs a;
       a.x = xd;
       a.topk_idx = td;
       a.max_tokens_per_rank = kMaxTokens;
       a.num_experts = kExperts;
       a.stream = stream;
-      if (routing == LowLatencyRouting::kAuto) {
-        try {
-          buffer->low_latency_dispatch(a);
-        } catch (const Error& e) {
-          codes[r] = e.code();
-          messages[r] = e.what();
-        }
-      } else {
-        counts[r] = testing::download<int32_t>(buffer->low_latency_dispatch(a).recv_count, stream);
-      }
+      LowLatencyDispatchResult res = buffer->low_latency_dispatch(a);
+      counts[2 * r + i] = testing::download<int32_t>(res.recv_count, stream);
+      LowLatencyCombineArgs b;
+      b.x = yd;
+      b.topk_idx = td;
+      b.topk_weights = wd;
+      b.handle = res.handle;
+      b.stream = stream;
+      combined[2 * r + i] = testing::download<uint16_t>(buffer->low_latency_combine(b).x, stream);
       cudaStreamSynchronize(stream);
+      ++i;
     }
     cudaStreamDestroy(stream);
   });
   for (int r = 0; r < kRanks; ++r) {
-    EXPECT_EQ(codes[r], ErrorCode::kUnsupported) << "rank " << r;
-    EXPECT_NE(messages[r].find("low_latency_routing"), std::string::npos) << messages[r];
-    EXPECT_EQ(counts[r], (std::vector<int32_t>{1, 0})) << "rank " << r;
+    EXPECT_EQ(counts[2 * r], (std::vector<int32_t>{1, 0})) << "rank " << r << ", hierarchical";
+    EXPECT_EQ(counts[2 * r + 1], (std::vector<int32_t>{1, 0})) << "rank " << r << ", flat";
+    EXPECT_EQ(combined[2 * r], std::vector<uint16_t>(kHidden, float_to_bf16(3.f))) << "rank " << r;
+    EXPECT_EQ(combined[2 * r], combined[2 * r + 1]) << "rank " << r;
   }
 }
 

@@ -310,17 +310,22 @@ __global__ void __launch_bounds__(kThreads)
     if (last_part) __threadfence();  // acquire: the other parts' stores, fenced before their increments
   }
   __syncthreads();
-  if (!last_part || threadIdx.x >= R || !open[threadIdx.x]) return;
+  if (!last_part || threadIdx.x >= R) return;
   const int r = threadIdx.x;
-  const uint64_t value = (tag << kCombineIdBits) | (args.tag_id & kCombineIdMask);
   if (r / G == node) {
-    st_release_sys(at<uint64_t>(peers.bases[r], c.combine_signals) + peers.rank * E_local + e_local, value);
-  } else {
-    const int64_t e_in_node = (peers.rank - node * G) * E_local + e_local;
-    st_release_sys(at<uint64_t>(relay.bases[path_peer(peers.rank, r, G)], relay.off.row_signals[args.set]) +
-                       slot_of(r / G, node) * G * E_local + e_in_node,
-                   value);
+    if (!open[r]) return;  // as the flat combine: nothing to a masked source
+    st_release_sys(at<uint64_t>(peers.bases[r], c.combine_signals) + peers.rank * E_local + e_local,
+                   (tag << kCombineIdBits) | (args.tag_id & kCombineIdMask));
+    return;
   }
+  // NOTE: the forwarder hears from this expert whenever their link is open, also when this rank masked the source
+  // (then with kRelayCut and no rows), so that it never waits for rows that will not come.
+  const int f = path_peer(peers.rank, r, G);
+  if (ld_volatile_global(&ctrl->mask[f]) != 0) return;
+  const int64_t e_in_node = (peers.rank - node * G) * E_local + e_local;
+  st_release_sys(
+      at<uint64_t>(relay.bases[f], relay.off.row_signals[args.set]) + slot_of(r / G, node) * G * E_local + e_in_node,
+      (tag << kRelayTagShift) | (open[r] ? 0 : kRelayCut) | (args.tag_id & kCombineIdMask));
 }
 
 // The forwarder's partials: units (slot j of a source node, record i, slice of H); per unit one thread per k waits
@@ -358,8 +363,8 @@ __global__ void __launch_bounds__(kThreads)
         if (ld_volatile_global(&ctrl->mask[d]) == 0 &&
             wait_tag(peers, ctrl,
                      at<uint64_t>(own, relay.off.row_signals[args.set]) + j * G * E_local + (e - node * G * E_local),
-                     tag, kCombineIdBits, d, static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
-          ok = same_dispatch(peers, v, args.tag_id, d, static_cast<int>(e));
+                     tag, kRelayTagShift, d, static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
+          ok = (v & kRelayCut) == 0 && same_dispatch(peers, v, args.tag_id, d, static_cast<int>(e));
         }
       }
       valid[k] = ok;

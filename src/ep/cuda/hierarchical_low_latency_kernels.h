@@ -29,7 +29,9 @@
 // by the stream. Paths and masks (Buffer::mask_rank): a forwarder forwards nothing of a source it masked (count 0) and
 // nothing to a rank it masked; a source packs a zero-count message for a forwarder it masked; a receiver waits for
 // neither a masked source nor a source whose forwarder it masked, and on a timeout masks the forwarder (the rank that
-// owed the signal).
+// owed the signal). In the combine an expert's rank signals the forwarder whenever their link is open, with kRelayCut
+// and no rows when it masked the source, so a forwarder waits only across a link that one end alone masked (then it
+// times out and masks the expert's rank, as the flat path does with one-sided masks).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,6 +43,10 @@
 namespace epx::cuda {
 
 inline constexpr int64_t kRelayHeaderBytes = 16;  // a message's record count (int32), padded
+// A relay row signal: (tag << kRelayTagShift) | kRelayCut if the expert's rank sent no rows (it masked the source) |
+// the dispatch id (low kCombineIdBits bits).
+inline constexpr int kRelayTagShift = 32;
+inline constexpr uint64_t kRelayCut = uint64_t{1} << 31;
 
 // One record of a node message; the same on every rank for one call (row kind, scale format and K agree).
 struct RelayRecord {
@@ -69,7 +75,7 @@ struct RelayRecord {
 // it). S = N - 1 slots, one per other node: the slot of node m seen from node n is m < n ? m : m - 1.
 struct RelayOffsets {
   int64_t rows[2];          // [S][M][K][H] bf16: expert outputs for the sources of other nodes (written by node peers)
-  int64_t row_signals[2];   // [S][G * E_local] u64: (tag << kCombineIdBits) | dispatch id, per (source node, expert)
+  int64_t row_signals[2];   // [S][G * E_local] u64: relay row signals (kRelayTagShift), per (source node, expert)
   int64_t pack;             // [N][message]: slots 0..S-1 to the other nodes (sent), slot S this node's own records
   int64_t relay[2];         // [S][message]: the messages received, per dispatch set
   int64_t node_slot[2];     // [M][N] int32: the token's record in each node message, -1 if none (per dispatch set)
