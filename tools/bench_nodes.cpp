@@ -415,7 +415,7 @@ nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInp
       {"num_experts", config.num_experts},
       {"num_ll_tokens", config.num_ll_tokens},
       {"low_latency", low_latency ? "run: BufferOptions::low_latency_routing, the same topology"
-                                  : "not run: the cuda backend's hierarchical low-latency path is not built "
+                                  : "not run: the cuda run does not time the hierarchical low-latency path yet "
                                     "(docs/internode.md)"},
       {"num_warmup", config.num_warmup},
       {"num_iters", config.num_iters},

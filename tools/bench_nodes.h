@@ -40,7 +40,7 @@ inline constexpr int kNumNodesPhases = 4;
 inline constexpr const char* kNodesPhases[kNumNodesPhases] = {"dispatch_bf16", "dispatch_bf16_cached",
                                                               "dispatch_fp8_cached", "combine_bf16"};
 // The low-latency phases, on config.num_ll_tokens tokens per rank (BufferOptions::low_latency_routing). The host
-// run only: the cuda backend's hierarchical low-latency path is not built (docs/internode.md).
+// run only: the cuda run does not time the cuda backend's hierarchical low-latency path yet (docs/internode.md).
 inline constexpr int kNumLowLatencyPhases = 2;
 inline constexpr const char* kLowLatencyPhases[kNumLowLatencyPhases] = {"ll_dispatch_fp8", "ll_combine_bf16"};
 struct RoutingRun {

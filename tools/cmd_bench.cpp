@@ -359,8 +359,8 @@ void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const 
   }
   if (use_cuda && f.ll_tokens_given) {
     throw BadInput(
-        "--ll-tokens does not apply to --nodes on GPUs: the cuda backend's hierarchical low-latency path is not built, "
-        "so that run has no low-latency phases (the host backend's has)");
+        "--ll-tokens does not apply to --nodes on GPUs: the cuda run has no low-latency phases yet (the host "
+        "backend's has)");
   }
   int num_nodes = 1;
   if (f.nodes_given) {

@@ -60,8 +60,10 @@ enum class LowLatencyRouting : uint8_t {
   // each other node n holding one of t's experts, with t's expert ids on n; (n, l) forwards it to the ranks of n
   // holding them. Ranks of node m get it directly. Dispatch results equal kFlat's bit for bit; combine reduces inside
   // each node first (LowLatencyCombineResult); the rank mask also cuts the forwarder's paths (Buffer::mask_rank).
-  // Host backend only for now: the cuda backend's low_latency_dispatch throws kUnsupported on a buffer that resolves
-  // to it (pass kFlat there).
+  // Both backends; the cuda backend's results equal the host backend's bit for bit, combine included. cuda backend,
+  // this first version: the sends of the network leg have a fixed size (max_tokens_per_rank records per other node) and
+  // need no host sync, but with ranks as threads of one process (create_cuda_groups) each exchange meets the other
+  // ranks on the host, so such calls cannot be captured in a CUDA graph; see docs/internode.md.
   kHierarchical,
 };
 

@@ -83,8 +83,8 @@ class Buffer:
     defaults). normal_routing: "auto" (hierarchical when group.topology has more than one node), "flat" or
     "hierarchical" (or an epx.NormalRouting); see docs/internode.md. low_latency_routing: the same choice for
     low_latency_dispatch/combine (or an epx.LowLatencyRouting): "hierarchical" sends a token over the network once
-    per destination node and reduces the combine inside each node first (host backend only for now: the cuda
-    backend's low_latency_dispatch raises UnsupportedError on it, pass "flat" there). On the cuda backend the byte
+    per destination node and reduces the combine inside each node first (both backends; on the cuda backend with
+    ranks as threads of one process such calls cannot be captured in a CUDA graph). On the cuda backend the byte
     counts, num_sms, both routings and the configs must be the same on every rank: creation checks that collectively
     and raises on every rank, naming the field, when they differ.
     """

@@ -196,8 +196,8 @@ void register_buffer(nb::module_& m) {
   nb::enum_<LowLatencyRouting>(m, "LowLatencyRouting",
                                "Which way low-latency dispatch/combine move (token, expert) pairs "
                                "(BufferOptions::low_latency_routing, docs/internode.md): auto (hierarchical when the "
-                               "group's topology has more than one node), flat, or hierarchical (host backend only for "
-                               "now). The same on every rank.")
+                               "group's topology has more than one node), flat, or hierarchical (both backends). The "
+                               "same on every rank.")
       .value("auto", LowLatencyRouting::kAuto)
       .value("flat", LowLatencyRouting::kFlat)
       .value("hierarchical", LowLatencyRouting::kHierarchical);

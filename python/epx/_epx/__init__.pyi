@@ -254,7 +254,7 @@ class NormalRouting(enum.Enum):
 
 class LowLatencyRouting(enum.Enum):
     """
-    Which way low-latency dispatch/combine move (token, expert) pairs (BufferOptions::low_latency_routing, docs/internode.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical (host backend only for now). The same on every rank.
+    Which way low-latency dispatch/combine move (token, expert) pairs (BufferOptions::low_latency_routing, docs/internode.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical (both backends). The same on every rank.
     """
 
     auto = 0
