@@ -134,7 +134,7 @@ RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std:
       if (rank == b) buffer->mask_rank(a);
     }
     const int64_t H = c.hidden, K = c.num_topk, E_local = c.local_experts();
-    const std::vector<int32_t> zeros(E_local, 0);
+    std::vector<int32_t> zeros(E_local, 0);  // host: written in place
     const Tensor cumulative = input(host, zeros.data(), zeros.size() * 4, DType::kInt32, {E_local}, dev, stream);
     for (int round = 0; round < c.rounds; ++round) {
       const RoundInput& d = in[round];
@@ -146,7 +146,7 @@ RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std:
                               : input(host, d.topk.data(), d.topk.size() * 8, DType::kInt64, {T, K}, dev, stream);
       const Tensor weights = input(host, d.weights.data(), d.weights.size() * 4, DType::kFloat32, {T, K}, dev, stream);
       const Tensor y = input(host, d.y.data(), d.y.size() * 2, DType::kBFloat16, {E_local, c.slots(), H}, dev, stream);
-      const std::vector<uint16_t> poison(T * H, 0xABAB);
+      std::vector<uint16_t> poison(T * H, 0xABAB);  // host: written in place
       const Tensor out = input(host, poison.data(), poison.size() * 2, DType::kBFloat16, {T, H}, dev, stream);
       LowLatencyDispatchArgs a;
       a.x = x;
