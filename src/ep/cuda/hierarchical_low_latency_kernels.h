@@ -137,8 +137,9 @@ struct RelaySumArgs {
 };
 
 // Loads the relay kernels into the current context (see preload_normal_kernels: lazy loading would wait for a
-// peer's spinning kernel when ranks share a GPU).
+// peer's spinning kernel when ranks share a GPU). Every relay kernel; the combine's alone (defined beside them).
 cudaError_t preload_relay_kernels();
+cudaError_t preload_relay_combine_kernels();
 
 // Dispatch: pack (this rank's messages), then, once the exchange has run, forward.
 void launch_relay_pack(const LowLatencyPeers& peers, const LowLatencyLayout& layout, const RelayView& relay,
