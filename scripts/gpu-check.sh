@@ -14,6 +14,8 @@
 # Usage: scripts/gpu-check.sh [--steps build,tests,python,deepep,bench,sanitize,example] [--sms 8,16,24,32,48,64]
 #   default: every step. The device tool allows 10 minutes per command: split long runs over two calls
 #   (the build tree stays on a warm machine), e.g. --steps build,tests,python then --steps deepep,bench,sanitize.
+#   Not in the default: --steps graph-repeat, the experiment for the one-GPU graph fault in a second test iteration
+#   (docs/reliability.md, "Graph replay across test repetitions (one GPU)"); its outcome is data, not a failure.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-check-out}
@@ -80,6 +82,19 @@ if want build; then
     tail -40 "$LOG"
     exit 1
   fi
+fi
+
+if want graph-repeat; then
+  # Which earlier graphs the fault needs (alone, after the other graph test), and whether an empty graph memory pool
+  # at each graph test's start (EPX_TEST_TRIM_GRAPH_MEMORY=1: cudaDeviceGraphMemTrim after each) avoids it.
+  graph_tests=NormalGpuTest.GraphCaptureReplayWithNewData:NormalGpuTest.CachedDispatchCapturesInGraph
+  for run in "alone NormalGpuTest.GraphCaptureReplayWithNewData 0" "both $graph_tests 0" "both-trimmed $graph_tests 1"; do
+    set -- $run
+    kept_status=$status
+    timed "graph repeat x3 ($1)" 200 env EPX_TEST_TRIM_GRAPH_MEMORY=$3 "$BUILD/tests/epx_gpu_normal_test" \
+      --gtest_filter="$2" --gtest_repeat=3
+    status=$kept_status
+  done
 fi
 
 if want tests; then

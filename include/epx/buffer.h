@@ -282,6 +282,9 @@ class Buffer {
  public:
   // Throws kInvalidArgument for bad options, kUnsupported for a backend this build lacks.
   static std::unique_ptr<Buffer> create(std::shared_ptr<Group> group, const BufferOptions& options = {});
+  // cuda backend: collective (every rank destroys its buffer). Synchronizes the stream of the last normal call (for
+  // the low-latency memory, the whole device), then waits for the other ranks, whose kernels write into this rank's
+  // memory until their last call ends. Replays of captured normal calls on another stream must be synchronized first.
   virtual ~Buffer() = default;
 
   virtual Group& group() = 0;

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -663,6 +664,35 @@ TEST_F(NormalGpuTest, CachedDispatchMovesNewData) {
   EXPECT_EQ(bad[1], 0);
 }
 
+// The graph memory of `devices` (docs/reliability.md, "Graph replay across test repetitions (one GPU)"): a device
+// keeps the physical memory of destroyed graphs for later ones, and the ranks' graphs share it when they share a GPU.
+void print_graph_memory(const std::vector<int>& devices, const char* when) {
+  std::vector<int> seen;
+  for (int d : devices) {
+    if (std::find(seen.begin(), seen.end(), d) != seen.end()) continue;
+    seen.push_back(d);
+    uint64_t reserved = 0, used = 0;
+    cudaDeviceGetGraphMemAttribute(d, cudaGraphMemAttrReservedMemCurrent, &reserved);
+    cudaDeviceGetGraphMemAttribute(d, cudaGraphMemAttrUsedMemCurrent, &used);
+    std::printf("cuda:%d graph memory %s: %.1f MiB reserved, %.1f MiB in use\n", d, when, reserved / 1048576.0,
+                used / 1048576.0);
+  }
+}
+
+// The end of a graph test, every rank's graphs destroyed and their allocations freed. With
+// EPX_TEST_TRIM_GRAPH_MEMORY=1 (an experiment, scripts/gpu-check.sh --steps graph-repeat) the devices' graph memory
+// goes back to the driver (cudaDeviceGraphMemTrim), so that the next graph test starts from an empty pool, as the
+// first one in a process does.
+void end_graph_test(const std::vector<int>& devices) {
+  const char* trim = std::getenv("EPX_TEST_TRIM_GRAPH_MEMORY");
+  if (trim != nullptr && std::strcmp(trim, "1") == 0) {
+    for (int d : devices) EXPECT_EQ(cudaDeviceGraphMemTrim(d), cudaSuccess);
+    print_graph_memory(devices, "after the test, trimmed");
+    return;
+  }
+  print_graph_memory(devices, "after the test");
+}
+
 // Worst-token mode captured in a CUDA graph, replayed with new data in the same input buffers.
 TEST_F(NormalGpuTest, GraphCaptureReplayWithNewData) {
   const auto devices = two_ranks();
@@ -682,6 +712,7 @@ TEST_F(NormalGpuTest, GraphCaptureReplayWithNewData) {
   std::vector<CombineResult> cres(2);
   std::vector<cudaGraphExec_t> execs(2);
   std::vector<cudaGraph_t> graphs(2);
+  print_graph_memory(devices, "before the capture");
   run_host_ranks(groups, [&](int r, Group& g) {
     cudaSetDevice(g.device().index);
     cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking);
@@ -712,6 +743,8 @@ TEST_F(NormalGpuTest, GraphCaptureReplayWithNewData) {
     ca.handle = dres[r].handle;
     ca.stream = streams[r];
     cres[r] = buffers[r]->combine(ca);
+    // Graph allocations (the addresses show whether a later test's graphs reuse them).
+    std::printf("rank %d: graph allocations recv_x %p, combined x %p\n", r, dres[r].recv_x.data(), cres[r].x.data());
     ASSERT_EQ(cudaStreamEndCapture(streams[r], &graphs[r]), cudaSuccess);
     ASSERT_EQ(cudaGraphInstantiateWithFlags(&execs[r], graphs[r], cudaGraphInstantiateFlagAutoFreeOnLaunch),
               cudaSuccess);
@@ -761,6 +794,7 @@ TEST_F(NormalGpuTest, GraphCaptureReplayWithNewData) {
     buffers[r].reset();
     cudaStreamDestroy(streams[r]);
   });
+  end_graph_test(devices);
 }
 
 // Cached mode does no host sync: a cached dispatch (handle from an eager fresh dispatch) and its combine
@@ -781,6 +815,7 @@ TEST_F(NormalGpuTest, CachedDispatchCapturesInGraph) {
   const auto want = run_case(c, in, create_host_groups(2), true);
   auto groups = create_cuda_groups(devices, test_options());
   std::vector<RankOutput> got(2);
+  print_graph_memory(devices, "before the capture");
   run_host_ranks(groups, [&](int r, Group& g) {
     cudaSetDevice(g.device().index);
     cudaStream_t stream;
@@ -845,6 +880,7 @@ TEST_F(NormalGpuTest, CachedDispatchCapturesInGraph) {
     buffer.reset();
     cudaStreamDestroy(stream);
   });
+  end_graph_test(devices);
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     ASSERT_EQ(got[r].num_rows, want[r].num_rows);
