@@ -96,30 +96,6 @@ std::vector<uint8_t> host_bytes(const Tensor& t) {
   return std::vector<uint8_t>(p, p + t.nbytes());
 }
 
-// RoutingRun::ll_dispatched's bytes of one low-latency dispatch (row-major scales, the default).
-std::vector<uint8_t> low_latency_snapshot(const LowLatencyDispatchResult& r) {
-  std::vector<uint8_t> out;
-  auto append = [&out](const void* p, size_t bytes) {
-    const auto* b = static_cast<const uint8_t*>(p);
-    out.insert(out.end(), b, b + bytes);
-  };
-  // Rows [first, first + count) of a [E_local, slots, ...] tensor.
-  auto append_rows = [&](const Tensor& t, int64_t first, int64_t count) {
-    const size_t row_bytes = t.nbytes() / static_cast<size_t>(t.size(0) * t.size(1));
-    append(static_cast<const uint8_t*>(t.data()) + first * row_bytes, count * row_bytes);
-  };
-  const auto* counts = r.recv_count.data_as<const int32_t>();
-  const int64_t slots = r.recv_x.size(1), sources = r.recv_layout_range.size(1);
-  for (int64_t e = 0; e < r.recv_count.numel(); ++e) {
-    append(counts + e, sizeof(int32_t));
-    append(r.recv_layout_range.data_as<const int64_t>() + e * sources, sources * sizeof(int64_t));
-    append_rows(r.recv_x, e * slots, counts[e]);
-    append_rows(r.recv_x_scales, e * slots, counts[e]);
-    append_rows(r.recv_src_info, e * slots, counts[e]);
-  }
-  return out;
-}
-
 DispatchSnapshot host_snapshot(const DispatchResult& r) {
   return {host_bytes(r.recv_x),        host_bytes(r.recv_x_scales),
           host_bytes(r.recv_topk_idx), host_bytes(r.recv_topk_weights),
@@ -265,6 +241,30 @@ RoutingRun run_host_routing(const BenchConfig& config, const std::vector<RankInp
 }
 
 }  // namespace
+
+// RoutingRun::ll_dispatched's bytes of one low-latency dispatch (row-major scales, the default).
+std::vector<uint8_t> low_latency_snapshot(const LowLatencyDispatchResult& r) {
+  std::vector<uint8_t> out;
+  auto append = [&out](const void* p, size_t bytes) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    out.insert(out.end(), b, b + bytes);
+  };
+  // Rows [first, first + count) of a [E_local, slots, ...] tensor.
+  auto append_rows = [&](const Tensor& t, int64_t first, int64_t count) {
+    const size_t row_bytes = t.nbytes() / static_cast<size_t>(t.size(0) * t.size(1));
+    append(static_cast<const uint8_t*>(t.data()) + first * row_bytes, count * row_bytes);
+  };
+  const auto* counts = r.recv_count.data_as<const int32_t>();
+  const int64_t slots = r.recv_x.size(1), sources = r.recv_layout_range.size(1);
+  for (int64_t e = 0; e < r.recv_count.numel(); ++e) {
+    append(counts + e, sizeof(int32_t));
+    append(r.recv_layout_range.data_as<const int64_t>() + e * sources, sources * sizeof(int64_t));
+    append_rows(r.recv_x, e * slots, counts[e]);
+    append_rows(r.recv_x_scales, e * slots, counts[e]);
+    append_rows(r.recv_src_info, e * slots, counts[e]);
+  }
+  return out;
+}
 
 std::vector<RankInputs> make_nodes_inputs(const BenchConfig& config) {
   std::mt19937_64 rng(config.seed);
@@ -414,9 +414,7 @@ nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInp
       {"num_topk", config.num_topk},
       {"num_experts", config.num_experts},
       {"num_ll_tokens", config.num_ll_tokens},
-      {"low_latency", low_latency ? "run: BufferOptions::low_latency_routing, the same topology"
-                                  : "not run: the cuda run does not time the hierarchical low-latency path yet "
-                                    "(docs/internode.md)"},
+      {"low_latency", low_latency ? "run: BufferOptions::low_latency_routing, the same topology" : "not run"},
       {"num_warmup", config.num_warmup},
       {"num_iters", config.num_iters},
       {"seed", config.seed},

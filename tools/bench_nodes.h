@@ -12,6 +12,7 @@
 
 #include "bench.h"
 #include "bench_inputs.h"
+#include "epx/buffer.h"
 #include "epx/group.h"
 
 namespace epx::cli {
@@ -39,8 +40,9 @@ struct DispatchSnapshot {
 inline constexpr int kNumNodesPhases = 4;
 inline constexpr const char* kNodesPhases[kNumNodesPhases] = {"dispatch_bf16", "dispatch_bf16_cached",
                                                               "dispatch_fp8_cached", "combine_bf16"};
-// The low-latency phases, on config.num_ll_tokens tokens per rank (BufferOptions::low_latency_routing). The host
-// run only: the cuda run does not time the cuda backend's hierarchical low-latency path yet (docs/internode.md).
+// The low-latency phases, on config.num_ll_tokens tokens per rank (BufferOptions::low_latency_routing), on both
+// backends (the cuda run eager, timed per call: the hierarchical low-latency exchange of ranks as threads meets on the
+// host, so it is not captured into a graph as the plain bench's low-latency phases are).
 inline constexpr int kNumLowLatencyPhases = 2;
 inline constexpr const char* kLowLatencyPhases[kNumLowLatencyPhases] = {"ll_dispatch_fp8", "ll_combine_bf16"};
 struct RoutingRun {
@@ -54,6 +56,9 @@ struct RoutingRun {
   std::vector<std::vector<uint8_t>> ll_dispatched;
   std::vector<std::vector<uint16_t>> ll_combined;  // [rank] [T_ll, H] bf16: the last combine of identity experts
 };
+
+// RoutingRun::ll_dispatched's bytes of one low-latency dispatch whose tensors are in host memory.
+std::vector<uint8_t> low_latency_snapshot(const LowLatencyDispatchResult& r);
 
 // The low-latency inputs of a nodes run (config.num_ll_tokens per rank), from their own generator so that the
 // normal path's inputs stay those of make_nodes_inputs.

@@ -343,7 +343,6 @@ void run_model_command(const BenchConfig& c, ModelConfig m, const std::string& n
 // The flags of `epx bench --nodes N` / `--routing hierarchical` as given.
 struct NodesFlags {
   bool nodes_given = false;
-  bool ll_tokens_given = false;
   std::string nodes;      // --nodes as typed
   int gpus_per_node = 0;  // 0: --gpus-per-node not given
   bool force_hierarchical = false;
@@ -356,11 +355,6 @@ struct NodesFlags {
 void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const std::string& json_path) {
   for (const char* name : f.not_with_nodes) {
     throw BadInput(fmt::format("{} does not apply to --nodes / --routing (a run of dispatch/combine only)", name));
-  }
-  if (use_cuda && f.ll_tokens_given) {
-    throw BadInput(
-        "--ll-tokens does not apply to --nodes on GPUs: the cuda run has no low-latency phases yet (the host "
-        "backend's has)");
   }
   int num_nodes = 1;
   if (f.nodes_given) {
@@ -474,9 +468,9 @@ void add_bench(CLI::App& app) {
                                   "Experts, a multiple of the ranks (default 256; --model: per configuration the "
                                   "smallest multiple of the ranks and --groups >= 256, e.g. 288 for EP72)")
                       ->check(int_in(1, 4096));
-  auto* ll_tokens = cmd->add_option("--ll-tokens", config->num_ll_tokens,
-                                    "Tokens per rank, low-latency mode (default 128; on GPUs also 1, 32, 64 and 256)")
-                        ->check(int_in(1, 4096));
+  cmd->add_option("--ll-tokens", config->num_ll_tokens,
+                  "Tokens per rank, low-latency mode (default 128; on GPUs also 1, 32, 64 and 256)")
+      ->check(int_in(1, 4096));
   // NOTE: a string parsed in the callback: CLI11's delimiter drops empty items, so "24," would pass.
   auto sms = std::make_shared<std::string>();
   auto* sms_opt = cmd->add_option("--sms", *sms,
@@ -516,7 +510,7 @@ void add_bench(CLI::App& app) {
       "Instead: the normal dispatch/combine with hierarchical routing over this many nodes, an integer in [1, 1024] "
       "dividing --ranks (host groups, or cuda groups of ranks as threads, with that topology), timed beside the flat "
       "routing on the same inputs: time, bytes of the network and node legs, results compared bit for bit "
-      "(docs/internode.md); the host backend also runs the low-latency path so (--ll-tokens). --model: node counts, "
+      "(docs/internode.md), and the low-latency path likewise (--ll-tokens). --model: node counts, "
       "comma-separated, each in [1, 1024] (default 1,2,4,9: EP8, EP16, "
       "EP32, EP72)");
   auto* gpus_per_node = cmd->add_option("--gpus-per-node", model_config->gpus_per_node,
@@ -613,7 +607,6 @@ void add_bench(CLI::App& app) {
       f.gpus_per_node = gpus_per_node->count() > 0 ? model_config->gpus_per_node : 0;
       f.force_hierarchical = *routing == "hierarchical";
       f.ranks_given = ranks->count() > 0;
-      f.ll_tokens_given = ll_tokens->count() > 0;
       for (const auto& [opt, name] :
            std::vector<std::pair<CLI::Option*, const char*>>{{dp, "--dp"}, {tbo, "--tbo"}, {eplb, "--eplb"}}) {
         if (opt->count() > 0) f.not_with_nodes.push_back(name);

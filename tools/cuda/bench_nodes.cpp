@@ -1,8 +1,8 @@
 // `epx bench --nodes N` / `--routing hierarchical` on GPUs (tools/bench_nodes.h): cuda groups of ranks as threads
 // (rank r on GPU r % visible GPUs, as the plain bench's --ranks), once with the flat routing on one node and once
-// with gpus_per_node = ranks / N and the hierarchical routing (src/ep/cuda/hierarchical_engine.*), each phase timed
-// with CUDA events per rank (the ranks meet before each iteration, outside the events; the slowest rank's median),
-// the results downloaded and compared on the host.
+// with gpus_per_node = ranks / N and the hierarchical routing (normal: src/ep/cuda/hierarchical_engine.*; low-latency:
+// src/ep/cuda/hierarchical_low_latency_engine.*), each phase timed with CUDA events per rank (the ranks meet before
+// each iteration, outside the events; the slowest rank's median), the results downloaded and compared on the host.
 #include "bench_nodes.h"
 
 #include <cuda_runtime.h>
@@ -52,10 +52,20 @@ DispatchSnapshot download_snapshot(const DispatchResult& r, cudaStream_t stream)
           r.num_recv_tokens_per_expert};
 }
 
-// One routing on cuda groups of gpus_per_node ranks per node (0: one node).
+// A host copy of a device tensor (undefined stays undefined), for the host-side snapshots of bench_nodes.h.
+Tensor host_copy(const Tensor& t, cudaStream_t stream) {
+  if (!t.defined()) return {};
+  Tensor h = Tensor::empty(t.dtype(), t.sizes());
+  cuda_ok(cudaMemcpyAsync(h.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return h;
+}
+
+// One routing on cuda groups of gpus_per_node ranks per node (0: one node); `flat`: both paths routed flat, else
+// the topology's routing (or kHierarchical, forced).
 RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInputs>& inputs,
-                            const std::vector<int>& devices, int gpus_per_node, NormalRouting routing,
-                            const char* label) {
+                            const std::vector<RankInputs>& ll_inputs, const std::vector<int>& devices,
+                            int gpus_per_node, bool flat, const char* label) {
   const int num_ranks = config.num_ranks;
   const int64_t T = config.num_tokens, H = config.hidden, E = config.num_experts;
   const int K = config.num_topk;
@@ -67,9 +77,12 @@ RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInp
   group_options.gpus_per_node = gpus_per_node;
   auto groups = create_cuda_groups(devices, group_options);
   RoutingRun run;
-  std::vector<std::vector<double>> seconds(num_ranks, std::vector<double>(kNumNodesPhases));
+  const int64_t T_ll = config.num_ll_tokens;
+  std::vector<std::vector<double>> seconds(num_ranks, std::vector<double>(kNumNodesPhases + kNumLowLatencyPhases));
   for (auto& d : run.dispatched) d.resize(num_ranks);
   run.combined.resize(num_ranks);
+  run.ll_dispatched.resize(num_ranks);
+  run.ll_combined.resize(num_ranks);
   run_host_ranks(groups, [&](int r, Group& g) {
     cuda_ok(cudaSetDevice(g.device().index), "cudaSetDevice");
     cudaStream_t stream;
@@ -77,7 +90,12 @@ RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInp
     BufferOptions options;
     options.num_sms = num_sms;
     options.num_normal_bytes = normal_buffer_size_hint(H, num_ranks, num_sms, T);
-    options.normal_routing = routing;
+    options.normal_routing =
+        flat ? NormalRouting::kFlat : (config.force_hierarchical ? NormalRouting::kHierarchical : NormalRouting::kAuto);
+    options.low_latency_routing =
+        flat ? LowLatencyRouting::kFlat
+             : (config.force_hierarchical ? LowLatencyRouting::kHierarchical : LowLatencyRouting::kAuto);
+    options.num_low_latency_bytes = low_latency_buffer_size_hint(T_ll, H, num_ranks, E);
     auto buffer = Buffer::create(groups[r], tuned_from_env(options));
     const RankInputs& in = inputs[r];
     const Device device = g.device();
@@ -128,11 +146,55 @@ RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInp
     run.dispatched[1][r] = download_snapshot(cached, stream);
     run.dispatched[2][r] = download_snapshot(fp8, stream);
     run.combined[r] = testing::download<uint16_t>(combined.x, stream);
+
+    // Low-latency, as the host run (bench_nodes.cpp): fp8 dispatch timed; a bf16 dispatch whose rows are the
+    // identity experts' outputs; their combine timed.
+    const RankInputs& ll_in = ll_inputs[r];
+    Tensor ll_x = testing::upload(ll_in.x, DType::kBFloat16, {T_ll, H}, device, stream);
+    Tensor ll_topk = testing::upload(ll_in.topk, DType::kInt64, {T_ll, K}, device, stream);
+    Tensor ll_weights = testing::upload(ll_in.weights, DType::kFloat32, {T_ll, K}, device, stream);
+    auto ll_dispatch = [&](bool use_fp8) {
+      LowLatencyDispatchArgs a;
+      a.x = ll_x;
+      a.topk_idx = ll_topk;
+      a.max_tokens_per_rank = T_ll;
+      a.num_experts = E;
+      a.use_fp8 = use_fp8;
+      a.stream = stream;
+      return buffer->low_latency_dispatch(a);
+    };
+    LowLatencyDispatchResult ll;
+    seconds[r][kNumNodesPhases] =
+        1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) { ll = ll_dispatch(true); });
+    LowLatencyDispatchResult ll_host;
+    ll_host.recv_x = host_copy(ll.recv_x, stream);
+    ll_host.recv_x_scales = host_copy(ll.recv_x_scales, stream);
+    ll_host.recv_count = host_copy(ll.recv_count, stream);
+    ll_host.recv_src_info = host_copy(ll.recv_src_info, stream);
+    ll_host.recv_layout_range = host_copy(ll.recv_layout_range, stream);
+    run.ll_dispatched[r] = low_latency_snapshot(ll_host);
+    g.barrier();  // every rank's fp8 results are read before the next dispatch reuses the receive buffers
+    ll = ll_dispatch(false);
+    LowLatencyCombineResult ll_out;
+    seconds[r][kNumNodesPhases + 1] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                                        LowLatencyCombineArgs a;
+                                        a.x = ll.recv_x;
+                                        a.topk_idx = ll_topk;
+                                        a.topk_weights = ll_weights;
+                                        a.handle = ll.handle;
+                                        a.stream = stream;
+                                        ll_out = buffer->low_latency_combine(a);
+                                      });
+    run.ll_combined[r] = testing::download<uint16_t>(ll_out.x, stream);
+
     // Every tensor frees on `stream`: release them before destroying it.
     fresh = cached = fp8 = {};
     combined = {};
     layout = {};
     x = x8 = scales = topk = weights = Tensor();
+    ll = ll_host = {};
+    ll_out = {};
+    ll_x = ll_topk = ll_weights = Tensor();
     buffer.reset();
     cudaStreamSynchronize(stream);
     cudaStreamDestroy(stream);
@@ -140,6 +202,12 @@ RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInp
   for (int p = 0; p < kNumNodesPhases; ++p) {
     for (int r = 0; r < num_ranks; ++r) run.seconds[p] = std::max(run.seconds[p], seconds[r][p]);
   }
+  for (int p = 0; p < kNumLowLatencyPhases; ++p) {
+    for (int r = 0; r < num_ranks; ++r) {
+      run.ll_seconds[p] = std::max(run.ll_seconds[p], seconds[r][kNumNodesPhases + p]);
+    }
+  }
+  run.has_low_latency = true;
   return run;
 }
 
@@ -156,13 +224,13 @@ nlohmann::json run_cuda_nodes_bench(const BenchConfig& config) {
   cudaDeviceProp prop{};
   cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const std::vector<RankInputs> inputs = make_nodes_inputs(config);
+  const std::vector<RankInputs> ll_inputs = make_nodes_ll_inputs(config);
   const Topology topo = nodes_topology(config);
-  const RoutingRun flat = run_cuda_routing(config, inputs, devices, 0, NormalRouting::kFlat, "flat");
+  const RoutingRun flat = run_cuda_routing(config, inputs, ll_inputs, devices, 0, true, "flat");
   const RoutingRun tested =
-      run_cuda_routing(config, inputs, devices, topo.gpus_per_node,
-                       config.force_hierarchical ? NormalRouting::kHierarchical : NormalRouting::kAuto, "hierarchical");
+      run_cuda_routing(config, inputs, ll_inputs, devices, topo.gpus_per_node, false, "hierarchical");
   const int num_used = std::min(num_gpus, config.num_ranks);
-  return nodes_report(config, inputs, {}, flat, tested, "cuda",
+  return nodes_report(config, inputs, ll_inputs, flat, tested, "cuda",
                       fmt::format("{} x {} ({} SMs)", num_used, prop.name, prop.multiProcessorCount),
                       {{"num_sms", config.num_sms.empty() ? 24 : config.num_sms[0]},
                        {"devices", devices},
