@@ -108,6 +108,23 @@ __global__ void __launch_bounds__(kThreads)
       (tag << kRelayTagShift) | (open[r] ? 0 : kRelayCut) | (args.tag_id & kCombineIdMask));
 }
 
+// One block row per other node n (slot blockIdx.x): this source's topk_weights, then the trailer's mask word (bit g:
+// this rank masked (n, g) now), into the weights message for n's forwarder. The exchange after it is stream-ordered.
+__global__ void __launch_bounds__(kThreads)
+    send_weights(LowLatencyPeers peers, LowLatencyLayout layout, RelayView relay, RelayWeightsArgs args) {
+  const int j = static_cast<int>(blockIdx.x), n = node_of_slot(j, relay.node), G = relay.gpus_per_node;
+  const int64_t M = layout.max_tokens_per_rank, num_words = args.num_tokens * args.num_topk;
+  char* msg = relay.bases[peers.rank] + relay.off.weights_send + j * relay_weights_bytes(M, args.num_topk);
+  const auto* w = reinterpret_cast<const uint32_t*>(args.topk_weights);
+  for (int64_t i = blockIdx.y * kThreads + threadIdx.x; i < num_words; i += static_cast<int64_t>(gridDim.y) * kThreads)
+    at<uint32_t>(msg, 0)[i] = __ldg(w + i);
+  if (blockIdx.y != 0 || threadIdx.x != 0) return;
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  uint32_t masked = 0;
+  for (int g = 0; g < G; ++g) masked |= ld_volatile_global(&ctrl->mask[n * G + g]) != 0 ? 1u << g : 0u;
+  *at<uint32_t>(msg, relay_weights_bytes(M, args.num_topk) - 16) = masked;
+}
+
 // The forwarder's partials: units (slot j of a source node, record i, slice of H); per unit one thread per k waits
 // for the relay signal of the record's expert, then p = 0 + w * x over the valid k ascending, into partial_send.
 __global__ void __launch_bounds__(kThreads)
@@ -123,7 +140,7 @@ __global__ void __launch_bounds__(kThreads)
   LowLatencyControl* ctrl = control_of(peers, layout);
   const uint64_t tag = ctrl->combine_seq[args.set] + 1;
   const int64_t msg_bytes = args.rec.message_bytes(M);
-  const float* w_in = at<const float>(own, relay.off.weights_recv);
+  const int64_t w_bytes = relay_weights_bytes(M, K);
   for (int64_t unit = blockIdx.x; unit < (N - 1) * M * parts; unit += gridDim.x) {
     const int j = static_cast<int>(unit / (M * parts));
     const int64_t i = unit / parts % M;
@@ -132,6 +149,8 @@ __global__ void __launch_bounds__(kThreads)
     const int src = node_of_slot(j, node) * G + relay.local_rank;
     const char* r = msg + kRelayHeaderBytes + i * args.rec.bytes;
     const int64_t t = *reinterpret_cast<const int32_t*>(r + args.rec.src_offset);
+    const char* w_msg = own + relay.off.weights_recv + j * w_bytes;  // the source's weights, then its mask word
+    const uint32_t src_masked = *reinterpret_cast<const uint32_t*>(w_msg + w_bytes - 16);
     __syncthreads();  // the previous unit's weights are no longer read
     if (threadIdx.x < K) {
       const int k = threadIdx.x;
@@ -140,7 +159,8 @@ __global__ void __launch_bounds__(kThreads)
       if (e >= 0 && ld_volatile_global(&ctrl->mask[src]) == 0) {
         const int d = static_cast<int>(e / E_local);
         uint64_t v = 0;
-        if (ld_volatile_global(&ctrl->mask[d]) == 0 &&
+        // NOTE: a rank the source masked contributes nothing (path rule, s-d at the source's end), without a wait.
+        if (((src_masked >> (d - node * G)) & 1u) == 0 && ld_volatile_global(&ctrl->mask[d]) == 0 &&
             wait_tag(peers, ctrl,
                      at<uint64_t>(own, relay.off.row_signals[args.set]) + j * G * E_local + (e - node * G * E_local),
                      tag, kRelayTagShift, d, static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
@@ -148,7 +168,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       valid[k] = ok;
-      weights[k] = ok ? w_in[(j * M + t) * K + k] : 0.f;
+      weights[k] = ok ? reinterpret_cast<const float*>(w_msg)[t * K + k] : 0.f;
     }
     __syncthreads();
     const auto* rows = at<const uint4>(own, relay.off.rows[args.set] + (j * M + t) * K * H * 2);
@@ -248,9 +268,10 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace llh
 
 cudaError_t preload_relay_combine_kernels() {
-  return preload_kernels({reinterpret_cast<const void*>(&llh::send_rows), reinterpret_cast<const void*>(&llh::reduce),
-                          reinterpret_cast<const void*>(&llh::combine<int64_t>),
-                          reinterpret_cast<const void*>(&llh::combine<int32_t>)});
+  return preload_kernels(
+      {reinterpret_cast<const void*>(&llh::send_rows), reinterpret_cast<const void*>(&llh::send_weights),
+       reinterpret_cast<const void*>(&llh::reduce), reinterpret_cast<const void*>(&llh::combine<int64_t>),
+       reinterpret_cast<const void*>(&llh::combine<int32_t>)});
 }
 
 void launch_relay_rows(const LowLatencyPeers& peers, const LowLatencyLayout& layout, const RelayView& relay,
@@ -258,6 +279,15 @@ void launch_relay_rows(const LowLatencyPeers& peers, const LowLatencyLayout& lay
   const unsigned grid = static_cast<unsigned>(layout.num_local_experts * args.parts);
   llh::send_rows<<<grid, kThreads, 0, stream>>>(peers, layout, relay, args);
   check_launch("low-latency relay rows");
+}
+
+void launch_relay_weights(const LowLatencyPeers& peers, const LowLatencyLayout& layout, const RelayView& relay,
+                          const RelayWeightsArgs& args, cudaStream_t stream) {
+  const int64_t words = args.num_tokens * args.num_topk;
+  const unsigned parts = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(16, (words + 4095) / 4096)));
+  const dim3 grid(static_cast<unsigned>(relay.num_nodes - 1), parts);
+  llh::send_weights<<<grid, kThreads, 0, stream>>>(peers, layout, relay, args);
+  check_launch("low-latency relay weights");
 }
 
 void launch_relay_reduce(const LowLatencyPeers& peers, const LowLatencyLayout& layout, const RelayView& relay,

@@ -32,12 +32,18 @@ __global__ void __launch_bounds__(kThreads)
   LowLatencyControl* ctrl = control_of(peers, layout);
   // A forwarder this rank masked gets a zero-count message (the exchange's sizes are fixed).
   const bool cut = n != relay.node && ld_volatile_global(&ctrl->mask[n * G + relay.local_rank]) != 0;
+  // NOTE: the path rule's s-d link at the source's end: an expert on a rank this rank masked is sent as -1 (the
+  // forwarder cannot know this rank's mask), so the forwarder signals count 0 and the pair never travels.
+  uint32_t masked_ranks = 0;  // bit g: local rank g of node n
+  for (int g = 0; g < G; ++g) masked_ranks |= ld_volatile_global(&ctrl->mask[n * G + g]) != 0 ? 1u << g : 0u;
   const auto* topk = static_cast<const TopkT*>(args.topk);
+  auto open_id = [&](int64_t e) {
+    return e >= e_begin && e < e_end && ((masked_ranks >> ((e - e_begin) / layout.num_local_experts)) & 1u) == 0;
+  };
   auto goes = [&](int64_t t) {
     if (cut) return false;
     for (int k = 0; k < K; ++k) {
-      const int64_t e = static_cast<int64_t>(topk[t * K + k]);
-      if (e >= e_begin && e < e_end) return true;
+      if (open_id(static_cast<int64_t>(topk[t * K + k]))) return true;
     }
     return false;
   };
@@ -61,7 +67,7 @@ __global__ void __launch_bounds__(kThreads)
     char* r = msg + kRelayHeaderBytes + static_cast<int64_t>(i) * rec.bytes;
     if (lane < K) {
       const int64_t e = static_cast<int64_t>(topk[static_cast<int64_t>(t) * K + lane]);
-      at<int32_t>(r, rec.ids_offset)[lane] = (e >= e_begin && e < e_end) ? static_cast<int32_t>(e) : -1;
+      at<int32_t>(r, rec.ids_offset)[lane] = open_id(e) ? static_cast<int32_t>(e) : -1;
     }
     if (lane == 0) *at<int32_t>(r, rec.src_offset) = t;
     const auto* row = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2);

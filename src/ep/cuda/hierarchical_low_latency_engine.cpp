@@ -38,8 +38,8 @@ RelayOffsets make_relay_offsets(int num_nodes, int gpus_per_node, int64_t max_to
     o.partial_recv[set] = take(S * M * H * 4);
   }
   o.pack = take(num_nodes * message);
-  o.weights_send = take(S * M * K * 4);
-  o.weights_recv = take(S * M * K * 4);
+  o.weights_send = take(S * relay_weights_bytes(M, kLowLatencyMaxTopk));
+  o.weights_recv = take(S * relay_weights_bytes(M, kLowLatencyMaxTopk));
   o.partial_send = take(S * M * H * 4);
   o.total_bytes = offset;
   return o;
@@ -153,14 +153,11 @@ void LowLatencyRelay::send_combine(const LowLatencyPeers& peers, const LowLatenc
   const RelayRowsArgs rows{launch.x, launch.num_topk, launch.dispatch_set, set, launch.send_parts, launch.dispatch_id};
   launch_relay_rows(peers, layout, view_, rows, comm_);
   const int64_t M = layout.max_tokens_per_rank;
-  const int64_t weight_bytes = M * launch.num_topk * 4;  // one message: [M][K] fp32, rows past T unused
+  const int64_t weight_bytes = relay_weights_bytes(M, launch.num_topk);  // one message; rows past T unused
   const int num_slots = topology_.num_nodes - 1;
-  if (launch.num_tokens > 0) {
-    for (int j = 0; j < num_slots; ++j) {
-      check_cuda(cudaMemcpyAsync(region_ + view_.off.weights_send + j * weight_bytes, launch.topk_weights,
-                                 launch.num_tokens * launch.num_topk * 4, cudaMemcpyDeviceToDevice, comm_),
-                 "cudaMemcpyAsync (low-latency combine weights)");
-    }
+  if (num_slots > 0) {
+    const RelayWeightsArgs weights{launch.topk_weights, launch.num_tokens, launch.num_topk};
+    launch_relay_weights(peers, layout, view_, weights, comm_);
   }
   check_cuda(cudaEventRecord(inputs_read_, comm_), "cudaEventRecord (low-latency relay)");
   check_cuda(cudaStreamWaitEvent(stream, inputs_read_, 0), "cudaStreamWaitEvent (low-latency relay)");

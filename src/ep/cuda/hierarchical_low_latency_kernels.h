@@ -7,8 +7,8 @@
 // so the network leg needs no counts first and no host sync. Per call, on the engine's communication stream:
 //   dispatch  pack     the source writes one message per node: a 16-byte header (the record count), then its
 //                      records by ascending token: the row (bf16, or fp8 quantized here), its wire scales, the token
-//                      index, the K expert ids on that node (-1 elsewhere). node_slot [M][N] keeps each token's
-//                      record per node for the combine.
+//                      index, the K expert ids on that node (-1 elsewhere, and -1 on a rank this source masked).
+//                      node_slot [M][N] keeps each token's record per node for the combine.
 //            exchange  grouped send/recv of the N - 1 messages with the ranks of this local index (net_leg.h).
 //            forward   the forwarder writes each (record, expert) pair into the flat low-latency staging slot of
 //                      (expert, ORIGINAL source) on the expert's rank of its node, with the flat path's count signal,
@@ -16,7 +16,9 @@
 //   combine  send_rows the expert's rank returns each received pair's row: to the source itself on its own node (the
 //                      flat combine slot and signal), else into the relay rows of the source's forwarder on this node
 //                      (indexed by source node, token, k) with a relay signal per (source node, expert).
-//            exchange  the sources' weights (topk_weights, [M][K]) to the forwarders.
+//            weights   the source writes one weights message per other node: its topk_weights [M][K], then the
+//                      mask word (bit g: this source masked local rank g of that node, read now).
+//            exchange  the weights messages to the forwarders.
 //            reduce    the forwarder sums, per received record, its node's pairs in fp32 by k ascending (w * x, no FMA)
 //                      into one partial row [M][H] fp32 per source node.
 //            exchange  the partials back to the sources.
@@ -27,11 +29,13 @@
 // Memory ordering: as the flat kernels (low_latency.h): data with plain stores, __syncthreads(), one st_release_sys of
 // the signal; readers poll with ld_acquire_sys (bounded, wait_tag) and read past L1. What the exchanges move is ordered
 // by the stream. Paths and masks (Buffer::mask_rank): a forwarder forwards nothing of a source it masked (count 0) and
-// nothing to a rank it masked; a source packs a zero-count message for a forwarder it masked; a receiver waits for
+// nothing to a rank it masked; a source packs a zero-count message for a forwarder it masked and sends the ids of
+// ranks it masked as -1 (so their forwarder signals count 0: the s-d link at the source's end); a receiver waits for
 // neither a masked source nor a source whose forwarder it masked, and on a timeout masks the forwarder (the rank that
 // owed the signal). In the combine an expert's rank signals the forwarder whenever their link is open, with kRelayCut
 // and no rows when it masked the source, so a forwarder waits only across a link that one end alone masked (then it
-// times out and masks the expert's rank, as the flat path does with one-sided masks).
+// times out and masks the expert's rank, as the flat path does with one-sided masks); the source's mask word in its
+// weights message leaves out, without a wait, the ranks the source masked by the time of the combine.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,6 +51,13 @@ inline constexpr int64_t kRelayHeaderBytes = 16;  // a message's record count (i
 // the dispatch id (low kCombineIdBits bits).
 inline constexpr int kRelayTagShift = 32;
 inline constexpr uint64_t kRelayCut = uint64_t{1} << 31;
+
+// A combine weights message: [M][K] fp32 (padded to 16 bytes), then a 16-byte trailer whose first uint32 has bit g set
+// when the source masked local rank g of the forwarder's node at the combine (the path rule's s-d link at the
+// source's end, which the forwarder cannot see otherwise).
+__host__ __device__ inline int64_t relay_weights_bytes(int64_t max_tokens, int num_topk) {
+  return (max_tokens * num_topk * 4 + 15) / 16 * 16 + 16;
+}
 
 // One record of a node message; the same on every rank for one call (row kind, scale format and K agree).
 struct RelayRecord {
@@ -79,8 +90,8 @@ struct RelayOffsets {
   int64_t pack;             // [N][message]: slots 0..S-1 to the other nodes (sent), slot S this node's own records
   int64_t relay[2];         // [S][message]: the messages received, per dispatch set
   int64_t node_slot[2];     // [M][N] int32: the token's record in each node message, -1 if none (per dispatch set)
-  int64_t weights_send;     // [S][M][K] fp32
-  int64_t weights_recv;     // [S][M][K] fp32
+  int64_t weights_send;     // [S][relay_weights_bytes(M, K)]
+  int64_t weights_recv;     // [S][relay_weights_bytes(M, K)]
   int64_t partial_send;     // [S][M][H] fp32
   int64_t partial_recv[2];  // [S][M][H] fp32, per combine set
   int64_t total_bytes;
@@ -117,6 +128,12 @@ struct RelayRowsArgs {
   uint32_t tag_id;   // the dispatch id (low kCombineIdBits bits), as the flat combine's signals
 };
 
+struct RelayWeightsArgs {
+  const float* topk_weights;  // [T, K]
+  int64_t num_tokens;
+  int num_topk;
+};
+
 struct RelayReduceArgs {
   RelayRecord rec;  // of the dispatch being reversed
   int dispatch_set;
@@ -146,9 +163,12 @@ void launch_relay_pack(const LowLatencyPeers& peers, const LowLatencyLayout& lay
                        const RelayPackArgs& args, cudaStream_t stream);
 void launch_relay_forward(const LowLatencyPeers& peers, const LowLatencyLayout& layout, const RelayView& relay,
                           const RelayRecord& rec, int set, cudaStream_t stream);
-// Combine: the expert rows out, the forwarder's partials, the source's sum (advances the combine set's sequence).
+// Combine: the expert rows out, the weights messages, the forwarder's partials, the source's sum (advances the combine
+// set's sequence).
 void launch_relay_rows(const LowLatencyPeers& peers, const LowLatencyLayout& layout, const RelayView& relay,
                        const RelayRowsArgs& args, cudaStream_t stream);
+void launch_relay_weights(const LowLatencyPeers& peers, const LowLatencyLayout& layout, const RelayView& relay,
+                          const RelayWeightsArgs& args, cudaStream_t stream);
 void launch_relay_reduce(const LowLatencyPeers& peers, const LowLatencyLayout& layout, const RelayView& relay,
                          const RelayReduceArgs& args, cudaStream_t stream);
 void launch_relay_sum(const LowLatencyPeers& peers, const LowLatencyLayout& layout, const RelayView& relay,
