@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, run on the GPU machine: builds one tree there (library, CLI, GPU tests and the Python
-# extension for that machine's Python 3.12 + torch), runs every GPU test, the Python tests (host backend
+# extension for that machine's Python 3.12 + torch), runs every GPU test (with 2 or more GPUs the hierarchical
+# NCCL-group tests once more with NCCL forced onto its socket transport over loopback), the Python tests (host backend
 # with numpy and torch CPU tensors, then CUDA), DeepEP's own public suites unchanged against the
 # epx.deep_ep shim (when a DeepEP checkout's tests/ are carried in .carry/DeepEP; nothing of it is built),
 # `epx bench` (normal SM sweep, low-latency, DP, TBO, EPLB live, the hierarchical path with --nodes), `python -m epx.bench` beside it, and
@@ -102,6 +103,18 @@ if want tests; then
     [ -x "$t" ] || continue
     timed "$(basename "$t")" 300 "$t" --gtest_brief=1
   done
+  # Issue 17: the NCCL-group tests (one process per GPU, 2 nodes of 1 or 2 GPUs) again with NCCL forced onto its
+  # network transport: no P2P, no shared memory, the socket transport over loopback, so every exchange of the
+  # network leg crosses a socket as between two hosts. NCCL_DEBUG_SUBSYS=NET logs the transport each channel took
+  # ("via NET/Socket/..."). The children inherit the environment.
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    net_env=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO
+      NCCL_DEBUG_SUBSYS=NET)
+    timed "hierarchical NCCL over sockets" 300 env "${net_env[@]}" "$BUILD/tests/epx_gpu_hierarchical_test" \
+      --gtest_brief=1 --gtest_filter='HierarchicalNccl.*'
+    timed "hierarchical low-latency NCCL over sockets" 300 env "${net_env[@]}" \
+      "$BUILD/tests/epx_gpu_hierarchical_low_latency_test" --gtest_brief=1 --gtest_filter='HierarchicalLowLatencyNccl.*'
+  fi
 fi
 
 cd "$ROOT"

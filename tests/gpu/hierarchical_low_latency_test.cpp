@@ -13,11 +13,18 @@
 // the count), recv_x and recv_x_scales of the received rows (rows past recv_count are unspecified), the combine output
 // (the host's hierarchical order: per node an fp32 partial by k ascending, nodes ascending, one rounding) and the
 // cumulative counts. Masks: symmetric (both ends mask), so the path rule of Buffer::mask_rank applies without timeouts.
+//
+// HierarchicalLowLatencyNccl.TwoNodes (not run yet): the same comparison with one process per GPU on an NCCL group
+// (nccl_children.h), 2 nodes of 1 GPU (2 GPUs) or of 2 (4 or more GPUs; the first 4 used), so the network leg is
+// NCCL send/recv and the node leg CUDA IPC: a bf16 case with hooks in round 1 and an fp8 case (UE8M0 column-major
+// scales) with hooks in round 2, three rounds each, one rank idle per round. Each child computes the host backend's
+// results for every rank from the shared seed and compares its own rank's outputs; it skips below 2 GPUs.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -27,6 +34,7 @@
 #include "epx/cuda.h"
 #include "epx/error.h"
 #include "epx/quant.h"
+#include "nccl_children.h"
 #include "testing/gpu_util.h"
 #include "testing/routing.h"
 
@@ -50,6 +58,7 @@ struct Case {
   bool round_scale = false;
   ScaleLayout scale_layout = ScaleLayout::kRowMajor;
   bool hooks = false;
+  int hook_round = -1;  // >= 0: that round uses the hooks too (the others do not unless `hooks`)
   bool topk_int32 = false;
   std::vector<std::pair<int, int>> masked;  // rank pairs that mask each other before the first call
   int rounds = 3;
@@ -138,6 +147,7 @@ RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std:
     const Tensor cumulative = input(host, zeros.data(), zeros.size() * 4, DType::kInt32, {E_local}, dev, stream);
     for (int round = 0; round < c.rounds; ++round) {
       const RoundInput& d = in[round];
+      const bool hooks = c.hooks || round == c.hook_round;
       const int64_t T = d.num_tokens;
       const Tensor x = input(host, d.x.data(), d.x.size() * 2, DType::kBFloat16, {T, H}, dev, stream);
       std::vector<int32_t> topk32(d.topk.begin(), d.topk.end());
@@ -157,12 +167,12 @@ RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std:
       a.scale_format = c.scale_format;
       a.round_scale = c.round_scale;
       a.scale_layout = c.scale_layout;
-      a.return_recv_hook = c.hooks;
+      a.return_recv_hook = hooks;
       a.cumulative_recv_counts = cumulative;
       a.stream = stream;
       LowLatencyDispatchResult res = buffer->low_latency_dispatch(a);
-      EXPECT_EQ(static_cast<bool>(res.recv_hook), c.hooks);
-      if (c.hooks) res.recv_hook();
+      EXPECT_EQ(static_cast<bool>(res.recv_hook), hooks);
+      if (hooks) res.recv_hook();
       RoundOutput ro;
       ro.count = fetch<int32_t>(host, res.recv_count, stream);
       ro.ranges = fetch<int64_t>(host, res.recv_layout_range, stream);
@@ -174,11 +184,11 @@ RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std:
       b.topk_idx = topk;
       b.topk_weights = weights;
       b.handle = res.handle;
-      b.return_recv_hook = c.hooks;
+      b.return_recv_hook = hooks;
       b.out = out;
       b.stream = stream;
       LowLatencyCombineResult comb = buffer->low_latency_combine(b);
-      if (c.hooks) comb.recv_hook();
+      if (hooks) comb.recv_hook();
       ro.combined = fetch<uint16_t>(host, comb.x, stream);
       o.rounds.push_back(std::move(ro));
       if (!host) cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
@@ -245,26 +255,39 @@ void compare_round(const Case& c, const RoundOutput& w, const RoundOutput& g) {
   EXPECT_EQ(bad, 0) << "combine output differs (bits)";
 }
 
+// Every round of rank r and its cumulative counts.
+void compare_rank(const Case& c, int r, const RankOutput& want, const RankOutput& got) {
+  ASSERT_EQ(got.rounds.size(), want.rounds.size()) << "rank " << r;
+  for (int round = 0; round < c.rounds; ++round) {
+    SCOPED_TRACE("rank " + std::to_string(r) + " round " + std::to_string(round));
+    compare_round(c, want.rounds[round], got.rounds[round]);
+  }
+  EXPECT_EQ(got.cumulative, want.cumulative) << "cumulative_recv_counts, rank " << r;
+}
+
+// The host backend's results of every rank (the oracle), on host groups of the case's topology.
+std::vector<RankOutput> host_results(const Case& c, const std::vector<std::vector<RoundInput>>& in) {
+  HostGroupOptions ho;
+  ho.gpus_per_node = c.gpus_per_node;
+  return run_case(c, in, create_host_groups(c.num_ranks, ho), true);
+}
+
+CudaGroupOptions cuda_options(const Case& c) {
+  CudaGroupOptions co;
+  co.timeout_ms = 20'000;
+  co.gpus_per_node = c.gpus_per_node;
+  return co;
+}
+
 void run_and_compare(const Case& c) {
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const auto in = make_inputs(c, seed);
-  HostGroupOptions ho;
-  ho.gpus_per_node = c.gpus_per_node;
-  const auto want = run_case(c, in, create_host_groups(c.num_ranks, ho), true);
-  CudaGroupOptions co;
-  co.timeout_ms = 20'000;
-  co.gpus_per_node = c.gpus_per_node;
+  const auto want = host_results(c, in);
   std::vector<int> devices(c.num_ranks);
   for (int r = 0; r < c.num_ranks; ++r) devices[r] = r % num_gpus();
-  const auto got = run_case(c, in, create_cuda_groups(devices, co), false);
-  for (int r = 0; r < c.num_ranks; ++r) {
-    for (int round = 0; round < c.rounds; ++round) {
-      SCOPED_TRACE("rank " + std::to_string(r) + " round " + std::to_string(round));
-      compare_round(c, want[r].rounds[round], got[r].rounds[round]);
-    }
-    EXPECT_EQ(got[r].cumulative, want[r].cumulative) << "cumulative_recv_counts, rank " << r;
-  }
+  const auto got = run_case(c, in, create_cuda_groups(devices, cuda_options(c)), false);
+  for (int r = 0; r < c.num_ranks; ++r) compare_rank(c, r, want[r], got[r]);
 }
 
 Case make_case(int num_ranks, int gpus_per_node) {
@@ -343,6 +366,55 @@ TEST_F(HierarchicalLowLatencyGpuTest, ForcedOnOneNode) {
   Case c = make_case(4, 0);
   c.fp8 = true;
   run_and_compare(c);
+}
+
+// ---- one process per GPU on NCCL groups ----------------------------------------------------------------------
+// The parent re-executes this binary once per rank (nccl_children.h): HierarchicalLowLatencyNcclChild.Rank runs
+// only with EPX_HIER_LL_RANK set; rank r uses GPU r.
+
+constexpr const char* kEnvPrefix = "EPX_HIER_LL";
+
+// 2 nodes of num_ranks / 2: bf16 with hooks in round 1, then fp8 (UE8M0, column-major) with hooks in round 2.
+std::vector<Case> nccl_cases(int num_ranks) {
+  Case bf16 = make_case(num_ranks, num_ranks / 2);
+  bf16.hook_round = 1;
+  Case fp8 = bf16;
+  fp8.hidden = 2048;  // column-major UE8M0 needs H % 512 == 0
+  fp8.fp8 = true;
+  fp8.scale_format = ScaleFormat::kUE8M0;
+  fp8.scale_layout = ScaleLayout::kColumnMajor;
+  fp8.hook_round = 2;
+  return {bf16, fp8};
+}
+
+TEST(HierarchicalLowLatencyNcclChild, Rank) {
+  const std::optional<testing::NcclChild> child = testing::nccl_child(kEnvPrefix);
+  if (!child) GTEST_SKIP() << "runs as a child of HierarchicalLowLatencyNccl.TwoNodes";
+  const int rank = child->rank, num_ranks = child->num_ranks;
+  const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
+  ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
+  const std::vector<Case> cases = nccl_cases(num_ranks);
+  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, rank, cuda_options(cases[0]));
+  ASSERT_EQ(group->topology().num_nodes, 2);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const uint64_t seed = child->seed + i;  // the same on every rank
+    SCOPED_TRACE("rank " + std::to_string(rank) + (c.fp8 ? ", fp8" : ", bf16") + ", seed " + std::to_string(seed));
+    const auto in = make_inputs(c, seed);
+    const auto want = host_results(c, in);
+    const RankOutput got = run_rank(c, in[rank], group, false);
+    compare_rank(c, rank, want[rank], got);
+  }
+  group->barrier();
+}
+
+TEST(HierarchicalLowLatencyNccl, TwoNodes) {
+  const int gpus = num_gpus();
+  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs (one process per GPU on NCCL groups), " << gpus << " visible";
+  const int num_ranks = gpus >= 4 ? 4 : 2;
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes");
+  testing::run_nccl_children(num_ranks, seed, "HierarchicalLowLatencyNcclChild", "Rank", kEnvPrefix);
 }
 
 }  // namespace

@@ -15,14 +15,9 @@
 // LowLatencyAcrossNodesRunsBothRoutings (not run yet): the hierarchical low-latency routing runs beside the flat one.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <fstream>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -30,7 +25,7 @@
 #include "comm/cuda/cuda_group.h"
 #include "comm/cuda/net_leg.h"
 #include "hierarchical_cases.h"
-#include "testing/processes.h"
+#include "nccl_children.h"
 
 namespace epx::hierarchical_test {
 namespace {
@@ -220,8 +215,10 @@ TEST_F(HierarchicalGpuTest, LowLatencyAcrossNodesRunsBothRoutings) {
 }
 
 // ---- one process per GPU on NCCL groups ----------------------------------------------------------------------
-// The parent re-executes this binary once per rank (a fork of a process that already used CUDA cannot use it):
-// HierarchicalNcclChild.Rank runs only with EPX_HIER_RANK set. Rank 0 writes the NCCL id to a file the others read.
+// The parent re-executes this binary once per rank (nccl_children.h): HierarchicalNcclChild.* run only with
+// EPX_HIER_RANK set. Rank 0 writes the NCCL id to a file the others read.
+
+constexpr const char* kEnvPrefix = "EPX_HIER";
 
 Case nccl_case(int num_ranks) {
   Case c = make_case(num_ranks, num_ranks / 2, std::vector<int64_t>(num_ranks, 0));
@@ -230,62 +227,14 @@ Case nccl_case(int num_ranks) {
   return c;
 }
 
-// The NCCL id: rank 0 draws it and writes it to id_file, the others wait for the file (up to 60 s; empty: none came).
-std::vector<uint8_t> shared_nccl_id(int rank, const std::string& id_file) {
-  std::vector<uint8_t> id;
-  if (rank == 0) {
-    id = nccl_unique_id();
-    std::ofstream(id_file + ".tmp", std::ios::binary).write(reinterpret_cast<const char*>(id.data()), id.size());
-    std::rename((id_file + ".tmp").c_str(), id_file.c_str());
-    return id;
-  }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::chrono::steady_clock::now() < deadline) {
-    std::ifstream f(id_file, std::ios::binary);
-    if (f) return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return id;
-}
-
-// Runs `child_test` (a HierarchicalNcclChild test) in num_ranks child processes, one per GPU, and expects each to
-// exit 0 within 240 s.
-void run_nccl_children(int num_ranks, uint64_t seed, const char* child_test) {
-  const std::string id_file = "/tmp/epx_hier_nccl_id_" + std::to_string(getpid());
-  std::remove(id_file.c_str());
-  const std::string filter = std::string("--gtest_filter=HierarchicalNcclChild.") + child_test;
-  std::vector<pid_t> children;
-  for (int r = 0; r < num_ranks; ++r) {
-    const pid_t pid = fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      setenv("EPX_HIER_RANK", std::to_string(r).c_str(), 1);
-      setenv("EPX_HIER_RANKS", std::to_string(num_ranks).c_str(), 1);
-      setenv("EPX_HIER_SEED", std::to_string(seed).c_str(), 1);
-      setenv("EPX_HIER_ID_FILE", id_file.c_str(), 1);
-      execl("/proc/self/exe", "hierarchical_test", filter.c_str(), nullptr);
-      _exit(3);
-    }
-    children.push_back(pid);
-  }
-  const std::vector<int> statuses =
-      testing::wait_children(children, std::chrono::steady_clock::now() + std::chrono::seconds(240));
-  for (int r = 0; r < num_ranks; ++r) {
-    const int status = statuses[r];
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " failed (its output is above)";
-  }
-  std::remove(id_file.c_str());
-}
-
 TEST(HierarchicalNcclChild, Rank) {
-  const char* rank_env = std::getenv("EPX_HIER_RANK");
-  if (rank_env == nullptr) GTEST_SKIP() << "runs as a child of HierarchicalNccl.TwoNodes";
-  const int rank = std::atoi(rank_env), num_ranks = std::atoi(std::getenv("EPX_HIER_RANKS"));
-  const uint64_t seed = std::strtoull(std::getenv("EPX_HIER_SEED"), nullptr, 10);
-  const std::vector<uint8_t> id = shared_nccl_id(rank, std::getenv("EPX_HIER_ID_FILE"));
+  const std::optional<testing::NcclChild> child = testing::nccl_child(kEnvPrefix);
+  if (!child) GTEST_SKIP() << "runs as a child of HierarchicalNccl.TwoNodes";
+  const int rank = child->rank, num_ranks = child->num_ranks;
+  const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
   const Case c = nccl_case(num_ranks);
-  const auto in = make_inputs(c, seed);
+  const auto in = make_inputs(c, child->seed);
   const auto want = run_case(c, in, host_groups(c), true);
   CudaGroupOptions options = cuda_options(c);
   std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, rank, options);
@@ -301,7 +250,7 @@ TEST(HierarchicalNccl, TwoNodes) {
   const int num_ranks = gpus >= 4 ? 4 : 2;
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes");
-  run_nccl_children(num_ranks, seed, "Rank");
+  testing::run_nccl_children(num_ranks, seed, "HierarchicalNcclChild", "Rank", kEnvPrefix);
 }
 
 // ---- a peer that never posts its send/recv (issue 17) ---------------------------------------------------------
@@ -312,10 +261,10 @@ TEST(HierarchicalNccl, TwoNodes) {
 // aborted the communicator: its stream drains, and the group refuses the next collective (kPeerFailure). Rank 1's
 // next collective finds rank 0 gone: kTimeout (or kPeerFailure if NCCL notices the abort).
 TEST(HierarchicalNcclChild, PeerNeverPosts) {
-  const char* rank_env = std::getenv("EPX_HIER_RANK");
-  if (rank_env == nullptr) GTEST_SKIP() << "runs as a child of HierarchicalNccl.PeerThatNeverPostsTimesOut";
-  const int rank = std::atoi(rank_env);
-  const std::vector<uint8_t> id = shared_nccl_id(rank, std::getenv("EPX_HIER_ID_FILE"));
+  const std::optional<testing::NcclChild> child = testing::nccl_child(kEnvPrefix);
+  if (!child) GTEST_SKIP() << "runs as a child of HierarchicalNccl.PeerThatNeverPostsTimesOut";
+  const int rank = child->rank;
+  const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
   constexpr int64_t kTimeoutMs = 3'000;
   CudaGroupOptions options;
@@ -398,7 +347,7 @@ TEST(HierarchicalNcclChild, PeerNeverPosts) {
 TEST(HierarchicalNccl, PeerThatNeverPostsTimesOut) {
   const int gpus = num_gpus();
   if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs (one process per GPU on NCCL groups), " << gpus << " visible";
-  run_nccl_children(2, 0, "PeerNeverPosts");
+  testing::run_nccl_children(2, 0, "HierarchicalNcclChild", "PeerNeverPosts", kEnvPrefix);
 }
 
 }  // namespace
