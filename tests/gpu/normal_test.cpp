@@ -683,6 +683,17 @@ void print_graph_memory(const std::vector<int>& devices, const char* when) {
 // EPX_TEST_TRIM_GRAPH_MEMORY=1 (an experiment, scripts/gpu-check.sh --steps graph-repeat) the devices' graph memory
 // goes back to the driver (cudaDeviceGraphMemTrim), so that the next graph test starts from an empty pool, as the
 // first one in a process does.
+// Instantiates a captured graph (allocations freed by the next launch). With EPX_TEST_GRAPH_UPLOAD=1 (the same
+// experiment) it is also uploaded on `stream` and waited for, so that any remapping of reused graph memory happens
+// here, before the first launch, not inside it while the peer rank's graph runs.
+cudaError_t instantiate_graph(cudaGraphExec_t* exec, cudaGraph_t graph, cudaStream_t stream) {
+  cudaError_t err = cudaGraphInstantiateWithFlags(exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch);
+  const char* upload = std::getenv("EPX_TEST_GRAPH_UPLOAD");
+  if (err != cudaSuccess || upload == nullptr || std::strcmp(upload, "1") != 0) return err;
+  err = cudaGraphUpload(*exec, stream);
+  return err != cudaSuccess ? err : cudaStreamSynchronize(stream);
+}
+
 void end_graph_test(const std::vector<int>& devices) {
   const char* trim = std::getenv("EPX_TEST_TRIM_GRAPH_MEMORY");
   if (trim != nullptr && std::strcmp(trim, "1") == 0) {
@@ -746,8 +757,7 @@ TEST_F(NormalGpuTest, GraphCaptureReplayWithNewData) {
     // Graph allocations (the addresses show whether a later test's graphs reuse them).
     std::printf("rank %d: graph allocations recv_x %p, combined x %p\n", r, dres[r].recv_x.data(), cres[r].x.data());
     ASSERT_EQ(cudaStreamEndCapture(streams[r], &graphs[r]), cudaSuccess);
-    ASSERT_EQ(cudaGraphInstantiateWithFlags(&execs[r], graphs[r], cudaGraphInstantiateFlagAutoFreeOnLaunch),
-              cudaSuccess);
+    ASSERT_EQ(instantiate_graph(&execs[r], graphs[r], streams[r]), cudaSuccess);
   });
   for (int replay = 0; replay < 3; ++replay) {
     const uint64_t seed = fresh_seed();
@@ -848,7 +858,7 @@ TEST_F(NormalGpuTest, CachedDispatchCapturesInGraph) {
     ca.stream = stream;
     CombineResult comb = buffer->combine(ca);
     CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    CUDA_OK(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch));
+    CUDA_OK(instantiate_graph(&exec, graph, stream));
     for (int replay = 0; replay < 2; ++replay) CUDA_OK(cudaGraphLaunch(exec, stream));
     RankOutput& o = got[r];
     o.num_rows = cached.recv_x.size(0);
