@@ -21,7 +21,6 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int row_start[kLowLatencyMaxRanks + 1];  // prefix of the rows to send, by source rank
   __shared__ int row_begin[kLowLatencyMaxRanks];      // packed row of source r's first pair in x
   __shared__ bool open[kLowLatencyMaxRanks];          // source r's path is open (not masked here)
-  __shared__ bool last_part;
   const int parts = args.parts;
   const int64_t e_local = blockIdx.x / parts;
   const int part = static_cast<int>(blockIdx.x % parts);
@@ -81,15 +80,8 @@ __global__ void __launch_bounds__(kThreads)
       if (first + u * stride < items) *to[u] = v[u];
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    // NOTE: the flat combine's monotonic per-expert counter (the flat kernels never run on this buffer).
-    const unsigned int done = atomicAdd(&ctrl->combine_parts_done[e_local], 1u) + 1;
-    last_part = done % static_cast<unsigned>(parts) == 0;
-    if (last_part) __threadfence();  // acquire: the other parts' stores, fenced before their increments
-  }
-  __syncthreads();
+  // NOTE: the flat combine's monotonic per-expert counter (the flat kernels never run on this buffer).
+  const bool last_part = last_of_parts(&ctrl->combine_parts_done[e_local], parts);
   if (!last_part || threadIdx.x >= R) return;
   const int r = threadIdx.x;
   if (r / G == node) {

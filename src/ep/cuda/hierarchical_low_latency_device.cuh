@@ -11,28 +11,6 @@ namespace epx::cuda::llh_detail {
 __device__ __forceinline__ int slot_of(int other, int node) { return other < node ? other : other - 1; }
 __device__ __forceinline__ int node_of_slot(int slot, int node) { return slot < node ? slot : slot + 1; }
 
-// Block-wide exclusive scan of one count per thread (every thread calls it): this thread's offset; *total the sum.
-__device__ __forceinline__ int block_exclusive_scan(int mine, int* total) {
-  __shared__ int warp_counts[kWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int inclusive = mine;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += other;
-  }
-  if (lane == 31) warp_counts[warp] = inclusive;
-  __syncthreads();
-  int pos = inclusive - mine, sum = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    pos += w < warp ? warp_counts[w] : 0;
-    sum += warp_counts[w];
-  }
-  *total = sum;
-  __syncthreads();  // warp_counts may be reused
-  return pos;
-}
-
 __device__ __forceinline__ void add_weighted(float acc[8], uint4 raw, float w) {
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll

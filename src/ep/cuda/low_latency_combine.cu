@@ -14,7 +14,6 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
                                    const LowLatencyCombineLaunch& args, int64_t block, int parts) {
   __shared__ int row_start[kLowLatencyMaxRanks + 1];  // prefix of the rows to send, by destination rank
   __shared__ int row_begin[kLowLatencyMaxRanks];      // packed row of rank r's first pair in x (the dispatch's)
-  __shared__ bool last_part;
   const int64_t e_local = block / parts;
   const int part = static_cast<int>(block % parts);
   const int R = peers.num_ranks;
@@ -66,15 +65,7 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
       if (first + u * kStride < items) at<int4>(peers.bases[dst_rank[u]], c.combine_data + dst_offset[u])[0] = v[u];
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    // NOTE: monotonic (no reset); parts is a power of two, fixed per buffer, so the wrap at 2^32 keeps the phase.
-    const unsigned int done = atomicAdd(&ctrl->combine_parts_done[e_local], 1u) + 1;
-    last_part = done % static_cast<unsigned>(parts) == 0;
-    if (last_part) __threadfence();  // acquire: the other parts' stores, fenced before their increments
-  }
-  __syncthreads();
+  const bool last_part = last_of_parts(&ctrl->combine_parts_done[e_local], parts);
   if (last_part && threadIdx.x < R && ld_volatile_global(&ctrl->mask[threadIdx.x]) == 0) {
     const int r = threadIdx.x;
     st_release_sys(at<uint64_t>(peers.bases[r], c.combine_signals) + peers.rank * layout.num_local_experts + e_local,

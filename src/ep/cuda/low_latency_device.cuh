@@ -9,12 +9,12 @@
 
 #include <cstdlib>
 
-#include "core/bf16.h"
-#include "core/check.h"
 #include "comm/cuda/device/error.cuh"
 #include "comm/cuda/device/grid.cuh"
 #include "comm/cuda/device/ordering.cuh"
 #include "comm/cuda/device/wait.cuh"
+#include "core/bf16.h"
+#include "core/check.h"
 #include "ep/cuda/low_latency.h"
 
 namespace epx::cuda {
@@ -80,6 +80,44 @@ __device__ bool wait_tag(const LowLatencyPeers& peers, LowLatencyControl* ctrl, 
         atomicExch(&ctrl->mask[peer], 1);
         record_failure(peers, kErrTimeout, site, peer, expert, static_cast<int64_t>(tag), static_cast<int64_t>(v));
       });
+}
+
+// Block-wide exclusive scan of one count per thread (every thread calls it): this thread's offset; *total the sum.
+__device__ __forceinline__ int block_exclusive_scan(int mine, int* total) {
+  __shared__ int warp_counts[kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inclusive = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += other;
+  }
+  if (lane == 31) warp_counts[warp] = inclusive;
+  __syncthreads();
+  int pos = inclusive - mine, sum = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    pos += w < warp ? warp_counts[w] : 0;
+    sum += warp_counts[w];
+  }
+  *total = sum;
+  __syncthreads();  // warp_counts may be reused
+  return pos;
+}
+
+// One of `parts` blocks that share a monotonic counter (no reset; parts a power of two fixed per buffer, so the
+// wrap at 2^32 keeps the phase) has finished its stores: true in every thread of the block that arrived last, which
+// then sees the other parts' stores (each fenced before its increment). Every thread calls it.
+__device__ __forceinline__ bool last_of_parts(unsigned int* counter, int parts) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    const unsigned int done = atomicAdd(counter, 1u) + 1;
+    last = done % static_cast<unsigned>(parts) == 0;
+    if (last) __threadfence();  // acquire: the other parts' stores, fenced before their increments
+  }
+  __syncthreads();
+  return last;
 }
 
 // The last block of a grid to finish advances the set's sequence number (all blocks read it at start).

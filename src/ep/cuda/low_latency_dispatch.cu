@@ -13,7 +13,6 @@ template <typename TopkT>
 __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                     const LowLatencyDispatchLaunch& args, int expert) {
   extern __shared__ int pair_list[];  // [M]: entries t * K + k that chose this block's expert, ascending
-  __shared__ int warp_counts[kWarps];
   const int64_t num_local = layout.num_local_experts;
   const int dst = static_cast<int>(expert / num_local);
   const int64_t e_local = expert % num_local;
@@ -37,19 +36,8 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
   int mine = 0;
 #pragma unroll 4
   for (int64_t j = begin; j < end; ++j) mine += static_cast<int64_t>(topk[j]) == expert;
-  int inclusive = mine;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += other;
-  }
-  if (lane == 31) warp_counts[warp] = inclusive;
-  __syncthreads();
-  int pos = inclusive - mine, total = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    pos += w < warp ? warp_counts[w] : 0;
-    total += warp_counts[w];
-  }
+  int total = 0;
+  int pos = block_exclusive_scan(mine, &total);
   for (int64_t j = begin; j < end && pos < M; ++j) {
     if (static_cast<int64_t>(topk[j]) == expert) pair_list[pos++] = static_cast<int>(j);
   }
