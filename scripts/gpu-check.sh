@@ -89,7 +89,8 @@ if want graph-repeat; then
   # Which earlier graphs the fault needs (alone, after the other graph test), whether an empty graph memory pool
   # at each graph test's start (EPX_TEST_TRIM_GRAPH_MEMORY=1: cudaDeviceGraphMemTrim after each) avoids it, and
   # whether uploading each graph before its first launch (EPX_TEST_GRAPH_UPLOAD=1: cudaGraphUpload) does.
-  # 1x H200, 2026-12-03 (ee178c3): alone passed, both failed in iteration 2, both-trimmed passed.
+  # 1x H200, 2026-12-03 (ee178c3, db127ad): alone passed once and failed once, both failed twice (iteration 2),
+  # both-trimmed passed twice, both-uploaded passed; the GPU tests now upload by default (normal_test.cpp).
   graph_tests=NormalGpuTest.GraphCaptureReplayWithNewData:NormalGpuTest.CachedDispatchCapturesInGraph
   for run in "alone NormalGpuTest.GraphCaptureReplayWithNewData 0 0" "both $graph_tests 0 0" \
     "both-trimmed $graph_tests 1 0" "both-uploaded $graph_tests 0 1"; do
