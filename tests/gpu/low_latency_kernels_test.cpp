@@ -53,6 +53,7 @@ struct Case {
   bool use_fp8;
   bool ue8m0;
   bool idle_rank1 = false;
+  bool token_staged = true;  // the flat routing's rows (false: per pair, as the hierarchical forward writes)
 };
 
 struct RankInputs {
@@ -325,7 +326,8 @@ class Rig {
             c_.ue8m0,
             /*scales_fp32=*/!c_.ue8m0,
             /*scales_column_major=*/false,
-            ranks_[r].cumulative};
+            ranks_[r].cumulative,
+            /*token_staged=*/c_.token_staged};
   }
   LowLatencyCombineLaunch combine_args(int r, int dispatch_set) const {
     return {
@@ -441,16 +443,23 @@ class LowLatencyKernels : public ::testing::Test {
 TEST_F(LowLatencyKernels, MatchHostBackend) {
   std::mt19937 rng(20261130);
   std::vector<Case> cases = {
-      {2, 128, 128, 7168, 8, 256, false, false}, {2, 128, 128, 7168, 8, 256, true, false},
-      {2, 32, 64, 2048, 6, 16, true, true},      {2, 1, 1, 5120, 1, 16, false, false},
-      {2, 256, 256, 8192, 9, 288, true, false},  {4, 128, 128, 7168, 8, 256, true, false},
-      {4, 32, 32, 2048, 9, 288, false, false},   {2, 64, 128, 2048, 8, 256, false, false, /*idle_rank1=*/true},
+      {2, 128, 128, 7168, 8, 256, false, false},
+      {2, 128, 128, 7168, 8, 256, true, false},
+      {2, 32, 64, 2048, 6, 16, true, true},
+      {2, 1, 1, 5120, 1, 16, false, false},
+      {2, 256, 256, 8192, 9, 288, true, false},
+      {4, 128, 128, 7168, 8, 256, true, false},
+      {4, 32, 32, 2048, 9, 288, false, false},
+      {2, 64, 128, 2048, 8, 256, false, false, /*idle_rank1=*/true},
+      // Rows per pair (the hierarchical forward's staging, read by the same receive).
+      {2, 128, 128, 7168, 8, 256, true, false, false, /*token_staged=*/false},
+      {2, 32, 64, 2048, 6, 16, false, false, /*idle_rank1=*/true, /*token_staged=*/false},
   };
   for (const Case& c : cases) {
     if (!runs_here(c)) continue;
-    SCOPED_TRACE("R=" + std::to_string(c.num_ranks) + " T=" + std::to_string(c.num_tokens) +
-                 " H=" + std::to_string(c.hidden) + " K=" + std::to_string(c.num_topk) +
-                 " E=" + std::to_string(c.num_experts) + (c.use_fp8 ? (c.ue8m0 ? " fp8/ue8m0" : " fp8") : " bf16"));
+    SCOPED_TRACE("R=" + std::to_string(c.num_ranks) + " T=" + std::to_string(c.num_tokens) + " H=" +
+                 std::to_string(c.hidden) + " K=" + std::to_string(c.num_topk) + " E=" + std::to_string(c.num_experts) +
+                 (c.use_fp8 ? (c.ue8m0 ? " fp8/ue8m0" : " fp8") : " bf16") + (c.token_staged ? "" : " rows per pair"));
     Rig rig(c, num_gpus_);
     const std::vector<bool> all(c.num_ranks, true);
     // Three rounds alternate sets 0, 1, 0 with fresh data each time, so tags and set reuse are exercised;

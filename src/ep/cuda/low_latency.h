@@ -11,6 +11,11 @@
 // sender tags with seq + 1 and the receive kernel advances seq when it completes. Because seq lives in
 // device memory, graph replays see fresh tags. All ranks make the same calls, so tags agree.
 //
+// Token-staged dispatch (LowLatencyDispatchLaunch::token_staged, the flat routing): a token's row crosses to a
+// rank once however many of its experts live there (top-8 of 256 on 2 ranks: ~4 pairs per token and rank), written
+// by the block of its first expert there into the rows [s * M, (s + 1) * M) of the set's dispatch_data, indexed by
+// token; the per-pair (src_info, slot_k) entries stay per expert, so the receive finds a pair's row by its token.
+//
 // Memory ordering: a sending block writes its data with plain stores, then __syncthreads(), then one thread
 // issues a st.release.sys of the tagged signal (the barrier puts the block's stores in the release's past).
 // The combine send splits an expert over several blocks: each fences (sys) and bumps a per-expert counter,
@@ -64,6 +69,12 @@ struct LowLatencyDispatchLaunch {
   bool scales_fp32;             // received scales as fp32 (2^(e - 127) when ue8m0: round_scale), else exponents
   bool scales_column_major;     // received scales [E_local][units][R * M] (DeepGEMM), else [E_local][R * M][units]
   int* cumulative_recv_counts;  // [E_local] or null
+  // Token-staged rows (the flat routing): a source writes each token's row once per destination rank, at that
+  // rank's staging row source * M + token, by the block of the token's first expert there (lowest k); every pair
+  // still writes its (src_info, slot_k) entry in the expert's staging. The receive then waits for all E_local * R
+  // signals (a pair's row may come from another expert's block) and copies from the token rows. False: rows per
+  // pair in the expert's staging block (what the hierarchical forward writes).
+  bool token_staged = false;
 };
 
 struct LowLatencyCombineLaunch {

@@ -8,11 +8,13 @@ namespace {
 
 // ---- dispatch -----------------------------------------------------------------------------------------
 
-// One block sends the pairs of one global expert.
+// One block sends the pairs of one global expert: their (src_info, slot_k) entries, and the rows: per pair into the
+// expert's staging block, or (token_staged) the rows of the tokens whose first expert on the rank is this one.
 template <typename TopkT>
 __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                     const LowLatencyDispatchLaunch& args, int expert) {
-  extern __shared__ int pair_list[];  // [M]: entries t * K + k that chose this block's expert, ascending
+  extern __shared__ int pair_list[];  // [M]: entries t * K + k that chose this block's expert, ascending; then
+                                      // [M]: those of them whose token row this block writes (token_staged)
   const int64_t num_local = layout.num_local_experts;
   const int dst = static_cast<int>(expert / num_local);
   const int64_t e_local = expert % num_local;
@@ -53,23 +55,53 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
     at<int>(dst_base, s.dispatch_src_info)[slot0 + i] = pair_list[i] / args.num_topk;
     at<int>(dst_base, s.dispatch_slot_k)[slot0 + i] = pair_list[i] % args.num_topk;
   }
+  // The rows this block writes: every pair's (expert staging), or those of the pairs that are their token's first
+  // on dst (token staging; a chunk of pairs per thread, then a scan keeps them in ascending order).
+  const int* rows = pair_list;
+  int num_rows = count;
+  if (args.token_staged) {
+    int* owned = pair_list + M;
+    const int64_t e_begin = dst * num_local, e_end = e_begin + num_local;
+    auto first_on_dst = [&](int j) {
+      const int64_t t = j / args.num_topk, k = j % args.num_topk;
+      for (int64_t q = 0; q < k; ++q) {
+        const int64_t id = static_cast<int64_t>(topk[t * args.num_topk + q]);
+        if (id >= e_begin && id < e_end) return false;
+      }
+      return true;
+    };
+    const int pchunk = (count + kThreads - 1) / kThreads;
+    const int pbegin = min(count, static_cast<int>(threadIdx.x) * pchunk), pend = min(count, pbegin + pchunk);
+    int owned_mine = 0;
+    for (int i = pbegin; i < pend; ++i) owned_mine += first_on_dst(pair_list[i]);
+    int at_pos = block_exclusive_scan(owned_mine, &num_rows);
+    for (int i = pbegin; i < pend; ++i) {
+      if (first_on_dst(pair_list[i])) owned[at_pos++] = pair_list[i];
+    }
+    __syncthreads();
+    rows = owned;
+  }
+  // The staging row of written row i: the pair's slot in the expert's block, or the token's row of this source.
+  auto dst_slot = [&](int64_t i) -> int64_t {
+    return args.token_staged ? peers.rank * M + rows[i] / args.num_topk : slot0 + i;
+  };
   // The rows are spread over the whole block (not a warp per row) and each thread keeps kUnroll loads in
   // flight: a row is ~900 16-byte vectors, and a warp walking it alone is a chain of dependent round trips.
   if (!args.use_fp8) {
     const int64_t row_vecs = H / 8;
-    const int64_t items = count * row_vecs;
+    const int64_t items = num_rows * row_vecs;
     copy_items(
         items,
         [&](int64_t item, int4& v) {
           if (item >= items) return;
           const int64_t i = item / row_vecs;
-          const int t = pair_list[i] / args.num_topk;
+          const int t = rows[i] / args.num_topk;
           v = __ldg(reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2) + (item - i * row_vecs));
         },
         [&](int64_t item, const int4& v) {
           if (item >= items) return;
           const int64_t i = item / row_vecs;
-          at<int4>(dst_base, s.dispatch_data + (slot0 + i) * H * 2)[item - i * row_vecs] = v;
+          at<int4>(dst_base, s.dispatch_data + dst_slot(i) * H * 2)[item - i * row_vecs] = v;
         });
   } else {
     // One item = four consecutive 128-channel blocks of one row, quantized by a warp: 8 lanes per block, 16
@@ -78,7 +110,7 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
     // store one each. (Per-block 8-byte stores plus a 4-byte store per scale ran at half the NVLink rate.)
     const int64_t num_blocks = H / kBlock;
     const int64_t num_groups = (num_blocks + 3) / 4;
-    const int64_t items = count * num_groups;
+    const int64_t items = num_rows * num_groups;
     const int sub = lane & 7;  // 16-channel piece within the block
     const int bg = lane >> 3;  // block within the group
     const bool packed_scales = num_blocks % 4 == 0;
@@ -93,7 +125,7 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
           const int64_t i = item / num_groups;
           const int64_t b = (item - i * num_groups) * 4 + bg;
           if (b < num_blocks) {
-            const int t = pair_list[i] / args.num_topk;
+            const int t = rows[i] / args.num_topk;
             const auto* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2) + b * 16 + sub * 2;
             raw[u][0] = __ldg(src);
             raw[u][1] = __ldg(src + 1);
@@ -107,7 +139,7 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
         const int64_t i = item / num_groups;
         const int64_t g = item - i * num_groups;
         const int64_t b = g * 4 + bg;
-        const int64_t slot = slot0 + i;
+        const int64_t slot = dst_slot(i);
         uint4 packed;
         const float scale = quantize_16(raw[u][0], raw[u][1], args.ue8m0, &packed);
         if (b < num_blocks) at<uint4>(dst_base, s.dispatch_data + slot * H + b * kBlock)[sub] = packed;
@@ -177,6 +209,19 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
     }
     counts[src] = c;
   }
+  if (args.token_staged) {
+    // A pair's row may come from the block of another of its token's experts here: wait for every local expert's
+    // signal of every unmasked source (its own expert's waited above).
+    const int num_signals = static_cast<int>(layout.num_local_experts) * R;
+    for (int i = threadIdx.x; i < num_signals; i += kThreads) {
+      const int src = i % R;
+      const int64_t e = i / R;
+      uint64_t v = 0;
+      if (e == e_local || ld_volatile_global(&ctrl->mask[src]) != 0) continue;
+      wait_tag(peers, ctrl, at<uint64_t>(base, s.dispatch_signals) + e * R + src, tag, 32, src,
+               static_cast<int>(src * layout.num_local_experts + e), kSiteLowLatencyDispatchRecv, &v);
+    }
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     int sum = 0;
@@ -196,7 +241,7 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   const int total = begins[R];
   const int slots = static_cast<int>(R * M);
   const int64_t row0 = e_local * slots;  // the expert's first row, staged and packed
-  // Staged row (within the expert) of packed row `row`: source r's block at r * M.
+  // The pair's entry (within the expert) of packed row `row`: source r's block at r * M.
   auto staged_row = [&](int row) {
     int r = 0;
     while (row >= begins[r + 1]) ++r;
@@ -204,6 +249,19 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   };
   int* src_info = at<int>(base, s.recv_src_info) + row0;
   for (int row = total + static_cast<int>(threadIdx.x); row < slots; row += kThreads) src_info[row] = -1;
+  const int* staged_src_info = at<const int>(base, s.dispatch_src_info) + row0;
+  if (args.token_staged) {
+    // src_info first: a token-staged row is found by its token (read back below after the barrier).
+    for (int row = threadIdx.x; row < total; row += kThreads) src_info[row] = __ldcg(staged_src_info + staged_row(row));
+    __syncthreads();
+  }
+  // The staged data/scale row (from the set's first staging row) of packed row `row`.
+  auto staged_data_row = [&](int row) -> int64_t {
+    if (!args.token_staged) return row0 + staged_row(row);
+    int r = 0;
+    while (row >= begins[r + 1]) ++r;
+    return static_cast<int64_t>(r) * M + src_info[row];
+  };
 
   // Item space: [0, data_items) 16-byte pieces of rows; then scale units; then the src_info of each row.
   const int row_vecs = static_cast<int>((args.use_fp8 ? H : H * 2) / 16);
@@ -214,12 +272,11 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   const int scale_units = args.use_fp8 ? (scale_words ? num_blocks / 4 : num_blocks) : 0;
   const int data_items = total * row_vecs;
   const int scale_items = total * scale_units;
-  const int items = data_items + scale_items + total;
-  const int4* data_in = at<const int4>(base, s.dispatch_data) + row0 * row_vecs;
+  const int items = data_items + scale_items + (args.token_staged ? 0 : total);
+  const int4* data_in = at<const int4>(base, s.dispatch_data);
   int4* data_out = at<int4>(base, s.recv_x) + row0 * row_vecs;
   const char* scales_in = at<const char>(base, s.dispatch_scales);
   char* scales_out = at<char>(base, s.recv_x_scales);
-  const int* staged_src_info = at<const int>(base, s.dispatch_src_info) + row0;
   // (row, unit) of scale item j: unit-major when column-major (consecutive threads write consecutive rows).
   auto scale_item = [&](int j, int* row, int* unit) {
     if (args.scales_column_major) {
@@ -236,11 +293,11 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
       [&](int item, int4& v) {
         if (item < data_items) {
           const int row = item / row_vecs;
-          v = __ldcg(data_in + static_cast<int64_t>(staged_row(row)) * row_vecs + (item - row * row_vecs));
+          v = __ldcg(data_in + staged_data_row(row) * row_vecs + (item - row * row_vecs));
         } else if (item < data_items + scale_items) {
           int row, unit;
           scale_item(item - data_items, &row, &unit);
-          const int64_t staged = row0 + staged_row(row);
+          const int64_t staged = staged_data_row(row);
           if (scale_words) {
             v.x = static_cast<int>(
                 __ldcg(reinterpret_cast<const unsigned int*>(scales_in) + staged * scale_units + unit));
@@ -311,7 +368,8 @@ void launch_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layou
                      const LowLatencyDispatchLaunch& args, ll::Phase phase, cudaStream_t stream, const char* what) {
   const bool recv_only = phase == ll::Phase::kRecv;
   const dim3 grid(static_cast<unsigned>(recv_only ? layout.num_local_experts : layout.num_experts));
-  const size_t smem = recv_only ? 0 : static_cast<size_t>(layout.max_tokens_per_rank) * sizeof(int);
+  const size_t smem =
+      recv_only ? 0 : static_cast<size_t>(layout.max_tokens_per_rank) * sizeof(int) * (args.token_staged ? 2 : 1);
   launch_for_topk_type(args.topk_int64, what, [&](auto topk_id) {
     ll::dispatch<decltype(topk_id)><<<grid, kThreads, smem, stream>>>(peers, layout, set, args, phase);
   });

@@ -160,7 +160,8 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
       scales.wire_ue8m0,
       scales.out_fp32,
       scales.column_major,
-      args.cumulative_recv_counts.defined() ? args.cumulative_recv_counts.data_as<int>() : nullptr};
+      args.cumulative_recv_counts.defined() ? args.cumulative_recv_counts.data_as<int>() : nullptr,
+      /*token_staged=*/relay_ == nullptr};  // the relay's forward writes rows per pair
   auto stream = reinterpret_cast<cudaStream_t>(args.stream);
   if (relay_) {
     // Hierarchical: pack, network leg and forwarding on the relay's stream; the receive is the flat kernel's.
