@@ -32,6 +32,7 @@ LowLatencyLayout LowLatencyLayout::make(int64_t max_tokens_per_rank, int64_t hid
     s.dispatch_src_info = take(slots * 4);
     s.dispatch_slot_k = take(slots * 4);
     s.dispatch_signals = take(l.num_local_experts * num_ranks * 8);
+    s.dispatch_owner = take(slots * 4);
     s.recv_x = take(slots * hidden * 2);
     s.recv_x_scales = take(slots * (hidden / kBlock) * 4);
     s.recv_src_info = take(slots * 4);

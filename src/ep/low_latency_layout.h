@@ -17,13 +17,15 @@ struct LowLatencySet {
   int64_t dispatch_src_info;  // [E_local][R * M] int32: source token (valid below the block's count)
   int64_t dispatch_slot_k;    // [E_local][R * M] int32: the top-k slot the pair came from
   int64_t dispatch_signals;   // [E_local][R] uint64: (tag << 32) | count, written by source rank s
+  int64_t dispatch_owner;     // [E_local][R * M] int32: the local expert whose block wrote the pair's token row
+                              // (token-staged; its signal covers the row)
   int64_t recv_x;             // [E_local][R * M][H] bf16 or fp8: packed rows (local only)
   int64_t recv_x_scales;      // [E_local][R * M][H / 128] fp32 or uint8: packed rows (local only)
   int64_t recv_src_info;      // [E_local][R * M] int32: packed rows' source token, -1 past the count (local only)
   int64_t recv_count;         // [E_local] int32 (local only)
   int64_t layout_range;       // [E_local][R] int64: (prefix begin << 32) | count (local only)
   int64_t combine_data;       // [M][kLowLatencyMaxTopk][H] bf16: one row per (token, k)
-  int64_t combine_signals;    // [num_experts] uint64: (tag << kCombineIdBits) | dispatch id, written by the expert's rank
+  int64_t combine_signals;  // [num_experts] uint64: (tag << kCombineIdBits) | dispatch id, written by the expert's rank
 };
 
 struct LowLatencyLayout {

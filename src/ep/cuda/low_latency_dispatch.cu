@@ -51,9 +51,21 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
   char* dst_base = peers.bases[dst];
   const int64_t slot0 = (e_local * R + peers.rank) * M;
   const auto* x = static_cast<const char*>(args.x);
+  // Token-staged: the local expert (on dst) of the pair's token's first pair there, whose block writes the row.
+  const int64_t e_begin = dst * num_local, e_end = e_begin + num_local;
+  auto owner_of = [&](int j) -> int {
+    const int64_t t = j / args.num_topk, k = j % args.num_topk;
+    for (int64_t q = 0; q < k; ++q) {
+      const int64_t id = static_cast<int64_t>(topk[t * args.num_topk + q]);
+      if (id >= e_begin && id < e_end) return static_cast<int>(id - e_begin);
+    }
+    return static_cast<int>(e_local);
+  };
+  auto first_on_dst = [&](int j) { return owner_of(j) == e_local; };
   for (int i = threadIdx.x; i < count; i += kThreads) {
     at<int>(dst_base, s.dispatch_src_info)[slot0 + i] = pair_list[i] / args.num_topk;
     at<int>(dst_base, s.dispatch_slot_k)[slot0 + i] = pair_list[i] % args.num_topk;
+    if (args.token_staged) at<int>(dst_base, s.dispatch_owner)[slot0 + i] = owner_of(pair_list[i]);
   }
   // The rows this block writes: every pair's (expert staging), or those of the pairs that are their token's first
   // on dst (token staging; a chunk of pairs per thread, then a scan keeps them in ascending order).
@@ -61,15 +73,6 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
   int num_rows = count;
   if (args.token_staged) {
     int* owned = pair_list + M;
-    const int64_t e_begin = dst * num_local, e_end = e_begin + num_local;
-    auto first_on_dst = [&](int j) {
-      const int64_t t = j / args.num_topk, k = j % args.num_topk;
-      for (int64_t q = 0; q < k; ++q) {
-        const int64_t id = static_cast<int64_t>(topk[t * args.num_topk + q]);
-        if (id >= e_begin && id < e_end) return false;
-      }
-      return true;
-    };
     const int pchunk = (count + kThreads - 1) / kThreads;
     const int pbegin = min(count, static_cast<int>(threadIdx.x) * pchunk), pend = min(count, pbegin + pchunk);
     int owned_mine = 0;
@@ -187,6 +190,7 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
 __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                     const LowLatencyDispatchLaunch& args, int64_t e_local) {
   __shared__ int counts[kLowLatencyMaxRanks];
+  __shared__ bool lost[kLowLatencyMaxRanks];       // token-staged: an owner's signal of the source never came
   __shared__ int begins[kLowLatencyMaxRanks + 1];  // packed row of each source's first pair; [R] = the total
   const int R = peers.num_ranks;
   const int64_t M = layout.max_tokens_per_rank;
@@ -208,21 +212,29 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
       c = static_cast<int>(v & 0xffffffffu);
     }
     counts[src] = c;
-  }
-  if (args.token_staged) {
-    // A pair's row may come from the block of another of its token's experts here: wait for every local expert's
-    // signal of every unmasked source (its own expert's waited above).
-    const int num_signals = static_cast<int>(layout.num_local_experts) * R;
-    for (int i = threadIdx.x; i < num_signals; i += kThreads) {
-      const int src = i % R;
-      const int64_t e = i / R;
-      uint64_t v = 0;
-      if (e == e_local || ld_volatile_global(&ctrl->mask[src]) != 0) continue;
-      wait_tag(peers, ctrl, at<uint64_t>(base, s.dispatch_signals) + e * R + src, tag, 32, src,
-               static_cast<int>(src * layout.num_local_experts + e), kSiteLowLatencyDispatchRecv, &v);
-    }
+    lost[src] = false;
   }
   __syncthreads();
+  if (args.token_staged) {
+    // A pair's token row that another expert's block wrote is there once that block's signal is (acquire; usually
+    // raised already): wait for it. A source whose owner signal this block missed counts 0 here, as a missed count.
+    for (int src = 0; src < R; ++src) {
+      const int64_t pairs0 = (e_local * R + src) * M;
+      for (int i = threadIdx.x; i < counts[src]; i += kThreads) {
+        const int owner = __ldcg(at<const int>(base, s.dispatch_owner) + pairs0 + i);
+        uint64_t v = 0;
+        if (owner != e_local &&
+            !wait_tag(peers, ctrl, at<uint64_t>(base, s.dispatch_signals) + static_cast<int64_t>(owner) * R + src, tag,
+                      32, src, static_cast<int>(src * layout.num_local_experts + owner), kSiteLowLatencyDispatchRecv,
+                      &v)) {
+          lost[src] = true;
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < R && lost[threadIdx.x]) counts[threadIdx.x] = 0;
+    __syncthreads();
+  }
   if (threadIdx.x == 0) {
     int sum = 0;
     for (int r = 0; r < R; ++r) {
