@@ -46,7 +46,7 @@ def test_kernel_tuning_is_buffer_configuration():
     normal, low_latency = epx.NormalConfig(), epx.LowLatencyConfig()
     assert (normal.copy_engines, normal.whole_copies, normal.stream_signals, normal.max_copy_chunks,
             normal.stage_timeline) == (True, True, True, 8, False)
-    assert low_latency.combine_send_parts == 2
+    assert (low_latency.combine_send_parts, low_latency.token_rows_min_tokens) == (2, 64)
     normal.copy_engines, normal.max_copy_chunks, low_latency.combine_send_parts = False, 3, 4
     group = epx.host_groups(1)[0]
     buffer = epx.Buffer(group, normal=normal, low_latency=low_latency)
@@ -56,6 +56,9 @@ def test_kernel_tuning_is_buffer_configuration():
         epx.Buffer(group, normal=normal)
     low_latency.combine_send_parts = 3
     with pytest.raises(epx.InvalidArgumentError, match="combine_send_parts must be 1, 2, 4 or 8, got 3"):
+        epx.Buffer(group, low_latency=low_latency)
+    low_latency.combine_send_parts, low_latency.token_rows_min_tokens = 2, -1
+    with pytest.raises(epx.InvalidArgumentError, match="token_rows_min_tokens must be >= 0, got -1"):
         epx.Buffer(group, low_latency=low_latency)
 
 

@@ -214,6 +214,8 @@ void validate_options(const BufferOptions& options) {
   const int parts = options.low_latency.combine_send_parts;
   EPX_CHECK_ARG(parts == 1 || parts == 2 || parts == 4 || parts == 8,
                 "low_latency.combine_send_parts must be 1, 2, 4 or 8, got {}", parts);
+  EPX_CHECK_ARG(options.low_latency.token_rows_min_tokens >= 0,
+                "low_latency.token_rows_min_tokens must be >= 0, got {}", options.low_latency.token_rows_min_tokens);
 }
 
 namespace {
@@ -234,6 +236,8 @@ constexpr AgreedOption kAgreed[] = {
     {"normal.max_copy_chunks", [](const BufferOptions& o) { return int64_t{o.normal.max_copy_chunks}; }},
     {"low_latency.combine_send_parts",
      [](const BufferOptions& o) { return int64_t{o.low_latency.combine_send_parts}; }},
+    {"low_latency.token_rows_min_tokens",
+     [](const BufferOptions& o) { return int64_t{o.low_latency.token_rows_min_tokens}; }},
     {"normal_routing", [](const BufferOptions& o) { return static_cast<int64_t>(o.normal_routing); }},
     {"low_latency_routing", [](const BufferOptions& o) { return static_cast<int64_t>(o.low_latency_routing); }},
 };

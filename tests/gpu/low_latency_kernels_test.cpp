@@ -934,9 +934,11 @@ TEST_F(LowLatencyKernels, Timing) {
     rig.sync();
     constexpr int kInner = 20;
     // dispatch, combine, dispatch+combine, dispatch send half alone, combine send half alone (us per call,
-    // rank 0). A send half alone waits on nothing: its time is the sender's cost without the peer.
-    double result[5] = {0, 0, 0, 0, 0};
-    for (int which = 0; which < 5; ++which) {
+    // rank 0), then dispatch and its send half alone with rows per pair (the staging the token-staged rows replace
+    // from LowLatencyConfig::token_rows_min_tokens on). A send half alone waits on nothing: its time is the
+    // sender's cost without the peer.
+    double result[7] = {0, 0, 0, 0, 0, 0, 0};
+    for (int which = 0; which < 7; ++which) {
       std::vector<cudaGraphExec_t> execs(c.num_ranks);
       for (int r = 0; r < c.num_ranks; ++r) {
         auto& d = rig.rank(r);
@@ -944,20 +946,20 @@ TEST_F(LowLatencyKernels, Timing) {
         CUDA_OK(cudaStreamBeginCapture(d.stream, cudaStreamCaptureModeThreadLocal));
         for (int i = 0; i < kInner; ++i) {
           const int set = i % 2;
-          if (which == 3) {
-            launch_low_latency_dispatch(ll::Phase::kSend, rig.peers(r), rig.layout(), set, rig.dispatch_args(r),
-                                        d.stream);
+          LowLatencyDispatchLaunch da = rig.dispatch_args(r);
+          if (which >= 5) da.token_staged = false;
+          if (which == 3 || which == 6) {
+            launch_low_latency_dispatch(ll::Phase::kSend, rig.peers(r), rig.layout(), set, da, d.stream);
             continue;
           }
           // The full calls use the fused kernels (what a call without a hook launches).
           if ((which != 1 && which != 4) || i == 0) {
-            launch_low_latency_dispatch(ll::Phase::kBoth, rig.peers(r), rig.layout(), set, rig.dispatch_args(r),
-                                        d.stream);
+            launch_low_latency_dispatch(ll::Phase::kBoth, rig.peers(r), rig.layout(), set, da, d.stream);
           }
           if (which == 4) {
             launch_low_latency_combine(ll::Phase::kSend, rig.peers(r), rig.layout(), set, rig.combine_args(r, 0),
                                        d.stream);
-          } else if (which != 0) {
+          } else if (which != 0 && which != 5) {
             const int dset = which == 1 ? 0 : set;
             launch_low_latency_combine(ll::Phase::kBoth, rig.peers(r), rig.layout(), set, rig.combine_args(r, dset),
                                        d.stream);
@@ -996,13 +998,16 @@ TEST_F(LowLatencyKernels, Timing) {
     EXPECT_EQ(rig.error(0).code, kErrNone);
     std::printf(
         "[ll timing] EP2 tokens=%ld hidden=7168 top8/256 fp8 dispatch %.1f us, bf16 combine %.1f us, "
-        "round trip %.1f us; send halves alone: dispatch %.1f us, combine %.1f us\n",
-        static_cast<long>(tokens), result[0], result[1], result[2], result[3], result[4]);
+        "round trip %.1f us; send halves alone: dispatch %.1f us, combine %.1f us; rows per pair: dispatch %.1f us, "
+        "send half alone %.1f us\n",
+        static_cast<long>(tokens), result[0], result[1], result[2], result[3], result[4], result[5], result[6]);
     json += std::string(json.size() > 1 ? "," : "") + "{\"tokens\":" + std::to_string(tokens) +
             ",\"dispatch_us\":" + std::to_string(result[0]) + ",\"combine_us\":" + std::to_string(result[1]) +
             ",\"round_trip_us\":" + std::to_string(result[2]) +
             ",\"dispatch_send_alone_us\":" + std::to_string(result[3]) +
-            ",\"combine_send_alone_us\":" + std::to_string(result[4]) + "}";
+            ",\"combine_send_alone_us\":" + std::to_string(result[4]) +
+            ",\"dispatch_rows_per_pair_us\":" + std::to_string(result[5]) +
+            ",\"dispatch_send_alone_rows_per_pair_us\":" + std::to_string(result[6]) + "}";
   }
   json += "]";
   if (const char* path = std::getenv("EPX_LL_TIMING_JSON")) std::ofstream(path) << json << "\n";

@@ -41,6 +41,7 @@ inline void nccl_ok(ncclResult_t res, const char* what) {
 //   EPX_COPY_CHUNKS=n         normal.max_copy_chunks = n (1..8)
 //   EPX_NORMAL_TIMELINE=1     normal.stage_timeline = true
 //   EPX_LL_COMBINE_PARTS=n    low_latency.combine_send_parts = n (1, 2, 4, 8)
+//   EPX_LL_TOKEN_ROWS_MIN=n   low_latency.token_rows_min_tokens = n (>= 0)
 // A value that is not a whole number is kInvalidArgument naming the variable; ranges are Buffer::create's.
 inline BufferOptions tuned_from_env(BufferOptions options) {
   auto number = [](const char* name, int fallback) {
@@ -60,6 +61,8 @@ inline BufferOptions tuned_from_env(BufferOptions options) {
   options.normal.max_copy_chunks = number("EPX_COPY_CHUNKS", options.normal.max_copy_chunks);
   options.normal.stage_timeline = flag("EPX_NORMAL_TIMELINE", options.normal.stage_timeline);
   options.low_latency.combine_send_parts = number("EPX_LL_COMBINE_PARTS", options.low_latency.combine_send_parts);
+  options.low_latency.token_rows_min_tokens =
+      number("EPX_LL_TOKEN_ROWS_MIN", options.low_latency.token_rows_min_tokens);
   return options;
 }
 

@@ -241,6 +241,12 @@ class LowLatencyConfig:
     @combine_send_parts.setter
     def combine_send_parts(self, arg: int, /) -> None: ...
 
+    @property
+    def token_rows_min_tokens(self) -> int: ...
+
+    @token_rows_min_tokens.setter
+    def token_rows_min_tokens(self, arg: int, /) -> None: ...
+
 class NormalRouting(enum.Enum):
     """
     Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, docs/internode.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical. The same on every rank.

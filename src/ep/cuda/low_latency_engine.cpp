@@ -151,17 +151,11 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
   const int set = static_cast<int>(num_dispatches_++ % 2);
   const ep::LowLatencyScales scales = ep::LowLatencyScales::of(args, shape.hidden);
   const LowLatencyDispatchLaunch launch{
-      args.x.data,
-      args.topk_idx.data,
-      args.topk_idx.dtype == DType::kInt64,
-      shape.num_tokens,
-      static_cast<int>(shape.num_topk),
-      args.use_fp8,
-      scales.wire_ue8m0,
-      scales.out_fp32,
-      scales.column_major,
+      args.x.data, args.topk_idx.data, args.topk_idx.dtype == DType::kInt64, shape.num_tokens,
+      static_cast<int>(shape.num_topk), args.use_fp8, scales.wire_ue8m0, scales.out_fp32, scales.column_major,
       args.cumulative_recv_counts.defined() ? args.cumulative_recv_counts.data_as<int>() : nullptr,
-      /*token_staged=*/relay_ == nullptr};  // the relay's forward writes rows per pair
+      // The relay's forward writes rows per pair; M is the same on every rank (the layout).
+      /*token_staged=*/relay_ == nullptr && layout_.max_tokens_per_rank >= config_.token_rows_min_tokens};
   auto stream = reinterpret_cast<cudaStream_t>(args.stream);
   if (relay_) {
     // Hierarchical: pack, network leg and forwarding on the relay's stream; the receive is the flat kernel's.
