@@ -363,8 +363,8 @@ TEST_F(HierarchicalLowLatencyGpuTest, MaskedRanksFollowThePathRule) {
 // kHierarchical forced on one node: everything is the own node's (no network leg); equal to the host's (= flat).
 // NOTE: the 4-rank case needs 2 GPUs, as the flat low-latency test's cases with more than two ranks per GPU: with no
 // network leg nothing meets on the host between the pack/forward and the receive, so four spinning receive grids can
-// hold one GPU while a peer's forward waits for SMs (1x H200, 2026-12-03: ranks 2 and 3 waited 20 s for rank 0's
-// forward, which ran after their timeout). The cases across nodes meet on the host in the exchange and run on one GPU.
+// hold one GPU while a peer's forward waits for SMs (1x H200, 2026-12-03: ranks 2 and 3 timed out after 20 s waiting
+// for rank 0's forward). The cases across nodes meet on the host in the exchange and run on one GPU.
 TEST_F(HierarchicalLowLatencyGpuTest, ForcedOnOneNode) {
   run_and_compare(make_case(2, 0));
   if (num_gpus() < 2) GTEST_SKIP() << "4 ranks forced on one node need 2 GPUs (more than two spinning grids per GPU)";

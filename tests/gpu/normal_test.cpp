@@ -679,10 +679,6 @@ void print_graph_memory(const std::vector<int>& devices, const char* when) {
   }
 }
 
-// The end of a graph test, every rank's graphs destroyed and their allocations freed. With
-// EPX_TEST_TRIM_GRAPH_MEMORY=1 (an experiment, scripts/gpu-check.sh --steps graph-repeat) the devices' graph memory
-// goes back to the driver (cudaDeviceGraphMemTrim), so that the next graph test starts from an empty pool, as the
-// first one in a process does.
 // Instantiates a captured graph (allocations freed by the next launch) and uploads it on `stream` (waited for), so
 // that any remapping of reused graph memory happens here, before the first launch, not inside it while the peer
 // rank's graph runs. EPX_TEST_GRAPH_UPLOAD=0 leaves the upload out (the experiment's baseline): with both ranks on
@@ -697,6 +693,10 @@ cudaError_t instantiate_graph(cudaGraphExec_t* exec, cudaGraph_t graph, cudaStre
   return err != cudaSuccess ? err : cudaStreamSynchronize(stream);
 }
 
+// The end of a graph test, every rank's graphs destroyed and their allocations freed. With
+// EPX_TEST_TRIM_GRAPH_MEMORY=1 (an experiment, scripts/gpu-check.sh --steps graph-repeat) the devices' graph memory
+// goes back to the driver (cudaDeviceGraphMemTrim), so that the next graph test starts from an empty pool, as the
+// first one in a process does.
 void end_graph_test(const std::vector<int>& devices) {
   const char* trim = std::getenv("EPX_TEST_TRIM_GRAPH_MEMORY");
   if (trim != nullptr && std::strcmp(trim, "1") == 0) {

@@ -71,9 +71,10 @@ struct LowLatencyDispatchLaunch {
   int* cumulative_recv_counts;  // [E_local] or null
   // Token-staged rows (the flat routing): a source writes each token's row once per destination rank, at that
   // rank's staging row source * M + token, by the block of the token's first expert there (lowest k); every pair
-  // still writes its (src_info, slot_k) entry in the expert's staging. The receive then waits for all E_local * R
-  // signals (a pair's row may come from another expert's block) and copies from the token rows. False: rows per
-  // pair in the expert's staging block (what the hierarchical forward writes).
+  // still writes its (src_info, slot_k) entry in the expert's staging and names the local expert whose block wrote the
+  // row (dispatch_owner). The receive then also waits for each pair's owner signal and copies from the token rows.
+  // False: rows per pair in the expert's staging block (what the hierarchical forward writes, and below
+  // LowLatencyConfig::token_rows_min_tokens).
   bool token_staged = false;
 };
 
