@@ -28,9 +28,9 @@ using testing::run_cli;
 // `max_seconds`: the check precedes any work; a check that must follow real work, such as a placement, passes a
 // bound for that work).
 void expect_rejected(const std::string& args, const std::string& needle, double max_seconds = 5.0) {
-  const auto start = std::chrono::steady_clock::now();
-  const auto r = expect_bad_input(args, needle);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double seconds = 0;
+  const auto r = testing::run_cli_timed(args, &seconds);
+  testing::expect_bad_input_result(r, args, needle);
   EXPECT_LT(seconds, max_seconds) << args;
   EXPECT_EQ(r.err.rfind("epx: ", 0), 0u) << args << ": " << r.err;
   for (const char* library_name : {"num_", "_size", "_steps", "max_balance_loss"}) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
@@ -116,14 +117,30 @@ inline CliResult run_cli(const std::string& args) {
   return r;
 }
 
-// Bad CLI input: exit code 2, nothing on stdout, exactly one line on stderr containing `needle`. Returns the run
-// so callers can check more of it without running the CLI again.
-inline CliResult expect_bad_input(const std::string& args, const std::string& needle) {
-  auto r = run_cli(args);
+// run_cli, timed: *seconds is the wall time of the run itself. NOTE: an untimed `epx --version` goes first, so that
+// a time bound does not include the process's cold start (the first exec after a build loads the binary and its
+// CUDA/NCCL libraries from disk: 7.3 s once on the 2-core CI machine, for a rejection that takes milliseconds).
+inline CliResult run_cli_timed(const std::string& args, double* seconds) {
+  EXPECT_EQ(run_cli("--version").exit_code, 0);
+  const auto start = std::chrono::steady_clock::now();
+  CliResult r = run_cli(args);
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+// Bad CLI input: exit code 2, nothing on stdout, exactly one line on stderr containing `needle`.
+inline void expect_bad_input_result(const CliResult& r, const std::string& args, const std::string& needle) {
   EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out << r.err;
   EXPECT_TRUE(r.out.empty()) << args << ": " << r.out;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << ": " << r.err;
   EXPECT_NE(r.err.find(needle), std::string::npos) << args << ": " << r.err;
+}
+
+// Runs the CLI and checks it as bad input. Returns the run so callers can check more of it without running the CLI
+// again.
+inline CliResult expect_bad_input(const std::string& args, const std::string& needle) {
+  auto r = run_cli(args);
+  expect_bad_input_result(r, args, needle);
   return r;
 }
 #endif
