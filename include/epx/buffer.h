@@ -38,6 +38,11 @@ struct LowLatencyConfig {
   // Flat dispatch from this max_tokens_per_rank on: a token's row crosses to a rank once (token-staged), below it
   // once per (token, expert) pair (fewer steps per call). >= 0; 0: always token-staged. See docs/low-latency.md.
   int token_rows_min_tokens = 64;
+  // The flat routing's kernels are programmatic dependent launches (sm_90+): a kernel's launch and start overlap the
+  // end of the kernel before it on the stream, eager or in a CUDA graph. Results, stream order and graph capture are
+  // unchanged: the kernel waits for that kernel's completion before it touches memory. false: plain launches.
+  // See docs/low-latency.md.
+  bool programmatic_launch = true;
 };
 
 // Which way normal dispatch/combine move tokens (docs/internode.md). The same on every rank.

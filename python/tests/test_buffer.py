@@ -46,11 +46,14 @@ def test_kernel_tuning_is_buffer_configuration():
     normal, low_latency = epx.NormalConfig(), epx.LowLatencyConfig()
     assert (normal.copy_engines, normal.whole_copies, normal.stream_signals, normal.max_copy_chunks,
             normal.stage_timeline) == (True, True, True, 8, False)
-    assert (low_latency.combine_send_parts, low_latency.token_rows_min_tokens) == (2, 64)
+    assert (low_latency.combine_send_parts, low_latency.token_rows_min_tokens,
+            low_latency.programmatic_launch) == (2, 64, True)
     normal.copy_engines, normal.max_copy_chunks, low_latency.combine_send_parts = False, 3, 4
+    low_latency.programmatic_launch = False
     group = epx.host_groups(1)[0]
     buffer = epx.Buffer(group, normal=normal, low_latency=low_latency)
     assert buffer.num_ranks == 1
+    assert low_latency.programmatic_launch is False
     normal.max_copy_chunks = 9
     with pytest.raises(ValueError, match=r"normal.max_copy_chunks must be in \[1, 8\], got 9"):
         epx.Buffer(group, normal=normal)

@@ -53,7 +53,8 @@ struct Case {
   bool use_fp8;
   bool ue8m0;
   bool idle_rank1 = false;
-  bool token_staged = true;  // the flat routing's rows (false: per pair, as the hierarchical forward writes)
+  bool token_staged = true;         // the flat routing's rows (false: per pair, as the hierarchical forward writes)
+  bool programmatic_launch = true;  // LowLatencyConfig::programmatic_launch (false: plain stream order)
 };
 
 struct RankInputs {
@@ -327,13 +328,21 @@ class Rig {
             /*scales_fp32=*/!c_.ue8m0,
             /*scales_column_major=*/false,
             ranks_[r].cumulative,
-            /*token_staged=*/c_.token_staged};
+            /*token_staged=*/c_.token_staged,
+            /*programmatic_launch=*/c_.programmatic_launch};
   }
   LowLatencyCombineLaunch combine_args(int r, int dispatch_set) const {
-    return {
-        ranks_[r].y,      ranks_[r].topk, true,         static_cast<const float*>(ranks_[r].weights), num_tokens_[r],
-        c_.num_topk,      ranks_[r].out,  dispatch_set, LowLatencyConfig{}.combine_send_parts,
-        /*dispatch_id=*/0};
+    return {ranks_[r].y,
+            ranks_[r].topk,
+            true,
+            static_cast<const float*>(ranks_[r].weights),
+            num_tokens_[r],
+            c_.num_topk,
+            ranks_[r].out,
+            dispatch_set,
+            LowLatencyConfig{}.combine_send_parts,
+            /*dispatch_id=*/0,
+            /*programmatic_launch=*/c_.programmatic_launch};
   }
 
   // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive
@@ -454,12 +463,16 @@ TEST_F(LowLatencyKernels, MatchHostBackend) {
       // Rows per pair (the hierarchical forward's staging, read by the same receive).
       {2, 128, 128, 7168, 8, 256, true, false, false, /*token_staged=*/false},
       {2, 32, 64, 2048, 6, 16, false, false, /*idle_rank1=*/true, /*token_staged=*/false},
+      // Plain stream order (the other cases launch programmatically, the library default).
+      {2, 128, 128, 7168, 8, 256, true, false, false, true, /*programmatic_launch=*/false},
+      {2, 1, 1, 5120, 1, 16, false, false, false, false, /*programmatic_launch=*/false},
   };
   for (const Case& c : cases) {
     if (!runs_here(c)) continue;
-    SCOPED_TRACE("R=" + std::to_string(c.num_ranks) + " T=" + std::to_string(c.num_tokens) + " H=" +
-                 std::to_string(c.hidden) + " K=" + std::to_string(c.num_topk) + " E=" + std::to_string(c.num_experts) +
-                 (c.use_fp8 ? (c.ue8m0 ? " fp8/ue8m0" : " fp8") : " bf16") + (c.token_staged ? "" : " rows per pair"));
+    SCOPED_TRACE("R=" + std::to_string(c.num_ranks) + " T=" + std::to_string(c.num_tokens) +
+                 " H=" + std::to_string(c.hidden) + " K=" + std::to_string(c.num_topk) +
+                 " E=" + std::to_string(c.num_experts) + (c.use_fp8 ? (c.ue8m0 ? " fp8/ue8m0" : " fp8") : " bf16") +
+                 (c.token_staged ? "" : " rows per pair") + (c.programmatic_launch ? "" : " plain launches"));
     Rig rig(c, num_gpus_);
     const std::vector<bool> all(c.num_ranks, true);
     // Three rounds alternate sets 0, 1, 0 with fresh data each time, so tags and set reuse are exercised;
@@ -608,6 +621,7 @@ TEST_F(LowLatencyKernels, AbsentRankTimesOutAndIsMasked) {
 std::unique_ptr<Buffer> low_latency_buffer(std::shared_ptr<Group> group, const Case& c) {
   BufferOptions options;
   options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
+  options.low_latency.programmatic_launch = c.programmatic_launch;
   return Buffer::create(std::move(group), options);
 }
 
@@ -623,7 +637,9 @@ void* to_device(const std::vector<T>& v) {
 // then the hook split; the rank-mask calls.
 TEST_F(LowLatencyKernels, BufferApiWithHooks) {
   std::mt19937 rng(31);
-  for (const Case& c : {Case{2, 128, 128, 7168, 8, 256, true, false}, Case{4, 32, 64, 2048, 9, 288, false, false}}) {
+  // The last case with plain launches (BufferOptions::low_latency.programmatic_launch = false).
+  for (const Case& c : {Case{2, 128, 128, 7168, 8, 256, true, false}, Case{4, 32, 64, 2048, 9, 288, false, false},
+                        Case{2, 32, 64, 2048, 8, 16, true, false, false, true, /*programmatic_launch=*/false}}) {
     if (!runs_here(c)) continue;
     const std::vector<bool> all(c.num_ranks, true);
     auto in = make_inputs(c, rng);
@@ -692,7 +708,8 @@ TEST_F(LowLatencyKernels, BufferApiWithHooks) {
                   download<uint8_t>(d.recv_x),
                   c.use_fp8 ? download<uint8_t>(d.recv_x_scales) : std::vector<uint8_t>{},
                   download<uint16_t>(out.x)};
-        EXPECT_EQ(compare_outputs(c, r, o, expected[r]), 0) << what;
+        EXPECT_EQ(compare_outputs(c, r, o, expected[r]), 0)
+            << what << ", R=" << c.num_ranks << (c.programmatic_launch ? "" : ", plain launches");
       };
       check_round(false, "plain");
       check_round(true, "hook");
@@ -935,10 +952,14 @@ TEST_F(LowLatencyKernels, Timing) {
     constexpr int kInner = 20;
     // dispatch, combine, dispatch+combine, dispatch send half alone, combine send half alone (us per call,
     // rank 0), then dispatch and its send half alone with rows per pair (the staging the token-staged rows replace
-    // from LowLatencyConfig::token_rows_min_tokens on). A send half alone waits on nothing: its time is the
-    // sender's cost without the peer.
-    double result[7] = {0, 0, 0, 0, 0, 0, 0};
-    for (int which = 0; which < 7; ++which) {
+    // from LowLatencyConfig::token_rows_min_tokens on), then dispatch, combine and dispatch+combine again with plain
+    // launches (LowLatencyConfig::programmatic_launch = false; the others launch programmatically, the default). A
+    // send half alone waits on nothing: its time is the sender's cost without the peer.
+    constexpr int kNumTimings = 10;
+    double result[kNumTimings] = {};
+    for (int which = 0; which < kNumTimings; ++which) {
+      const bool programmatic = which < 7;
+      const int kind = programmatic ? which : which - 7;  // 7, 8, 9: as 0, 1, 2
       std::vector<cudaGraphExec_t> execs(c.num_ranks);
       for (int r = 0; r < c.num_ranks; ++r) {
         auto& d = rig.rank(r);
@@ -947,21 +968,25 @@ TEST_F(LowLatencyKernels, Timing) {
         for (int i = 0; i < kInner; ++i) {
           const int set = i % 2;
           LowLatencyDispatchLaunch da = rig.dispatch_args(r);
-          if (which >= 5) da.token_staged = false;
-          if (which == 3 || which == 6) {
+          if (kind >= 5) da.token_staged = false;
+          da.programmatic_launch = programmatic;
+          auto ca = [&](int dset) {
+            LowLatencyCombineLaunch a = rig.combine_args(r, dset);
+            a.programmatic_launch = programmatic;
+            return a;
+          };
+          if (kind == 3 || kind == 6) {
             launch_low_latency_dispatch(ll::Phase::kSend, rig.peers(r), rig.layout(), set, da, d.stream);
             continue;
           }
           // The full calls use the fused kernels (what a call without a hook launches).
-          if ((which != 1 && which != 4) || i == 0) {
+          if ((kind != 1 && kind != 4) || i == 0) {
             launch_low_latency_dispatch(ll::Phase::kBoth, rig.peers(r), rig.layout(), set, da, d.stream);
           }
-          if (which == 4) {
-            launch_low_latency_combine(ll::Phase::kSend, rig.peers(r), rig.layout(), set, rig.combine_args(r, 0),
-                                       d.stream);
-          } else if (which != 0 && which != 5) {
-            const int dset = which == 1 ? 0 : set;
-            launch_low_latency_combine(ll::Phase::kBoth, rig.peers(r), rig.layout(), set, rig.combine_args(r, dset),
+          if (kind == 4) {
+            launch_low_latency_combine(ll::Phase::kSend, rig.peers(r), rig.layout(), set, ca(0), d.stream);
+          } else if (kind != 0 && kind != 5) {
+            launch_low_latency_combine(ll::Phase::kBoth, rig.peers(r), rig.layout(), set, ca(kind == 1 ? 0 : set),
                                        d.stream);
           }
         }
@@ -986,10 +1011,10 @@ TEST_F(LowLatencyKernels, Timing) {
         const double ms = timer.elapsed_ms();
         if (rep >= 10) samples.push_back(ms);
       }
-      // A combine-only graph still holds one dispatch round: subtract it using the dispatch number.
+      // A combine-only graph still holds one dispatch round: subtract it using the dispatch number (launched alike).
       double per = testing::median(samples) * 1e3;
-      if (which == 1 || which == 4)
-        per = (per - result[0]) / kInner;
+      if (kind == 1 || kind == 4)
+        per = (per - result[programmatic ? 0 : 7]) / kInner;
       else
         per /= kInner;
       result[which] = per;
@@ -999,15 +1024,18 @@ TEST_F(LowLatencyKernels, Timing) {
     std::printf(
         "[ll timing] EP2 tokens=%ld hidden=7168 top8/256 fp8 dispatch %.1f us, bf16 combine %.1f us, "
         "round trip %.1f us; send halves alone: dispatch %.1f us, combine %.1f us; rows per pair: dispatch %.1f us, "
-        "send half alone %.1f us\n",
-        static_cast<long>(tokens), result[0], result[1], result[2], result[3], result[4], result[5], result[6]);
-    json += std::string(json.size() > 1 ? "," : "") + "{\"tokens\":" + std::to_string(tokens) +
-            ",\"dispatch_us\":" + std::to_string(result[0]) + ",\"combine_us\":" + std::to_string(result[1]) +
-            ",\"round_trip_us\":" + std::to_string(result[2]) +
-            ",\"dispatch_send_alone_us\":" + std::to_string(result[3]) +
-            ",\"combine_send_alone_us\":" + std::to_string(result[4]) +
-            ",\"dispatch_rows_per_pair_us\":" + std::to_string(result[5]) +
-            ",\"dispatch_send_alone_rows_per_pair_us\":" + std::to_string(result[6]) + "}";
+        "send half alone %.1f us; plain launches: dispatch %.1f us, combine %.1f us, round trip %.1f us\n",
+        static_cast<long>(tokens), result[0], result[1], result[2], result[3], result[4], result[5], result[6],
+        result[7], result[8], result[9]);
+    json +=
+        std::string(json.size() > 1 ? "," : "") + "{\"tokens\":" + std::to_string(tokens) +
+        ",\"dispatch_us\":" + std::to_string(result[0]) + ",\"combine_us\":" + std::to_string(result[1]) +
+        ",\"round_trip_us\":" + std::to_string(result[2]) + ",\"dispatch_send_alone_us\":" + std::to_string(result[3]) +
+        ",\"combine_send_alone_us\":" + std::to_string(result[4]) +
+        ",\"dispatch_rows_per_pair_us\":" + std::to_string(result[5]) +
+        ",\"dispatch_send_alone_rows_per_pair_us\":" + std::to_string(result[6]) +
+        ",\"dispatch_no_pdl_us\":" + std::to_string(result[7]) + ",\"combine_no_pdl_us\":" + std::to_string(result[8]) +
+        ",\"round_trip_no_pdl_us\":" + std::to_string(result[9]) + "}";
   }
   json += "]";
   if (const char* path = std::getenv("EPX_LL_TIMING_JSON")) std::ofstream(path) << json << "\n";

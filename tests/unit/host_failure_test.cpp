@@ -550,5 +550,28 @@ TEST(HostFailure, BufferOptionsThatDifferBetweenRanksFailEveryRank) {
   }
 }
 
+// The low-latency launch mode is agreed like the other kernel switches: it changes no protocol (plain and
+// programmatic launches interoperate), but every rank then runs, and times, the same kernels.
+TEST(HostFailure, LowLatencyProgrammaticLaunchMustAgree) {
+  auto groups = create_host_groups(kRanks, {.timeout_ms = kTimeoutMs});
+  std::vector<Outcome> out(kRanks);
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    BufferOptions options;
+    if (rank == 0) options.low_latency.programmatic_launch = false;
+    out[rank] = attempt([&] { ep::agree_on_options(group, options); });
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + out[r].message);
+    EXPECT_EQ(out[r].code, code(ErrorCode::kInvalidArgument));
+    EXPECT_NE(out[r].message.find("BufferOptions.low_latency.programmatic_launch must be the same on every rank"),
+              std::string::npos);
+  }
+  run_host_ranks(groups, [&](int, Group& group) {
+    BufferOptions options;
+    options.low_latency.programmatic_launch = false;
+    EXPECT_NO_THROW(ep::agree_on_options(group, options));
+  });
+}
+
 }  // namespace
 }  // namespace epx

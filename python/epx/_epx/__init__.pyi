@@ -247,6 +247,12 @@ class LowLatencyConfig:
     @token_rows_min_tokens.setter
     def token_rows_min_tokens(self, arg: int, /) -> None: ...
 
+    @property
+    def programmatic_launch(self) -> bool: ...
+
+    @programmatic_launch.setter
+    def programmatic_launch(self, arg: bool, /) -> None: ...
+
 class NormalRouting(enum.Enum):
     """
     Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, docs/internode.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical. The same on every rank.

@@ -1,9 +1,10 @@
-// Small host helpers of the CUDA backend: error checks and a scoped device switch.
+// Small host helpers of the CUDA backend: error checks, a kernel launch with attributes and a scoped device switch.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <initializer_list>
+#include <utility>
 
 #include "core/check.h"
 
@@ -56,6 +57,28 @@ inline void check_cuda(cudaError_t err, const char* what) {
     cudaGetLastError();  // clear the sticky-free error so later calls are not blamed
     detail::raise(cuda_error_code(err), "{} failed: {}", what, cuda_error_text(err));
   }
+}
+
+// kernel<<<grid, block, smem_bytes, stream>>>(args...) through cudaLaunchKernelEx; returns the launch's error.
+// programmatic: a programmatic dependent launch (cudaLaunchAttributeProgrammaticStreamSerialization): the grid may be
+// scheduled before the previous kernel on the stream completes, once that kernel lets it (its blocks called
+// griddepcontrol.launch_dependents or exited), so the kernel must call griddepcontrol_wait
+// (comm/cuda/device/pdl.cuh) before it touches memory an earlier kernel wrote. Stream capture records the relation
+// as a programmatic graph edge. No host synchronization; nothing allocated.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                          bool programmatic, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // Sets the current device for a scope and restores the previous one.

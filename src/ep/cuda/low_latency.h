@@ -25,6 +25,11 @@
 // One kernel function per direction (ll::dispatch, ll::combine) with a runtime phase: the hook split launches it
 // twice (send, then receive), a call without a hook once with both halves (one launch less on the critical
 // path). Profiler-based tools find the kernels by name; see docs/low-latency.md.
+//
+// Programmatic launches (programmatic_launch in the launch structs): each launch may then be scheduled while the
+// kernel before it on the stream finishes (comm/cuda/device/pdl.cuh); the kernels touch no global memory before
+// griddepcontrol.wait, and a block lets the next kernel in only once it waits for no other grid (the NOTE at
+// ll::dispatch). Without it the same kernels run in plain stream order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -76,6 +81,8 @@ struct LowLatencyDispatchLaunch {
   // False: rows per pair in the expert's staging block (what the hierarchical forward writes, and below
   // LowLatencyConfig::token_rows_min_tokens).
   bool token_staged = false;
+  // A programmatic dependent launch (LowLatencyConfig::programmatic_launch; see "Programmatic launches" above).
+  bool programmatic_launch = false;
 };
 
 struct LowLatencyCombineLaunch {
@@ -91,6 +98,7 @@ struct LowLatencyCombineLaunch {
   // The handle's dispatch number (LowLatencyEngine, alike on every rank for the same dispatch), low
   // kCombineIdBits bits: the signals carry the sender's, the receive compares it with its own.
   uint32_t dispatch_id;
+  bool programmatic_launch = false;  // as LowLatencyDispatchLaunch::programmatic_launch
 };
 
 // A combine signal is (tag << kCombineIdBits) | the sender's dispatch id (low bits).

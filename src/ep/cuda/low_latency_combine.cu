@@ -1,5 +1,6 @@
 // Low-latency combine: expert outputs back to each token's rank, then the weighted reduction per token.
 // Protocol: docs/low-latency.md.
+#include "comm/cuda/device/pdl.cuh"
 #include "core/cuda/cuda_util.h"
 #include "ep/cuda/low_latency_device.cuh"
 
@@ -121,6 +122,9 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
       weights[k] = ok ? args.topk_weights[t * K + k] : 0.f;
     }
     __syncthreads();
+    // After the block's last wait (the NOTE at ll::dispatch); a block without a unit lets the next kernel in by
+    // exiting.
+    if (unit + num_blocks >= args.num_tokens * parts) griddepcontrol_launch_dependents();
     const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
     for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -165,12 +169,14 @@ unsigned combine_recv_blocks_for(int64_t num_tokens) {
 namespace ll {
 
 // kSend: `parts` blocks per local expert. kRecv: the receive blocks. kBoth: the first E_local * parts blocks
-// send, the rest receive.
+// send, the rest receive. Programmatic launches: the NOTE at ll::dispatch.
 template <typename TopkT>
 __global__ void __launch_bounds__(kThreads) combine(LowLatencyPeers peers, LowLatencyLayout layout, int set,
                                                     LowLatencyCombineLaunch args, int parts, Phase phase) {
   const int64_t num_send = phase == Phase::kRecv ? 0 : layout.num_local_experts * parts;
+  griddepcontrol_wait();
   if (blockIdx.x < num_send) {
+    griddepcontrol_launch_dependents();  // a sending block waits for no other grid
     combine_send_block(peers, layout, set, args, blockIdx.x, parts);
     if (phase == Phase::kSend) return;
   } else {
@@ -197,7 +203,9 @@ void launch_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout
   const unsigned num_recv = phase == ll::Phase::kSend ? 0 : combine_recv_blocks_for(args.num_tokens);
   const dim3 grid(num_send + num_recv);
   launch_for_topk_type(args.topk_int64, what, [&](auto topk_id) {
-    ll::combine<decltype(topk_id)><<<grid, kThreads, 0, stream>>>(peers, layout, set, args, parts, phase);
+    check_cuda(launch_kernel(&ll::combine<decltype(topk_id)>, grid, dim3(kThreads), 0, stream, args.programmatic_launch,
+                             peers, layout, set, args, parts, phase),
+               what);
   });
 }
 

@@ -1,5 +1,6 @@
 // Low-latency dispatch: each (token, expert) pair into its slot at the expert's rank (fp8 or bf16), then the
 // packed receive rows, counts and source info. Protocol: docs/low-latency.md.
+#include "comm/cuda/device/pdl.cuh"
 #include "core/cuda/cuda_util.h"
 #include "ep/cuda/low_latency_device.cuh"
 
@@ -235,6 +236,7 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
     if (threadIdx.x < R && lost[threadIdx.x]) counts[threadIdx.x] = 0;
     __syncthreads();
   }
+  griddepcontrol_launch_dependents();  // the block's last wait is behind it (the NOTE at ll::dispatch)
   if (threadIdx.x == 0) {
     int sum = 0;
     for (int r = 0; r < R; ++r) {
@@ -350,15 +352,33 @@ namespace ll {
 // kSend: one block per global expert. kRecv: one block per local expert. kBoth: every block sends one expert,
 // then the last E_local blocks (scheduled last, so no waiting block keeps a sending block off the SMs) receive
 // one local expert each, saving a launch on the critical path.
+// NOTE: programmatic launches (comm/cuda/device/pdl.cuh; this kernel and ll::combine alike). Wait: every block
+// calls griddepcontrol_wait before its first global access (x, topk, weights, the control block's mask, sequence
+// numbers, tickets and counters, the staging and the outputs, all of which earlier kernels on the stream write or
+// read); before it only kernel parameters are read. Trigger: a block lets the next kernel in once it will spin-wait
+// for no other grid: a block that only sends at once (it waits for nothing; the combine send's per-expert counter
+// is an atomic, not a wait), a receiving block right after its last signal wait, so the next kernel's launch
+// overlaps the receive's copy (or reduction) and the grid's finisher. Why not earlier: the next kernel is scheduled
+// once every block of this grid has triggered or exited, and its blocks then hold SM slots while they wait for this
+// grid. If this grid still spun on a grid that needs slots on this GPU (a peer rank sharing the GPU: the kernel
+// tests run two ranks on one GPU), those idle blocks could keep it off the SMs, and the spin would end only at the
+// timeout. With the trigger after the last wait, a dependent block holds a slot only while every block of this
+// grid is resident or done and needs nothing from any other grid, so this grid completes and the dependent's wait
+// ends; from then on the slots are held as plain stream order could hold them. (A kernel before this one that let
+// it in early and then spun on another grid would break the same rule; ours do not.) Memory needs no care: the
+// dependent's griddepcontrol_wait returns only after this grid has completed and its writes are visible.
 template <typename TopkT>
 __global__ void __launch_bounds__(kThreads)
     dispatch(LowLatencyPeers peers, LowLatencyLayout layout, int set, LowLatencyDispatchLaunch args, Phase phase) {
+  const int64_t first_recv = phase == Phase::kBoth ? layout.num_experts - layout.num_local_experts : 0;
+  const bool receives = phase != Phase::kSend && blockIdx.x >= first_recv;
+  griddepcontrol_wait();
+  if (!receives) griddepcontrol_launch_dependents();  // a sending block waits for no other grid
   if (phase != Phase::kRecv) {
     dispatch_send_block<TopkT>(peers, layout, set, args, blockIdx.x);
     if (phase == Phase::kSend) return;
   }
-  const int64_t first_recv = phase == Phase::kBoth ? layout.num_experts - layout.num_local_experts : 0;
-  if (blockIdx.x >= first_recv) {
+  if (receives) {
     if (phase == Phase::kBoth) __syncthreads();
     dispatch_recv_block(peers, layout, set, args, blockIdx.x - first_recv);
   }
@@ -383,7 +403,9 @@ void launch_dispatch(const LowLatencyPeers& peers, const LowLatencyLayout& layou
   const size_t smem =
       recv_only ? 0 : static_cast<size_t>(layout.max_tokens_per_rank) * sizeof(int) * (args.token_staged ? 2 : 1);
   launch_for_topk_type(args.topk_int64, what, [&](auto topk_id) {
-    ll::dispatch<decltype(topk_id)><<<grid, kThreads, smem, stream>>>(peers, layout, set, args, phase);
+    check_cuda(launch_kernel(&ll::dispatch<decltype(topk_id)>, grid, dim3(kThreads), smem, stream,
+                             args.programmatic_launch, peers, layout, set, args, phase),
+               what);
   });
 }
 

@@ -155,7 +155,9 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
       static_cast<int>(shape.num_topk), args.use_fp8, scales.wire_ue8m0, scales.out_fp32, scales.column_major,
       args.cumulative_recv_counts.defined() ? args.cumulative_recv_counts.data_as<int>() : nullptr,
       // The relay's forward writes rows per pair; M is the same on every rank (the layout).
-      /*token_staged=*/relay_ == nullptr && layout_.max_tokens_per_rank >= config_.token_rows_min_tokens};
+      /*token_staged=*/relay_ == nullptr && layout_.max_tokens_per_rank >= config_.token_rows_min_tokens,
+      // The flat routing's kernels only: the hierarchical receive follows the relay's event, not a kernel of ours.
+      /*programmatic_launch=*/relay_ == nullptr && config_.programmatic_launch};
   auto stream = reinterpret_cast<cudaStream_t>(args.stream);
   if (relay_) {
     // Hierarchical: pack, network leg and forwarding on the relay's stream; the receive is the flat kernel's.
@@ -227,7 +229,8 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
                                        result.x.data(),
                                        handle->set,
                                        config_.combine_send_parts,
-                                       handle->dispatch_id};
+                                       handle->dispatch_id,
+                                       /*programmatic_launch=*/relay_ == nullptr && config_.programmatic_launch};
   if (relay_) {
     relay_->send_combine(peers_, layout_, set, launch, stream);
     if (!args.return_recv_hook) {
