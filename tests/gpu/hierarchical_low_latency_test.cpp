@@ -23,6 +23,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -123,6 +124,24 @@ std::vector<T> fetch(bool host, const Tensor& t, Stream stream) {
   return std::vector<T>(t.data_as<const T>(), t.data_as<const T>() + t.nbytes() / sizeof(T));
 }
 
+// Device copies of one round's results, made on the stream and downloaded after the last round (see run_rank).
+struct DeviceRound {
+  Tensor count, ranges, src_info, x, scales, combined;
+};
+
+// A device copy of `t` enqueued on `stream` (the dispatch outputs live in the buffer, which a later call overwrites).
+Tensor device_copy(const Tensor& t, Device dev, Stream stream) {
+  if (!t.defined() || t.nbytes() == 0) return {};
+  Tensor c = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(t.nbytes())}, dev, nullptr, stream);
+  cudaMemcpyAsync(c.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
+  return c;
+}
+
+// NOTE: on the GPU the rounds only enqueue work: every input is uploaded before the first call and every result is
+// downloaded after the last round. With ranks as threads on one GPU a host wait between the calls (a download of the
+// dispatch results before the combine, as this test did first) can stall a rank while its peer's kernel spins for
+// this rank's next send (1x H200, 2026-12-03: the idle rank entered its combine only after the peer's combine timed
+// out); docs/status.md.
 RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std::shared_ptr<Group>& group, bool host) {
   const Device dev = group->device();
   Stream stream = nullptr;
@@ -132,6 +151,31 @@ RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std:
   }
   RankOutput o;
   {
+    const int64_t H = c.hidden, K = c.num_topk, E_local = c.local_experts();
+    struct Inputs {
+      Tensor x, topk, weights, y, out;
+    };
+    std::vector<Inputs> inputs(c.rounds);
+    std::vector<std::vector<int32_t>> topk32(c.rounds);
+    std::vector<std::vector<uint16_t>> poison(c.rounds);  // host: written in place
+    for (int round = 0; round < c.rounds; ++round) {
+      const RoundInput& d = in[round];
+      const int64_t T = d.num_tokens;
+      Inputs& t = inputs[round];
+      t.x = input(host, d.x.data(), d.x.size() * 2, DType::kBFloat16, {T, H}, dev, stream);
+      topk32[round].assign(d.topk.begin(), d.topk.end());
+      t.topk = c.topk_int32
+                   ? input(host, topk32[round].data(), topk32[round].size() * 4, DType::kInt32, {T, K}, dev, stream)
+                   : input(host, d.topk.data(), d.topk.size() * 8, DType::kInt64, {T, K}, dev, stream);
+      t.weights = input(host, d.weights.data(), d.weights.size() * 4, DType::kFloat32, {T, K}, dev, stream);
+      t.y = input(host, d.y.data(), d.y.size() * 2, DType::kBFloat16, {E_local, c.slots(), H}, dev, stream);
+      poison[round].assign(T * H, 0xABAB);
+      t.out = input(host, poison[round].data(), poison[round].size() * 2, DType::kBFloat16, {T, H}, dev, stream);
+    }
+    std::vector<int32_t> zeros(E_local, 0);  // host: written in place
+    const Tensor cumulative = input(host, zeros.data(), zeros.size() * 4, DType::kInt32, {E_local}, dev, stream);
+    if (!host) cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+
     BufferOptions options;
     options.allocator = host ? nullptr : std::make_shared<testing::PoisonAllocator>();
     options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
@@ -142,25 +186,13 @@ RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std:
       if (rank == a) buffer->mask_rank(b);
       if (rank == b) buffer->mask_rank(a);
     }
-    const int64_t H = c.hidden, K = c.num_topk, E_local = c.local_experts();
-    std::vector<int32_t> zeros(E_local, 0);  // host: written in place
-    const Tensor cumulative = input(host, zeros.data(), zeros.size() * 4, DType::kInt32, {E_local}, dev, stream);
+    std::vector<DeviceRound> kept(c.rounds);
     for (int round = 0; round < c.rounds; ++round) {
-      const RoundInput& d = in[round];
       const bool hooks = c.hooks || round == c.hook_round;
-      const int64_t T = d.num_tokens;
-      const Tensor x = input(host, d.x.data(), d.x.size() * 2, DType::kBFloat16, {T, H}, dev, stream);
-      std::vector<int32_t> topk32(d.topk.begin(), d.topk.end());
-      const Tensor topk = c.topk_int32
-                              ? input(host, topk32.data(), topk32.size() * 4, DType::kInt32, {T, K}, dev, stream)
-                              : input(host, d.topk.data(), d.topk.size() * 8, DType::kInt64, {T, K}, dev, stream);
-      const Tensor weights = input(host, d.weights.data(), d.weights.size() * 4, DType::kFloat32, {T, K}, dev, stream);
-      const Tensor y = input(host, d.y.data(), d.y.size() * 2, DType::kBFloat16, {E_local, c.slots(), H}, dev, stream);
-      std::vector<uint16_t> poison(T * H, 0xABAB);  // host: written in place
-      const Tensor out = input(host, poison.data(), poison.size() * 2, DType::kBFloat16, {T, H}, dev, stream);
+      const Inputs& t = inputs[round];
       LowLatencyDispatchArgs a;
-      a.x = x;
-      a.topk_idx = topk;
+      a.x = t.x;
+      a.topk_idx = t.topk;
       a.max_tokens_per_rank = c.max_tokens;
       a.num_experts = c.num_experts;
       a.use_fp8 = c.fp8;
@@ -174,24 +206,55 @@ RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std:
       EXPECT_EQ(static_cast<bool>(res.recv_hook), hooks);
       if (hooks) res.recv_hook();
       RoundOutput ro;
-      ro.count = fetch<int32_t>(host, res.recv_count, stream);
-      ro.ranges = fetch<int64_t>(host, res.recv_layout_range, stream);
-      ro.src_info = fetch<int32_t>(host, res.recv_src_info, stream);
-      ro.x = fetch<uint8_t>(host, res.recv_x, stream);
-      ro.scales = fetch<uint8_t>(host, res.recv_x_scales, stream);
+      DeviceRound& k = kept[round];
+      if (host) {
+        ro.count = fetch<int32_t>(host, res.recv_count, stream);
+        ro.ranges = fetch<int64_t>(host, res.recv_layout_range, stream);
+        ro.src_info = fetch<int32_t>(host, res.recv_src_info, stream);
+        ro.x = fetch<uint8_t>(host, res.recv_x, stream);
+        ro.scales = fetch<uint8_t>(host, res.recv_x_scales, stream);
+      } else {
+        k.count = device_copy(res.recv_count, dev, stream);
+        k.ranges = device_copy(res.recv_layout_range, dev, stream);
+        k.src_info = device_copy(res.recv_src_info, dev, stream);
+        k.x = device_copy(res.recv_x, dev, stream);
+        k.scales = device_copy(res.recv_x_scales, dev, stream);
+      }
       LowLatencyCombineArgs b;
-      b.x = y;
-      b.topk_idx = topk;
-      b.topk_weights = weights;
+      b.x = t.y;
+      b.topk_idx = t.topk;
+      b.topk_weights = t.weights;
       b.handle = res.handle;
       b.return_recv_hook = hooks;
-      b.out = out;
+      b.out = t.out;
       b.stream = stream;
       LowLatencyCombineResult comb = buffer->low_latency_combine(b);
       if (hooks) comb.recv_hook();
-      ro.combined = fetch<uint16_t>(host, comb.x, stream);
+      if (host) {
+        ro.combined = fetch<uint16_t>(host, comb.x, stream);
+      } else {
+        k.combined = comb.x;  // t.out: this rank's tensor, kept until the download below
+      }
       o.rounds.push_back(std::move(ro));
-      if (!host) cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+    }
+    if (!host) {
+      for (int round = 0; round < c.rounds; ++round) {
+        const DeviceRound& k = kept[round];
+        RoundOutput& ro = o.rounds[round];
+        auto bytes_as = [&](const Tensor& t, auto tag) {
+          using T = decltype(tag);
+          const std::vector<uint8_t> raw = download<uint8_t>(t, stream);
+          std::vector<T> v(raw.size() / sizeof(T));
+          if (!raw.empty()) std::memcpy(v.data(), raw.data(), raw.size());
+          return v;
+        };
+        ro.count = bytes_as(k.count, int32_t{});
+        ro.ranges = bytes_as(k.ranges, int64_t{});
+        ro.src_info = bytes_as(k.src_info, int32_t{});
+        ro.x = bytes_as(k.x, uint8_t{});
+        ro.scales = bytes_as(k.scales, uint8_t{});
+        ro.combined = fetch<uint16_t>(host, k.combined, stream);
+      }
     }
     o.cumulative = fetch<int32_t>(host, cumulative, stream);
     if (!host) cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
@@ -275,6 +338,8 @@ std::vector<RankOutput> host_results(const Case& c, const std::vector<std::vecto
 CudaGroupOptions cuda_options(const Case& c) {
   CudaGroupOptions co;
   co.timeout_ms = 20'000;
+  // Shorter for repeated runs that hunt a hang (a failing repetition then costs seconds, not 20 s).
+  if (const char* ms = std::getenv("EPX_TEST_TIMEOUT_MS")) co.timeout_ms = std::atoi(ms);
   co.gpus_per_node = c.gpus_per_node;
   return co;
 }
