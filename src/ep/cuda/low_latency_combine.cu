@@ -92,6 +92,10 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
   const int64_t row_vecs = H / 8;
   const int parts = combine_recv_parts(args.num_tokens);
   const int64_t part_vecs = (row_vecs + parts - 1) / parts;
+  if (first_block >= args.num_tokens * parts) {  // no unit: only the completion rule
+    await_combine_signals(peers, ctrl, at<uint64_t>(base, c.combine_signals), tag, 0, layout.num_experts, first_block,
+                          num_blocks, layout.num_local_experts);
+  }
   for (int64_t unit = first_block; unit < args.num_tokens * parts; unit += num_blocks) {
     const int64_t t = unit / parts;
     const int64_t v_begin = (unit % parts) * part_vecs;
@@ -122,9 +126,13 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
       weights[k] = ok ? args.topk_weights[t * K + k] : 0.f;
     }
     __syncthreads();
-    // After the block's last wait (the NOTE at ll::dispatch); a block without a unit lets the next kernel in by
-    // exiting.
-    if (unit + num_blocks >= args.num_tokens * parts) griddepcontrol_launch_dependents();
+    if (unit + num_blocks >= args.num_tokens * parts) {  // the block's last unit
+      await_combine_signals(peers, ctrl, at<uint64_t>(base, c.combine_signals), tag, 0, layout.num_experts, first_block,
+                            num_blocks, layout.num_local_experts);
+      // After the block's last wait (the NOTE at ll::dispatch); a block without a unit lets the next kernel in by
+      // exiting.
+      griddepcontrol_launch_dependents();
+    }
     const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
     for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
