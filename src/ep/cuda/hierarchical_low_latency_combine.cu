@@ -199,13 +199,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row_vecs = H / 8;
   const int parts = combine_recv_parts(args.num_tokens);
   const int64_t part_vecs = (row_vecs + parts - 1) / parts;
-  // The completion rule over this node's experts (the flat combine's; the other nodes' forwarders meet this rank in
-  // the NCCL legs): a block without a unit waits here, the others after their last unit's waits.
-  const int64_t node_experts = G * E_local;
-  if (blockIdx.x >= args.num_tokens * parts) {
-    await_combine_signals(peers, ctrl, at<uint64_t>(base, c.combine_signals), tag, node * node_experts,
-                          (node + 1) * node_experts, blockIdx.x, gridDim.x, E_local);
-  }
   for (int64_t unit = blockIdx.x; unit < args.num_tokens * parts; unit += gridDim.x) {
     const int64_t t = unit / parts;
     const int64_t v_begin = (unit % parts) * part_vecs, v_end = min(row_vecs, v_begin + part_vecs);
@@ -236,10 +229,6 @@ __global__ void __launch_bounds__(kThreads)
       record[n] = i;
     }
     __syncthreads();
-    if (unit + gridDim.x >= args.num_tokens * parts) {
-      await_combine_signals(peers, ctrl, at<uint64_t>(base, c.combine_signals), tag, node * node_experts,
-                            (node + 1) * node_experts, blockIdx.x, gridDim.x, E_local);
-    }
     const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
     for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -265,7 +254,12 @@ __global__ void __launch_bounds__(kThreads)
                      detail::cvt_float2_to_bf16x2(acc[4], acc[5]), detail::cvt_float2_to_bf16x2(acc[6], acc[7]));
     }
   }
-  finish_grid(&ctrl->combine_ticket[args.set], &ctrl->combine_seq[args.set]);
+  // The completion rule over this node's experts (the flat combine's; the other nodes' forwarders meet this rank in
+  // the NCCL legs).
+  const int64_t node_experts = G * E_local;
+  finish_combine_grid(peers, ctrl, at<uint64_t>(base, c.combine_signals), tag, node * node_experts,
+                      (node + 1) * node_experts, E_local, &ctrl->combine_ticket[args.set],
+                      &ctrl->combine_seq[args.set]);
 }
 
 }  // namespace llh

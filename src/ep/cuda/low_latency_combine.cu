@@ -92,10 +92,6 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
   const int64_t row_vecs = H / 8;
   const int parts = combine_recv_parts(args.num_tokens);
   const int64_t part_vecs = (row_vecs + parts - 1) / parts;
-  if (first_block >= args.num_tokens * parts) {  // no unit: only the completion rule
-    await_combine_signals(peers, ctrl, at<uint64_t>(base, c.combine_signals), tag, 0, layout.num_experts, first_block,
-                          num_blocks, layout.num_local_experts);
-  }
   for (int64_t unit = first_block; unit < args.num_tokens * parts; unit += num_blocks) {
     const int64_t t = unit / parts;
     const int64_t v_begin = (unit % parts) * part_vecs;
@@ -126,13 +122,6 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
       weights[k] = ok ? args.topk_weights[t * K + k] : 0.f;
     }
     __syncthreads();
-    if (unit + num_blocks >= args.num_tokens * parts) {  // the block's last unit
-      await_combine_signals(peers, ctrl, at<uint64_t>(base, c.combine_signals), tag, 0, layout.num_experts, first_block,
-                            num_blocks, layout.num_local_experts);
-      // After the block's last wait (the NOTE at ll::dispatch); a block without a unit lets the next kernel in by
-      // exiting.
-      griddepcontrol_launch_dependents();
-    }
     const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
     for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -184,14 +173,22 @@ __global__ void __launch_bounds__(kThreads) combine(LowLatencyPeers peers, LowLa
   const int64_t num_send = phase == Phase::kRecv ? 0 : layout.num_local_experts * parts;
   griddepcontrol_wait();
   if (blockIdx.x < num_send) {
-    griddepcontrol_launch_dependents();  // a sending block waits for no other grid
+    if (phase == Phase::kSend) {
+      griddepcontrol_launch_dependents();  // a send-only grid waits for no other grid
+      combine_send_block(peers, layout, set, args, blockIdx.x, parts);
+      return;
+    }
     combine_send_block(peers, layout, set, args, blockIdx.x, parts);
-    if (phase == Phase::kSend) return;
   } else {
     combine_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x - num_send, gridDim.x - num_send);
   }
+  // NOTE: a receiving grid lets the next kernel in only as its blocks exit: its last block waits in the completion
+  // rule, and a dependent grid holding SMs meanwhile could keep a peer sharing the GPU from sending (the NOTE at
+  // ll::dispatch).
   LowLatencyControl* ctrl = control_of(peers, layout);
-  finish_grid(&ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
+  finish_combine_grid(peers, ctrl, at<uint64_t>(peers.bases[peers.rank], layout.sets[set].combine_signals),
+                      ctrl->combine_seq[set] + 1, 0, layout.num_experts, layout.num_local_experts,
+                      &ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
 }
 
 }  // namespace ll

@@ -82,23 +82,33 @@ __device__ bool wait_tag(const LowLatencyPeers& peers, LowLatencyControl* ctrl, 
       });
 }
 
-// The combine's completion rule: the block waits, bounded, for this call's combine signal of every expert in its
-// share of [e_begin, e_end) (experts e_begin + share, + shares, ...) whose rank is open, whether or not a token of this
-// rank chose it; a timeout masks the rank as any wait does. Every combine receive grid covers the whole range, so a
-// combine completes only after every open rank's combine send of this call ended, and with it that rank's dispatch
-// receive: the staging set a peer's next dispatch writes is consumed by then, also when two calls in a row use the
-// same set (a CUDA graph holding an odd number of dispatches, hooks of two micro-batches). docs/low-latency.md.
-__device__ void await_combine_signals(const LowLatencyPeers& peers, LowLatencyControl* ctrl, const uint64_t* signals,
-                                      uint64_t tag, int64_t e_begin, int64_t e_end, int64_t share, int64_t shares,
-                                      int64_t experts_per_rank) {
-  for (int64_t e = e_begin + share + static_cast<int64_t>(threadIdx.x) * shares; e < e_end;
-       e += static_cast<int64_t>(kThreads) * shares) {
+// The combine's completion rule, run by the last block of a combine grid to finish (every thread calls it): that
+// block waits, bounded, for this call's combine signal of every expert in [e_begin, e_end) whose rank is open, whether
+// or not a token of this rank chose it (a timeout masks the rank as any wait does), then advances the set's sequence
+// number. So a combine completes only after every open rank's combine send of this call ended, and with it that
+// rank's dispatch receive: the staging set a peer's next dispatch writes is consumed by then, also when two calls in a
+// row use the same set (a CUDA graph holding an odd number of dispatches, hooks of two micro-batches). One block
+// waits, at the end: the other blocks leave their SMs as soon as their units are reduced (waiting in every block
+// before its last unit cost 13% of a 128-token combine on one H200). docs/low-latency.md.
+__device__ void finish_combine_grid(const LowLatencyPeers& peers, LowLatencyControl* ctrl, const uint64_t* signals,
+                                    uint64_t tag, int64_t e_begin, int64_t e_end, int64_t experts_per_rank,
+                                    unsigned int* ticket, uint64_t* seq) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) last = last_block_arrives(ticket);
+  __syncthreads();
+  if (!last) return;
+  for (int64_t e = e_begin + static_cast<int64_t>(threadIdx.x); e < e_end; e += kThreads) {
     const int r = static_cast<int>(e / experts_per_rank);
     if (ld_volatile_global(&ctrl->mask[r]) != 0) continue;
     uint64_t v = 0;
     wait_tag(peers, ctrl, signals + e, tag, kCombineIdBits, r, static_cast<int>(e), kSiteLowLatencyCombineRecv, &v);
   }
   __syncthreads();
+  if (threadIdx.x == 0) {
+    *seq += 1;
+    __threadfence();
+  }
 }
 
 // Block-wide exclusive scan of one count per thread (every thread calls it): this thread's offset; *total the sum.

@@ -358,7 +358,8 @@ namespace ll {
 // read); before it only kernel parameters are read. Trigger: a block lets the next kernel in once it will spin-wait
 // for no other grid: a block that only sends at once (it waits for nothing; the combine send's per-expert counter
 // is an atomic, not a wait), a receiving block right after its last signal wait, so the next kernel's launch
-// overlaps the receive's copy (or reduction) and the grid's finisher. Why not earlier: the next kernel is scheduled
+// overlaps the receive's copy and the grid's finisher (a combine grid that receives triggers as its blocks exit:
+// its last block waits at the end, in the completion rule). Why not earlier: the next kernel is scheduled
 // once every block of this grid has triggered or exited, and its blocks then hold SM slots while they wait for this
 // grid. If this grid still spun on a grid that needs slots on this GPU (a peer rank sharing the GPU: the kernel
 // tests run two ranks on one GPU), those idle blocks could keep it off the SMs, and the spin would end only at the
