@@ -43,6 +43,13 @@ struct LowLatencyConfig {
   // unchanged: the kernel waits for that kernel's completion before it touches memory. false: plain launches.
   // See docs/low-latency.md.
   bool programmatic_launch = true;
+  // Flat routing: the combine sums each token's expert outputs on the experts' rank first, so one bf16 row per
+  // (token, expert rank) crosses instead of one per (token, expert) (top-8 of 256 on 2 ranks: ~1 row per token and
+  // peer instead of ~4). The sum changes: per expert rank q (ascending), p_q = 0 + w_k * y_k over that rank's
+  // experts in ascending k in fp32, rounded to bf16; then out = bf16(0 + p_0 + p_1 + ...) in fp32. Off: the sum of
+  // every w_k * y_k in ascending k, one rounding (the default, as DeepEP). The hierarchical
+  // routing always reduces per node (docs/internode.md) and ignores it. Same on every rank. docs/low-latency.md.
+  bool expert_side_reduction = false;
 };
 
 // Which way normal dispatch/combine move tokens (docs/internode.md). The same on every rank.

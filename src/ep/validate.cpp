@@ -240,6 +240,8 @@ constexpr AgreedOption kAgreed[] = {
      [](const BufferOptions& o) { return int64_t{o.low_latency.token_rows_min_tokens}; }},
     {"low_latency.programmatic_launch",
      [](const BufferOptions& o) { return int64_t{o.low_latency.programmatic_launch}; }},
+    {"low_latency.expert_side_reduction",
+     [](const BufferOptions& o) { return int64_t{o.low_latency.expert_side_reduction}; }},
     {"normal_routing", [](const BufferOptions& o) { return static_cast<int64_t>(o.normal_routing); }},
     {"low_latency_routing", [](const BufferOptions& o) { return static_cast<int64_t>(o.low_latency_routing); }},
 };

@@ -814,5 +814,86 @@ TEST(HostLowLatency, BufferDestroyedRightAfterLastCombine) {
   }
 }
 
+// LowLatencyConfig::expert_side_reduction (flat routing): per expert rank d ascending, p_d = 0 + w * y over d's
+// pairs in ascending k (fp32), rounded to bf16; out = bf16(0 + p_0 + p_1 + ...). Checked bit for bit against that
+// arithmetic done here from the dispatch results, with random expert outputs (so the two orders differ), an idle
+// rank and -1 entries; the default (one rounding, ascending k) on the same data differs somewhere.
+TEST(HostLowLatency, ExpertSideReductionSumsPerRankFirst) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  for (int num_ranks : {1, 2, 3, 4}) {
+    Case c;
+    c.num_ranks = num_ranks;
+    c.num_experts = 12 * num_ranks;
+    c.num_topk = 8;
+    c.max_tokens = 16;
+    c.hidden = 256;
+    SCOPED_TRACE("ranks " + std::to_string(num_ranks));
+    const auto in = make_inputs(rng, c);
+    const int64_t R = num_ranks, M = c.max_tokens, H = c.hidden, K = c.num_topk, E_local = c.num_experts / R;
+    std::vector<std::vector<uint16_t>> y(R);
+    for (auto& v : y) v = testing::random_bf16(rng, E_local * R * M * H, 4.f);
+    std::vector<std::vector<int32_t>> src_info(R), count(R);
+    std::vector<std::vector<int64_t>> range(R);
+    std::vector<std::vector<uint16_t>> out[2];  // [expert_side][rank]
+    for (const bool expert_side : {false, true}) {
+      auto groups = create_host_groups(num_ranks, {.timeout_ms = 20'000});
+      out[expert_side].resize(R);
+      auto inputs = in;
+      run_host_ranks(groups, [&](int r, Group&) {
+        BufferOptions options;
+        options.num_low_latency_bytes = 1;
+        options.low_latency.expert_side_reduction = expert_side;
+        auto buffer = Buffer::create(groups[r], options);
+        const auto d = buffer->low_latency_dispatch(dispatch_args(inputs[r], c));
+        src_info[r].assign(d.recv_src_info.data_as<int32_t>(), d.recv_src_info.data_as<int32_t>() + E_local * R * M);
+        count[r].assign(d.recv_count.data_as<int32_t>(), d.recv_count.data_as<int32_t>() + E_local);
+        range[r].assign(d.recv_layout_range.data_as<int64_t>(), d.recv_layout_range.data_as<int64_t>() + E_local * R);
+        const auto o = buffer->low_latency_combine(combine_args(inputs[r], c, d, y[r]));
+        out[expert_side][r].assign(o.x.data_as<uint16_t>(), o.x.data_as<uint16_t>() + inputs[r].num_tokens * H);
+      });
+    }
+    bool orders_differ = false;
+    for (int r = 0; r < R; ++r) {
+      SCOPED_TRACE("token rank " + std::to_string(r));
+      const int64_t T = in[r].num_tokens;
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<float> acc(H, 0.f);
+        for (int d = 0; d < R; ++d) {
+          std::vector<float> p(H, 0.f);
+          bool any = false;
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t e = in[r].topk[t * K + k];
+            if (e < 0 || e / E_local != d) continue;
+            // The pair's packed row on rank d: source r's block of expert e, the entry naming token t.
+            const int64_t el = e % E_local, packed = range[d][el * R + r];
+            int64_t row = -1;
+            for (int64_t i = packed >> 32; i < (packed >> 32) + (packed & 0xffffffff); ++i) {
+              if (src_info[d][el * R * M + i] == t) row = i;
+            }
+            ASSERT_GE(row, 0) << "token " << t << " expert " << e;
+            any = true;
+            const float w = in[r].weights[t * K + k];
+            for (int64_t h = 0; h < H; ++h) {
+              const float product = w * bf16_to_float(y[d][(el * R * M + row) * H + h]);
+              p[h] += product;
+            }
+          }
+          if (!any) continue;
+          for (int64_t h = 0; h < H; ++h) acc[h] += bf16_to_float(float_to_bf16(p[h]));
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          ASSERT_EQ(out[1][r][t * H + h], float_to_bf16(acc[h])) << "token " << t << " h " << h;
+          orders_differ |= out[0][r][t * H + h] != out[1][r][t * H + h];
+        }
+      }
+    }
+    if (num_ranks > 1) {
+      EXPECT_TRUE(orders_differ) << "the option changed nothing";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace epx

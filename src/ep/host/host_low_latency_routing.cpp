@@ -180,6 +180,49 @@ void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& 
   const LowLatencyPost& mine = *posts[rank_];  // the weights this rank sent to its forwarders
   auto* out = state->out.data_as<uint16_t>();
   std::vector<float> acc(hidden), partial(hidden);
+  // The pair (t, k)'s expert output row, or null when it contributes nothing (masked or cut path, not received, not
+  // sent back).
+  auto row_of = [&](int64_t t, int64_t k) -> const uint16_t* {
+    const int64_t e = dispatch.topk[t * num_topk + k];
+    const int d = static_cast<int>(e / num_local_experts);
+    if (!ll_route_.reaches(posts, rank_, d)) return nullptr;
+    const LowLatencyPost& p = *posts[d];
+    const int64_t block = (e % num_local_experts) * num_ranks_ + rank_;
+    const int32_t idx = dispatch.slot_idx[t * num_topk + k];
+    if (idx >= p.block_count[block]) return nullptr;
+    return p.rows.data() + (p.block_offset[block] + idx) * hidden;
+  };
+  if (options_.low_latency.expert_side_reduction && !ep::low_latency_hierarchical(options_, topology_)) {
+    // LowLatencyConfig::expert_side_reduction: per expert rank d ascending, p_d = 0 + w * x over its pairs in
+    // ascending k (fp32, a product then a sum), rounded to bf16; acc = 0 + p_0 + p_1 + ...; out = bf16(acc). The
+    // cuda kernels compute p_d on rank d; the arithmetic is the same.
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const int32_t record = dispatch.node_slot[t];  // one node: -1 when every entry of t is -1
+      const float* weights = mine.node_weights[0].data() + static_cast<int64_t>(record < 0 ? 0 : record) * num_topk;
+      for (int d = 0; d < num_ranks_ && record >= 0; ++d) {
+        bool any = false;
+        std::fill(partial.begin(), partial.end(), 0.f);
+        for (int64_t k = 0; k < num_topk; ++k) {
+          const int64_t e = dispatch.topk[t * num_topk + k];
+          if (e < 0 || e / num_local_experts != d) continue;
+          const uint16_t* row = row_of(t, k);
+          if (row == nullptr) continue;
+          any = true;
+          const float w = weights[k];
+          for (int64_t h = 0; h < hidden; ++h) {
+            const float product = w * detail::bf16_to_float(row[h]);
+            partial[h] += product;
+          }
+        }
+        if (!any) continue;
+        for (int64_t h = 0; h < hidden; ++h) acc[h] += detail::bf16_to_float(float_to_bf16(partial[h]));
+      }
+      for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
+    }
+    state->received = true;
+    return;
+  }
   for (int64_t t = 0; t < num_tokens; ++t) {
     // NOTE: fixed fp32 order: per node n ascending, the forwarder's partial p_n = 0 + w * x over k ascending (a
     // product, then a sum; no fused multiply-add); then acc = 0 + p_0 + p_1 + ...; one rounding. One node: the
@@ -194,13 +237,8 @@ void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& 
       for (int64_t k = 0; k < num_topk; ++k) {
         const int64_t e = dispatch.topk[t * num_topk + k];
         if (e < 0 || ll_route_.node_of_expert(e, num_local_experts) != n) continue;
-        const int d = static_cast<int>(e / num_local_experts);
-        if (!ll_route_.reaches(posts, rank_, d)) continue;  // masked, or its path is cut: contributes zero
-        const LowLatencyPost& p = *posts[d];
-        const int64_t block = (e % num_local_experts) * num_ranks_ + rank_;
-        const int32_t idx = dispatch.slot_idx[t * num_topk + k];
-        if (idx >= p.block_count[block]) continue;  // the expert's rank did not receive it, or did not send it back
-        const uint16_t* row = p.rows.data() + (p.block_offset[block] + idx) * hidden;
+        const uint16_t* row = row_of(t, k);  // null: masked, cut, not received or not sent back: contributes zero
+        if (row == nullptr) continue;
         const float w = weights[k];
         for (int64_t h = 0; h < hidden; ++h) {
           const float product = w * detail::bf16_to_float(row[h]);
