@@ -19,12 +19,24 @@
 // NCCL send/recv and the node leg CUDA IPC: a bf16 case with hooks in round 1 and an fp8 case (UE8M0 column-major
 // scales) with hooks in round 2, three rounds each, one rank idle per round. Each child computes the host backend's
 // results for every rank from the shared seed and compares its own rank's outputs; it skips below 2 GPUs.
+//
+// HierarchicalLowLatencyNccl.TwoNodesGraph (compiled only, not run yet): the same processes, topologies and cases,
+// captured. Per case each child runs one eager round (it allocates the relay region; compared too), then captures two
+// rounds (dispatch + combine each, so both buffer sets alternate inside the graph; the bf16 case's second round with
+// hooks, in cudaStreamCaptureModeThreadLocal; the fp8 case's first round with hooks, in cudaStreamCaptureModeGlobal)
+// into one graph, uploads it, and replays it four times: before each replay it copies fresh inputs (a new seed per
+// replay, the same on every rank; the token counts per (round, rank) stay those captured, one rank idle per round) into
+// the captured input tensors and poisons the outputs (the combine's `out`, the dispatch results in the buffer and the
+// cumulative counts), then launches, synchronizes and compares its own rank's results bit for bit with the host
+// backend's on the same inputs. A failure of the Global case alone points at the capture mode (NCCL's own threads
+// enqueue a non-blocking communicator's transfers beside the capture), not at the data path.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <optional>
 #include <random>
 #include <string>
@@ -34,333 +46,14 @@
 #include "epx/buffer.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
-#include "epx/quant.h"
+#include "hierarchical_low_latency_cases.h"
 #include "nccl_children.h"
 #include "testing/gpu_util.h"
-#include "testing/routing.h"
 
-namespace epx {
+namespace epx::hierarchical_low_latency_test {
 namespace {
 
-using testing::download;
-using testing::num_gpus;
-
 const bool kCrashHandler = (testing::print_stack_on_crash(), true);
-
-struct Case {
-  int num_ranks = 4;
-  int gpus_per_node = 2;  // 0: one node, kHierarchical forced
-  int64_t max_tokens = 24;
-  int64_t hidden = 1024;
-  int num_topk = 4;
-  int64_t num_experts = 16;
-  bool fp8 = false;
-  ScaleFormat scale_format = ScaleFormat::kFloat32;
-  bool round_scale = false;
-  ScaleLayout scale_layout = ScaleLayout::kRowMajor;
-  bool hooks = false;
-  int hook_round = -1;  // >= 0: that round uses the hooks too (the others do not unless `hooks`)
-  bool topk_int32 = false;
-  std::vector<std::pair<int, int>> masked;  // rank pairs that mask each other before the first call
-  int rounds = 3;
-  int64_t local_experts() const { return num_experts / num_ranks; }
-  int64_t slots() const { return num_ranks * max_tokens; }
-};
-
-struct RoundInput {
-  int64_t num_tokens = 0;
-  std::vector<uint16_t> x;     // [T, H]
-  std::vector<int64_t> topk;   // [T, K]
-  std::vector<float> weights;  // [T, K]
-  std::vector<uint16_t> y;     // [E_local, R * M, H]: the expert outputs the combine returns
-};
-
-struct RoundOutput {
-  std::vector<int32_t> count, src_info;
-  std::vector<int64_t> ranges;
-  std::vector<uint8_t> x, scales;
-  std::vector<uint16_t> combined;
-};
-
-struct RankOutput {
-  std::vector<RoundOutput> rounds;
-  std::vector<int32_t> cumulative;
-};
-
-// [rank][round]
-std::vector<std::vector<RoundInput>> make_inputs(const Case& c, uint64_t seed) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::uniform_int_distribution<int64_t> tokens(0, c.max_tokens);
-  std::uniform_real_distribution<float> val(-4.f, 4.f), wdist(-1.f, 1.f);
-  std::vector<std::vector<RoundInput>> in(c.num_ranks, std::vector<RoundInput>(c.rounds));
-  for (int round = 0; round < c.rounds; ++round) {
-    const int idle = static_cast<int>(rng() % c.num_ranks);
-    for (int r = 0; r < c.num_ranks; ++r) {
-      RoundInput& d = in[r][round];
-      d.num_tokens = r == idle ? 0 : tokens(rng);
-      d.x.resize(d.num_tokens * c.hidden);
-      for (auto& v : d.x) v = float_to_bf16(val(rng));
-      // NOTE: K distinct experts, so no (expert, source) block exceeds M pairs.
-      d.topk = testing::random_distinct_topk(rng, d.num_tokens, c.num_topk, c.num_experts, 0.15);
-      d.weights.resize(d.topk.size());
-      for (auto& w : d.weights) w = wdist(rng);
-      d.y.resize(c.local_experts() * c.slots() * c.hidden);
-      for (auto& v : d.y) v = float_to_bf16(val(rng));
-    }
-  }
-  return in;
-}
-
-Tensor input(bool host, const void* p, size_t bytes, DType dtype, std::vector<int64_t> shape, Device dev,
-             Stream stream) {
-  if (host) return Tensor::wrap(TensorView::of(const_cast<void*>(p), dtype, std::move(shape)), nullptr);
-  return testing::upload(p, bytes, dtype, std::move(shape), dev, stream);
-}
-
-template <typename T>
-std::vector<T> fetch(bool host, const Tensor& t, Stream stream) {
-  if (!t.defined()) return {};
-  if (!host) return download<T>(t, stream);
-  return std::vector<T>(t.data_as<const T>(), t.data_as<const T>() + t.nbytes() / sizeof(T));
-}
-
-// Device copies of one round's results, made on the stream and downloaded after the last round (see run_rank).
-struct DeviceRound {
-  Tensor count, ranges, src_info, x, scales, combined;
-};
-
-// A device copy of `t` enqueued on `stream` (the dispatch outputs live in the buffer, which a later call overwrites).
-Tensor device_copy(const Tensor& t, Device dev, Stream stream) {
-  if (!t.defined() || t.nbytes() == 0) return {};
-  Tensor c = Tensor::empty(DType::kUInt8, {static_cast<int64_t>(t.nbytes())}, dev, nullptr, stream);
-  cudaMemcpyAsync(c.data(), t.data(), t.nbytes(), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
-  return c;
-}
-
-// NOTE: on the GPU the rounds only enqueue work: every input is uploaded before the first call and every result is
-// downloaded after the last round. With ranks as threads on one GPU a host wait between the calls (a download of the
-// dispatch results before the combine, as this test did first) can stall a rank while its peer's kernel spins for
-// this rank's next send (1x H200, 2026-12-03: the idle rank entered its combine only after the peer's combine timed
-// out); docs/status.md.
-RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, const std::shared_ptr<Group>& group, bool host) {
-  const Device dev = group->device();
-  Stream stream = nullptr;
-  if (!host) {
-    cudaSetDevice(dev.index);
-    cudaStreamCreateWithFlags(reinterpret_cast<cudaStream_t*>(&stream), cudaStreamNonBlocking);
-  }
-  RankOutput o;
-  {
-    const int64_t H = c.hidden, K = c.num_topk, E_local = c.local_experts();
-    struct Inputs {
-      Tensor x, topk, weights, y, out;
-    };
-    std::vector<Inputs> inputs(c.rounds);
-    std::vector<std::vector<int32_t>> topk32(c.rounds);
-    std::vector<std::vector<uint16_t>> poison(c.rounds);  // host: written in place
-    for (int round = 0; round < c.rounds; ++round) {
-      const RoundInput& d = in[round];
-      const int64_t T = d.num_tokens;
-      Inputs& t = inputs[round];
-      t.x = input(host, d.x.data(), d.x.size() * 2, DType::kBFloat16, {T, H}, dev, stream);
-      topk32[round].assign(d.topk.begin(), d.topk.end());
-      t.topk = c.topk_int32
-                   ? input(host, topk32[round].data(), topk32[round].size() * 4, DType::kInt32, {T, K}, dev, stream)
-                   : input(host, d.topk.data(), d.topk.size() * 8, DType::kInt64, {T, K}, dev, stream);
-      t.weights = input(host, d.weights.data(), d.weights.size() * 4, DType::kFloat32, {T, K}, dev, stream);
-      t.y = input(host, d.y.data(), d.y.size() * 2, DType::kBFloat16, {E_local, c.slots(), H}, dev, stream);
-      poison[round].assign(T * H, 0xABAB);
-      t.out = input(host, poison[round].data(), poison[round].size() * 2, DType::kBFloat16, {T, H}, dev, stream);
-    }
-    std::vector<int32_t> zeros(E_local, 0);  // host: written in place
-    const Tensor cumulative = input(host, zeros.data(), zeros.size() * 4, DType::kInt32, {E_local}, dev, stream);
-    if (!host) cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
-
-    BufferOptions options;
-    options.allocator = host ? nullptr : std::make_shared<testing::PoisonAllocator>();
-    options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
-    options.low_latency_routing = c.gpus_per_node == 0 ? LowLatencyRouting::kHierarchical : LowLatencyRouting::kAuto;
-    auto buffer = Buffer::create(group, options);
-    const int rank = group->rank();
-    for (const auto& [a, b] : c.masked) {
-      if (rank == a) buffer->mask_rank(b);
-      if (rank == b) buffer->mask_rank(a);
-    }
-    std::vector<DeviceRound> kept(c.rounds);
-    for (int round = 0; round < c.rounds; ++round) {
-      const bool hooks = c.hooks || round == c.hook_round;
-      const Inputs& t = inputs[round];
-      LowLatencyDispatchArgs a;
-      a.x = t.x;
-      a.topk_idx = t.topk;
-      a.max_tokens_per_rank = c.max_tokens;
-      a.num_experts = c.num_experts;
-      a.use_fp8 = c.fp8;
-      a.scale_format = c.scale_format;
-      a.round_scale = c.round_scale;
-      a.scale_layout = c.scale_layout;
-      a.return_recv_hook = hooks;
-      a.cumulative_recv_counts = cumulative;
-      a.stream = stream;
-      LowLatencyDispatchResult res = buffer->low_latency_dispatch(a);
-      EXPECT_EQ(static_cast<bool>(res.recv_hook), hooks);
-      if (hooks) res.recv_hook();
-      RoundOutput ro;
-      DeviceRound& k = kept[round];
-      if (host) {
-        ro.count = fetch<int32_t>(host, res.recv_count, stream);
-        ro.ranges = fetch<int64_t>(host, res.recv_layout_range, stream);
-        ro.src_info = fetch<int32_t>(host, res.recv_src_info, stream);
-        ro.x = fetch<uint8_t>(host, res.recv_x, stream);
-        ro.scales = fetch<uint8_t>(host, res.recv_x_scales, stream);
-      } else {
-        k.count = device_copy(res.recv_count, dev, stream);
-        k.ranges = device_copy(res.recv_layout_range, dev, stream);
-        k.src_info = device_copy(res.recv_src_info, dev, stream);
-        k.x = device_copy(res.recv_x, dev, stream);
-        k.scales = device_copy(res.recv_x_scales, dev, stream);
-      }
-      LowLatencyCombineArgs b;
-      b.x = t.y;
-      b.topk_idx = t.topk;
-      b.topk_weights = t.weights;
-      b.handle = res.handle;
-      b.return_recv_hook = hooks;
-      b.out = t.out;
-      b.stream = stream;
-      LowLatencyCombineResult comb = buffer->low_latency_combine(b);
-      if (hooks) comb.recv_hook();
-      if (host) {
-        ro.combined = fetch<uint16_t>(host, comb.x, stream);
-      } else {
-        k.combined = comb.x;  // t.out: this rank's tensor, kept until the download below
-      }
-      o.rounds.push_back(std::move(ro));
-    }
-    if (!host) {
-      for (int round = 0; round < c.rounds; ++round) {
-        const DeviceRound& k = kept[round];
-        RoundOutput& ro = o.rounds[round];
-        auto bytes_as = [&](const Tensor& t, auto tag) {
-          using T = decltype(tag);
-          const std::vector<uint8_t> raw = download<uint8_t>(t, stream);
-          std::vector<T> v(raw.size() / sizeof(T));
-          if (!raw.empty()) std::memcpy(v.data(), raw.data(), raw.size());
-          return v;
-        };
-        ro.count = bytes_as(k.count, int32_t{});
-        ro.ranges = bytes_as(k.ranges, int64_t{});
-        ro.src_info = bytes_as(k.src_info, int32_t{});
-        ro.x = bytes_as(k.x, uint8_t{});
-        ro.scales = bytes_as(k.scales, uint8_t{});
-        ro.combined = fetch<uint16_t>(host, k.combined, stream);
-      }
-    }
-    o.cumulative = fetch<int32_t>(host, cumulative, stream);
-    if (!host) cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
-  }  // NOTE: tensors free on `stream`: release them before destroying it
-  if (!host) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
-  return o;
-}
-
-std::vector<RankOutput> run_case(const Case& c, const std::vector<std::vector<RoundInput>>& in,
-                                 const std::vector<std::shared_ptr<Group>>& groups, bool host) {
-  std::vector<RankOutput> out(groups.size());
-  run_host_ranks(groups, [&](int r, Group&) { out[r] = run_rank(c, in[r], groups[r], host); });
-  return out;
-}
-
-// Scale units per row of recv_x_scales and their bytes (ScaleLayout): fp32 scales (also round_scale), UE8M0
-// exponent bytes row-major, int32 words of four exponents column-major.
-std::pair<int64_t, int64_t> scale_units(const Case& c) {
-  if (c.scale_format == ScaleFormat::kFloat32) return {c.hidden / 128, 4};
-  if (c.scale_layout == ScaleLayout::kColumnMajor) return {c.hidden / 512, 4};
-  return {c.hidden / 128, 1};
-}
-
-void compare_round(const Case& c, const RoundOutput& w, const RoundOutput& g) {
-  ASSERT_EQ(g.count, w.count) << "recv_count";
-  EXPECT_EQ(g.ranges, w.ranges) << "recv_layout_range";
-  EXPECT_EQ(g.src_info, w.src_info) << "recv_src_info";
-  const int64_t RM = c.slots(), row_bytes = c.hidden * (c.fp8 ? 1 : 2);
-  ASSERT_EQ(g.x.size(), w.x.size());
-  const auto [units, unit_bytes] = scale_units(c);
-  if (c.fp8) {
-    ASSERT_EQ(g.scales.size(), w.scales.size());
-  }
-  int64_t bad_rows = 0, bad_scales = 0;
-  for (int64_t e = 0; e < c.local_experts(); ++e) {
-    for (int64_t row = 0; row < w.count[e]; ++row) {
-      const int64_t at = (e * RM + row) * row_bytes;
-      if (std::memcmp(g.x.data() + at, w.x.data() + at, row_bytes) != 0 && bad_rows++ < 4) {
-        ADD_FAILURE() << "recv_x[" << e << "][" << row << "] differs";
-      }
-      for (int64_t u = 0; c.fp8 && u < units; ++u) {
-        const int64_t i =
-            c.scale_layout == ScaleLayout::kColumnMajor ? (e * units + u) * RM + row : (e * RM + row) * units + u;
-        if (std::memcmp(g.scales.data() + i * unit_bytes, w.scales.data() + i * unit_bytes, unit_bytes) != 0 &&
-            bad_scales++ < 4) {
-          ADD_FAILURE() << "recv_x_scales of expert " << e << " row " << row << " unit " << u << " differ";
-        }
-      }
-    }
-  }
-  EXPECT_EQ(bad_rows, 0);
-  EXPECT_EQ(bad_scales, 0);
-  ASSERT_EQ(g.combined.size(), w.combined.size());
-  int64_t bad = 0;
-  for (size_t i = 0; i < w.combined.size(); ++i) {
-    if (g.combined[i] != w.combined[i] && bad++ < 4) {
-      ADD_FAILURE() << "combined[" << i / c.hidden << "][" << i % c.hidden << "] = " << bf16_to_float(g.combined[i])
-                    << ", host " << bf16_to_float(w.combined[i]);
-    }
-  }
-  EXPECT_EQ(bad, 0) << "combine output differs (bits)";
-}
-
-// Every round of rank r and its cumulative counts.
-void compare_rank(const Case& c, int r, const RankOutput& want, const RankOutput& got) {
-  ASSERT_EQ(got.rounds.size(), want.rounds.size()) << "rank " << r;
-  for (int round = 0; round < c.rounds; ++round) {
-    SCOPED_TRACE("rank " + std::to_string(r) + " round " + std::to_string(round));
-    compare_round(c, want.rounds[round], got.rounds[round]);
-  }
-  EXPECT_EQ(got.cumulative, want.cumulative) << "cumulative_recv_counts, rank " << r;
-}
-
-// The host backend's results of every rank (the oracle), on host groups of the case's topology.
-std::vector<RankOutput> host_results(const Case& c, const std::vector<std::vector<RoundInput>>& in) {
-  HostGroupOptions ho;
-  ho.gpus_per_node = c.gpus_per_node;
-  return run_case(c, in, create_host_groups(c.num_ranks, ho), true);
-}
-
-CudaGroupOptions cuda_options(const Case& c) {
-  CudaGroupOptions co;
-  co.timeout_ms = 20'000;
-  // Shorter for repeated runs that hunt a hang (a failing repetition then costs seconds, not 20 s).
-  if (const char* ms = std::getenv("EPX_TEST_TIMEOUT_MS")) co.timeout_ms = std::atoi(ms);
-  co.gpus_per_node = c.gpus_per_node;
-  return co;
-}
-
-void run_and_compare(const Case& c) {
-  const uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  const auto in = make_inputs(c, seed);
-  const auto want = host_results(c, in);
-  std::vector<int> devices(c.num_ranks);
-  for (int r = 0; r < c.num_ranks; ++r) devices[r] = r % num_gpus();
-  const auto got = run_case(c, in, create_cuda_groups(devices, cuda_options(c)), false);
-  for (int r = 0; r < c.num_ranks; ++r) compare_rank(c, r, want[r], got[r]);
-}
-
-Case make_case(int num_ranks, int gpus_per_node) {
-  Case c;
-  c.num_ranks = num_ranks;
-  c.gpus_per_node = gpus_per_node;
-  return c;
-}
 
 class HierarchicalLowLatencyGpuTest : public ::testing::Test {
  protected:
@@ -487,5 +180,237 @@ TEST(HierarchicalLowLatencyNccl, TwoNodes) {
   testing::run_nccl_children(num_ranks, seed, "HierarchicalLowLatencyNcclChild", "Rank", kEnvPrefix);
 }
 
+// ---- captured into a CUDA graph, on NCCL groups ------------------------------------------------------------------
+// HierarchicalLowLatencyNcclGraphChild.Rank runs only with EPX_HIER_LL_GRAPH_RANK set (nccl_children.h).
+
+constexpr const char* kGraphEnvPrefix = "EPX_HIER_LL_GRAPH";
+constexpr int kReplays = 4;
+
+struct GraphCase {
+  Case c;
+  cudaStreamCaptureMode mode;
+};
+
+// nccl_cases' shapes with two rounds and token counts fixed per (round, rank) from `seed` (the same on every rank): one
+// rank idle per round, the others in [M / 2, M]. bf16: round 1 with hooks, ThreadLocal; fp8: round 0, Global.
+std::vector<GraphCase> graph_cases(int num_ranks, uint64_t seed) {
+  std::vector<Case> cases = nccl_cases(num_ranks);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<GraphCase> out;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    Case c = cases[i];
+    c.rounds = 2;
+    c.hook_round = i == 0 ? 1 : 0;
+    c.tokens.assign(c.rounds, std::vector<int64_t>(num_ranks));
+    for (int round = 0; round < c.rounds; ++round) {
+      const int idle = static_cast<int>((round + i) % num_ranks);
+      for (int r = 0; r < num_ranks; ++r) {
+        c.tokens[round][r] = r == idle ? 0 : c.max_tokens / 2 + static_cast<int64_t>(rng() % (c.max_tokens / 2 + 1));
+      }
+    }
+    out.push_back({c, i == 0 ? cudaStreamCaptureModeThreadLocal : cudaStreamCaptureModeGlobal});
+  }
+  return out;
+}
+
+// One round's device tensors: the inputs the graph reads and the combine's output, shapes fixed at the capture.
+struct GraphRound {
+  Tensor x, topk, weights, y, out;
+  LowLatencyDispatchResult res;  // views of the dispatch results in the buffer (set fixed at the capture)
+};
+
+// Copies round `round` of `in` into g's tensors (same shapes) and poisons the outputs; on `stream`, waited for.
+void load_round(const Case& c, const RoundInput& in, GraphRound& g, cudaStream_t stream) {
+  std::vector<int32_t> topk32(in.topk.begin(), in.topk.end());
+  auto copy = [&](const Tensor& t, const void* src, size_t bytes) {
+    ASSERT_EQ(t.nbytes(), bytes);
+    if (bytes > 0) {
+      ASSERT_EQ(cudaMemcpyAsync(t.data(), src, bytes, cudaMemcpyHostToDevice, stream), cudaSuccess);
+    }
+  };
+  copy(g.x, in.x.data(), in.x.size() * 2);
+  if (c.topk_int32) {
+    copy(g.topk, topk32.data(), topk32.size() * 4);
+  } else {
+    copy(g.topk, in.topk.data(), in.topk.size() * 8);
+  }
+  copy(g.weights, in.weights.data(), in.weights.size() * 4);
+  copy(g.y, in.y.data(), in.y.size() * 2);
+  for (const Tensor* t : {&g.out, &g.res.recv_x, &g.res.recv_x_scales, &g.res.recv_count, &g.res.recv_src_info,
+                          &g.res.recv_layout_range}) {
+    if (t->defined() && t->nbytes() > 0) {
+      ASSERT_EQ(testing::poison(t->data(), t->nbytes(), stream), cudaSuccess);
+    }
+  }
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // the host vectors above go now
+}
+
+// Dispatch + combine of one round on `stream` (hooks run at once); keeps the dispatch result in g.
+void enqueue_round(const Case& c, int round, Buffer& buffer, GraphRound& g, const Tensor& cumulative, Stream stream) {
+  const bool hooks = c.hooks || round == c.hook_round;
+  LowLatencyDispatchArgs a;
+  a.x = g.x;
+  a.topk_idx = g.topk;
+  a.max_tokens_per_rank = c.max_tokens;
+  a.num_experts = c.num_experts;
+  a.use_fp8 = c.fp8;
+  a.scale_format = c.scale_format;
+  a.round_scale = c.round_scale;
+  a.scale_layout = c.scale_layout;
+  a.return_recv_hook = hooks;
+  a.cumulative_recv_counts = cumulative;
+  a.stream = stream;
+  g.res = buffer.low_latency_dispatch(a);
+  EXPECT_EQ(static_cast<bool>(g.res.recv_hook), hooks);
+  if (hooks) g.res.recv_hook();
+  LowLatencyCombineArgs b;
+  b.x = g.y;
+  b.topk_idx = g.topk;
+  b.topk_weights = g.weights;
+  b.handle = g.res.handle;
+  b.return_recv_hook = hooks;
+  b.out = g.out;  // NOTE: given, so the combine allocates nothing under capture
+  b.stream = stream;
+  LowLatencyCombineResult comb = buffer.low_latency_combine(b);
+  if (hooks) comb.recv_hook();
+}
+
+// This rank's results of rounds [0, num_rounds) and the cumulative counts, downloaded (the stream synchronized).
+RankOutput download_rounds(const std::vector<GraphRound>& rounds, int num_rounds, const Tensor& cumulative,
+                           Stream stream) {
+  RankOutput o;
+  for (int round = 0; round < num_rounds; ++round) {
+    const GraphRound& g = rounds[round];
+    RoundOutput ro;
+    ro.count = download<int32_t>(g.res.recv_count, stream);
+    ro.ranges = download<int64_t>(g.res.recv_layout_range, stream);
+    ro.src_info = download<int32_t>(g.res.recv_src_info, stream);
+    ro.x = download<uint8_t>(g.res.recv_x, stream);
+    ro.scales = download<uint8_t>(g.res.recv_x_scales, stream);
+    ro.combined = download<uint16_t>(g.out, stream);
+    o.rounds.push_back(std::move(ro));
+  }
+  o.cumulative = download<int32_t>(cumulative, stream);
+  return o;
+}
+
+// Round 0 of `in`, alone: the eager round's case and inputs (its host reference has one round).
+std::pair<Case, std::vector<std::vector<RoundInput>>> first_round(const Case& c,
+                                                                  const std::vector<std::vector<RoundInput>>& in) {
+  Case one = c;
+  one.rounds = 1;
+  one.tokens.resize(1);
+  std::vector<std::vector<RoundInput>> first;
+  for (const auto& rank_in : in) first.push_back({rank_in[0]});
+  return {one, first};
+}
+
+void run_graph_case(const GraphCase& gc, const std::shared_ptr<Group>& group, uint64_t seed) {
+  const Case& c = gc.c;
+  const int rank = group->rank();
+  const Device dev = group->device();
+  ASSERT_EQ(cudaSetDevice(dev.index), cudaSuccess);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  const Stream stream = s;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  {
+    const int64_t H = c.hidden, K = c.num_topk;
+    const DType topk_dtype = c.topk_int32 ? DType::kInt32 : DType::kInt64;
+    std::vector<GraphRound> rounds(c.rounds);
+    for (int round = 0; round < c.rounds; ++round) {
+      const int64_t T = c.tokens[round][rank];
+      GraphRound& g = rounds[round];
+      auto make = [&](DType dtype, std::vector<int64_t> shape) {
+        return Tensor::empty(dtype, std::move(shape), dev, nullptr, stream);
+      };
+      g.x = make(DType::kBFloat16, {T, H});
+      g.topk = make(topk_dtype, {T, K});
+      g.weights = make(DType::kFloat32, {T, K});
+      g.y = make(DType::kBFloat16, {c.local_experts(), c.slots(), H});
+      g.out = make(DType::kBFloat16, {T, H});
+    }
+    const Tensor cumulative = Tensor::empty(DType::kInt32, {c.local_experts()}, dev, nullptr, stream);
+    BufferOptions options;
+    options.allocator = std::make_shared<testing::PoisonAllocator>();
+    options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
+    options.low_latency_routing = LowLatencyRouting::kAuto;
+    auto buffer = Buffer::create(group, options);
+
+    {  // The eager round (round 0's tensors): the first dispatch allocates and maps the relay region.
+      SCOPED_TRACE("eager round, seed " + std::to_string(seed));
+      const auto in = make_inputs(c, seed);
+      const auto [one, first] = first_round(c, in);
+      const auto want = host_results(one, first);
+      ASSERT_NO_FATAL_FAILURE(load_round(c, in[rank][0], rounds[0], s));
+      ASSERT_EQ(cudaMemsetAsync(cumulative.data(), 0, cumulative.nbytes(), s), cudaSuccess);
+      enqueue_round(one, 0, *buffer, rounds[0], cumulative, stream);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      compare_rank(one, rank, want[rank], download_rounds(rounds, 1, cumulative, stream));
+    }
+
+    ASSERT_EQ(cudaStreamBeginCapture(s, gc.mode), cudaSuccess);
+    try {
+      for (int round = 0; round < c.rounds; ++round) {
+        enqueue_round(c, round, *buffer, rounds[round], cumulative, stream);
+      }
+    } catch (const std::exception& e) {
+      cudaStreamEndCapture(s, &graph);  // so the buffer's destructor does not run inside the capture
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      FAIL() << "a call under capture threw: " << e.what();
+    }
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess) << "the capture was invalidated";
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphUpload(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+
+    for (int replay = 0; replay < kReplays; ++replay) {
+      const uint64_t replay_seed = seed + 1 + replay;  // the same on every rank
+      SCOPED_TRACE("replay " + std::to_string(replay) + ", seed " + std::to_string(replay_seed));
+      const auto in = make_inputs(c, replay_seed);
+      const auto want = host_results(c, in);
+      for (int round = 0; round < c.rounds; ++round) {
+        ASSERT_NO_FATAL_FAILURE(load_round(c, in[rank][round], rounds[round], s));
+      }
+      ASSERT_EQ(cudaMemsetAsync(cumulative.data(), 0, cumulative.nbytes(), s), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      compare_rank(c, rank, want[rank], download_rounds(rounds, c.rounds, cumulative, stream));
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    exec = nullptr;
+    graph = nullptr;
+  }  // NOTE: tensors free on `stream`: release them before destroying it
+  cudaStreamDestroy(s);
+}
+
+TEST(HierarchicalLowLatencyNcclGraphChild, Rank) {
+  const std::optional<testing::NcclChild> child = testing::nccl_child(kGraphEnvPrefix);
+  if (!child) GTEST_SKIP() << "runs as a child of HierarchicalLowLatencyNccl.TwoNodesGraph";
+  const int rank = child->rank, num_ranks = child->num_ranks;
+  const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
+  ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
+  const std::vector<GraphCase> cases = graph_cases(num_ranks, child->seed);
+  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, rank, cuda_options(cases[0].c));
+  ASSERT_EQ(group->topology().num_nodes, 2);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const uint64_t seed = child->seed + 100 * i;  // the same on every rank
+    SCOPED_TRACE("rank " + std::to_string(rank) + (cases[i].c.fp8 ? ", fp8" : ", bf16"));
+    run_graph_case(cases[i], group, seed);
+  }
+  group->barrier();
+}
+
+TEST(HierarchicalLowLatencyNccl, TwoNodesGraph) {
+  const int gpus = num_gpus();
+  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs (one process per GPU on NCCL groups), " << gpus << " visible";
+  const int num_ranks = gpus >= 4 ? 4 : 2;
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes, captured");
+  testing::run_nccl_children(num_ranks, seed, "HierarchicalLowLatencyNcclGraphChild", "Rank", kGraphEnvPrefix);
+}
+
 }  // namespace
-}  // namespace epx
+}  // namespace epx::hierarchical_low_latency_test

@@ -31,6 +31,20 @@ void check_lists(const std::vector<int>& peers, const std::vector<int64_t>& send
   }
 }
 
+// This thread in cudaStreamCaptureModeRelaxed while it lives. NOTE: a host wait for eager work (an event query) is
+// then legal while another thread captures in cudaStreamCaptureModeGlobal, or this one in any mode; in the default
+// mode the query would be refused and invalidate that capture. Events recorded inside a capture stay unqueryable.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;  // then the mode to restore
+};
+
 // Ranks as threads of one process. What each rank publishes in the first rendezvous of a call: where its
 // messages land, and its two events. Per call:
 //   1. record `ready` on the stream (the receive buffer's allocation and everything before it are ordered);
@@ -196,6 +210,7 @@ class NcclExchange final : public ByteExchange {
     ncclComm_t comm = group_.nccl_comm();
     const auto deadline = detail::deadline_after_ms(group_.timeout_ms());
     ncclResult_t state = ncclSuccess;
+    const RelaxedCaptureMode relaxed;  // done_ was recorded outside any capture (run)
     const bool ended = detail::poll_until(deadline, [&] {
       const cudaError_t status = cudaEventQuery(done_);
       if (status == cudaSuccess) return true;

@@ -4,11 +4,12 @@
 // Two implementations, chosen from the group (make_byte_exchange):
 //   NCCL groups (one process per GPU): grouped ncclSend/ncclRecv (ncclUint8) inside ncclGroupStart/End on the
 //     group's communicator, through the loaded NCCL (nccl_loader.h). Nothing waits on the host except a
-//     non-blocking communicator's ncclInProgress after ncclGroupEnd (bounded by the group's timeout), so the
-//     call can be captured in a CUDA graph. A peer that never posts its matching send or receive keeps the NCCL
-//     kernels, and so the stream, waiting forever: run() records an event after each exchange and
-//     wait_finished() bounds the wait for it; at the deadline the group fails (CudaGroup::fail aborts an owned
-//     communicator, which ends the kernels).
+//     non-blocking communicator's ncclInProgress after ncclGroupEnd (bounded by the group's timeout; under capture
+//     this also waits until NCCL's thread has enqueued the transfers into the graph), so the call can be captured in
+//     a CUDA graph (the hierarchical low-latency path's captured test: HierarchicalLowLatencyNccl.TwoNodesGraph). A
+//     peer that never posts its matching send or receive keeps the NCCL kernels, and so the stream, waiting forever:
+//     run() records an event after each exchange and wait_finished() bounds the wait for it; at the deadline the group
+//     fails (CudaGroup::fail aborts an owned communicator, which ends the kernels).
 //   ranks as threads (create_cuda_groups, possibly several ranks on one GPU): cudaMemcpyAsync into each
 //     receiver's buffer, whose address is exchanged with all_gather_bytes. Ordering across the ranks' streams
 //     with two events per rank and two host rendezvous per call (see SharedMemoryExchange in net_leg.cpp); the
@@ -48,8 +49,11 @@ class ByteExchange {
   // fails the group (CudaGroup::fail: an owned communicator is aborted, and the group and its buffers are unusable
   // from then on) and throws kTimeout naming this rank, the exchanges' peers and the timeout; kPeerFailure at once
   // when NCCL reports that a peer failed. Exchanges enqueued while the stream was being captured into a CUDA graph
-  // are not tracked (their work runs when the graph is launched). Ranks as threads: returns at once (their exchanges
-  // wait for the peers on the host, in run(), bounded there).
+  // are not tracked (their work runs when the graph is launched, unbounded on the host). The event query runs with
+  // this thread in cudaStreamCaptureModeRelaxed, so it is legal during any capture (the event is never recorded
+  // inside one) and cannot invalidate another thread's Global-mode capture; a caller that captures may still skip it
+  // (the hierarchical low-latency relay does: what it would wait for is ordered before the graph anyway). Ranks as
+  // threads: returns at once (their exchanges wait for the peers on the host, in run(), bounded there).
   virtual void wait_finished() {}
 };
 

@@ -16,6 +16,13 @@ namespace {
 constexpr int kSpinBlocksAlone = 264;
 constexpr int kSpinBlocksShared = 64;
 
+// Whether `stream` is being captured into a CUDA graph (also an invalidated capture not ended yet).
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing (low-latency relay)");
+  return status != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace
 
 RelayOffsets make_relay_offsets(int num_nodes, int gpus_per_node, int64_t max_tokens, int64_t hidden,
@@ -96,7 +103,17 @@ void LowLatencyRelay::ensure(const LowLatencyLayout& layout) {
   }
   view_.off = make_relay_offsets(topology_.num_nodes, topology_.gpus_per_node, layout.max_tokens_per_rank,
                                  layout.hidden, layout.num_local_experts);
-  check_cuda(cudaMalloc(&region_, view_.off.total_bytes), "cudaMalloc (low-latency relay region)");
+  const cudaError_t allocated = cudaMalloc(&region_, view_.off.total_bytes);
+  if (allocated == cudaErrorStreamCaptureUnsupported || allocated == cudaErrorStreamCaptureInvalidated) {
+    region_ = nullptr;
+    detail::raise(
+        ErrorCode::kInvalidArgument,
+        "cuda rank {}: the first hierarchical low-latency dispatch of a buffer (and the first after "
+        "clean_low_latency_buffer with other shapes) allocates and maps its relay region, collectively, so it "
+        "cannot be captured into a CUDA graph: run one dispatch and combine eagerly before the capture ({})",
+        rank_, cudaGetErrorString(allocated));
+  }
+  check_cuda(allocated, "cudaMalloc (low-latency relay region)");
   // NOTE: zeroed before the mapping below hands the address to the peers: relay signals compare against tags >= 1.
   check_cuda(cudaMemsetAsync(region_, 0, view_.off.total_bytes, comm_), "cudaMemsetAsync (low-latency relay region)");
   check_cuda(cudaStreamSynchronize(comm_), "cudaStreamSynchronize (low-latency relay region)");
@@ -113,7 +130,11 @@ void LowLatencyRelay::wait_exchanges() {
 }
 
 void LowLatencyRelay::fork(cudaStream_t stream) {
-  exchange_->wait_finished();  // the previous call's exchanges (NCCL): a peer that never posted surfaces here
+  // The previous call's exchanges (NCCL): a peer that never posted surfaces here. NOTE: not while `stream` is being
+  // captured: the host cannot wait for captured work, and an event query during a ThreadLocal or Global capture is
+  // prohibited (it fails and invalidates the capture). The exchanges recorded before the capture stay pending, so the
+  // first eager call after it waits for them; captured exchanges are not bounded (they run when the graph runs).
+  if (!is_capturing(stream)) exchange_->wait_finished();
   check_cuda(cudaEventRecord(fork_, stream), "cudaEventRecord (low-latency relay fork)");
   check_cuda(cudaStreamWaitEvent(comm_, fork_, 0), "cudaStreamWaitEvent (low-latency relay fork)");
 }

@@ -16,6 +16,13 @@
 // grouped send/recv on the stream, no host wait; every call first waits, bounded, for the previous call's exchanges
 // (ByteExchange::wait_finished), so a peer that never posts ends in kTimeout there (the group's communicator aborted)
 // instead of a stream that never drains. Device waits are the flat path's bounded waits (a timeout masks the peer).
+//
+// CUDA graphs (NCCL groups): a dispatch + combine, with or without hooks, can be captured on the caller's stream after
+// one eager dispatch (which allocates and maps the relay region: ensure). Under capture nothing here waits on the host
+// or allocates: the communication stream joins the capture through the fork event and rejoins the caller's stream
+// through the inputs-read and done events (each hook must run before the capture ends), the exchanges are captured
+// NCCL send/recv, and the wait for the previous call's exchanges is skipped (the host cannot wait for captured work);
+// so captured exchanges are not bounded. Tags are device-side sequence numbers (low_latency.h), fresh on every replay.
 #pragma once
 
 #include <cuda_runtime.h>
