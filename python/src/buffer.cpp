@@ -187,7 +187,8 @@ void register_buffer(nb::module_& m) {
       .def(nb::init<>())
       .def_rw("combine_send_parts", &LowLatencyConfig::combine_send_parts)
       .def_rw("token_rows_min_tokens", &LowLatencyConfig::token_rows_min_tokens)
-      .def_rw("programmatic_launch", &LowLatencyConfig::programmatic_launch);
+      .def_rw("programmatic_launch", &LowLatencyConfig::programmatic_launch)
+      .def_rw("expert_side_reduction", &LowLatencyConfig::expert_side_reduction);
   nb::enum_<NormalRouting>(m, "NormalRouting",
                            "Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, "
                            "docs/internode.md): auto (hierarchical when the group's topology has more than one "

@@ -47,13 +47,15 @@ def test_kernel_tuning_is_buffer_configuration():
     assert (normal.copy_engines, normal.whole_copies, normal.stream_signals, normal.max_copy_chunks,
             normal.stage_timeline) == (True, True, True, 8, False)
     assert (low_latency.combine_send_parts, low_latency.token_rows_min_tokens,
-            low_latency.programmatic_launch) == (2, 64, True)
+            low_latency.programmatic_launch, low_latency.expert_side_reduction) == (2, 64, True, False)
     normal.copy_engines, normal.max_copy_chunks, low_latency.combine_send_parts = False, 3, 4
     low_latency.programmatic_launch = False
+    low_latency.expert_side_reduction = True
     group = epx.host_groups(1)[0]
     buffer = epx.Buffer(group, normal=normal, low_latency=low_latency)
     assert buffer.num_ranks == 1
     assert low_latency.programmatic_launch is False
+    assert low_latency.expert_side_reduction is True
     normal.max_copy_chunks = 9
     with pytest.raises(ValueError, match=r"normal.max_copy_chunks must be in \[1, 8\], got 9"):
         epx.Buffer(group, normal=normal)

@@ -6,6 +6,8 @@ namespace epx::cuda {
 namespace {
 
 constexpr int64_t kBlock = 128;  // fp8 channels per scale
+// The expert-side reduction's partial rows [t][q] live in combine_data's [t][k] rows.
+static_assert(kLowLatencyMaxRanks <= kLowLatencyMaxTopk);
 
 }  // namespace
 
@@ -40,6 +42,9 @@ LowLatencyLayout LowLatencyLayout::make(int64_t max_tokens_per_rank, int64_t hid
     s.layout_range = take(l.num_local_experts * num_ranks * 8);
     s.combine_data = take(max_tokens_per_rank * kLowLatencyMaxTopk * hidden * 2);
     s.combine_signals = take(num_experts * 8);
+    s.pair_map = take(num_ranks * max_tokens_per_rank * kLowLatencyMaxTopk * 8);
+    s.combine_weights = take(num_ranks * max_tokens_per_rank * kLowLatencyMaxTopk * 4);
+    s.weights_signals = take(num_ranks * 8);
   }
   l.total_bytes = offset;
   return l;

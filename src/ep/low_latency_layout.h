@@ -26,6 +26,13 @@ struct LowLatencySet {
   int64_t layout_range;       // [E_local][R] int64: (prefix begin << 32) | count (local only)
   int64_t combine_data;       // [M][kLowLatencyMaxTopk][H] bf16: one row per (token, k)
   int64_t combine_signals;  // [num_experts] uint64: (tag << kCombineIdBits) | dispatch id, written by the expert's rank
+  // LowLatencyConfig::expert_side_reduction (flat routing): combine_data holds one bf16 partial row per (token,
+  // expert rank q) at [t][q] (q < kLowLatencyMaxRanks <= kLowLatencyMaxTopk), combine_signals[q] is rank q's signal,
+  // and these:
+  int64_t pair_map;         // [R][M][kLowLatencyMaxTopk] int64: (dispatch tag << 32) | (e_local * R * M + packed row)
+                            // of source r's pair (t, k) here, written by the dispatch receive (local only)
+  int64_t combine_weights;  // [R][M][kLowLatencyMaxTopk] fp32: source r's topk_weights, written by source r
+  int64_t weights_signals;  // [R] uint64: (tag << 32) from source r once its weights are written
 };
 
 struct LowLatencyLayout {
@@ -49,6 +56,7 @@ struct LowLatencyControl {
   unsigned int combine_ticket[2];
   int mask[kLowLatencyMaxRanks];                           // 1 = masked
   unsigned int combine_parts_done[kLowLatencyMaxExperts];  // per local expert: combine-send blocks finished
+  unsigned int partial_sends_done[2];  // per set: expert-side reduction send blocks finished (a power of two)
 };
 
 }  // namespace epx::cuda

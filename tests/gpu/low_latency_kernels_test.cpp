@@ -55,6 +55,7 @@ struct Case {
   bool idle_rank1 = false;
   bool token_staged = true;         // the flat routing's rows (false: per pair, as the hierarchical forward writes)
   bool programmatic_launch = true;  // LowLatencyConfig::programmatic_launch (false: plain stream order)
+  bool expert_side = false;         // LowLatencyConfig::expert_side_reduction (the host reference too)
 };
 
 struct RankInputs {
@@ -128,6 +129,7 @@ std::vector<Expected> host_reference(const Case& c, std::vector<RankInputs>& in,
     if (!present[r]) return;
     BufferOptions bo;
     bo.num_low_latency_bytes = 1;
+    bo.low_latency.expert_side_reduction = c.expert_side;
     auto buffer = Buffer::create(groups[r], bo);
     for (int m = 0; m < c.num_ranks; ++m) {
       if (!present[m]) buffer->mask_rank(m);
@@ -230,7 +232,8 @@ struct DeviceRank {
 
 class Rig {
  public:
-  Rig(const Case& c, int num_gpus, uint64_t timeout_ns = 2'000'000'000) : c_(c) {
+  Rig(const Case& c, int num_gpus, uint64_t timeout_ns = 2'000'000'000)
+      : c_(c), shared_gpu_blocks_(c.num_ranks > num_gpus ? 16 : 0) {
     layout_ = LowLatencyLayout::make(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
     ranks_.resize(c.num_ranks);
     for (int r = 0; r < c.num_ranks; ++r) {
@@ -329,20 +332,18 @@ class Rig {
             /*scales_column_major=*/false,
             ranks_[r].cumulative,
             /*token_staged=*/c_.token_staged,
-            /*programmatic_launch=*/c_.programmatic_launch};
+            /*programmatic_launch=*/c_.programmatic_launch,
+            /*pair_map=*/c_.expert_side};
   }
   LowLatencyCombineLaunch combine_args(int r, int dispatch_set) const {
-    return {ranks_[r].y,
-            ranks_[r].topk,
-            true,
-            static_cast<const float*>(ranks_[r].weights),
-            num_tokens_[r],
-            c_.num_topk,
-            ranks_[r].out,
-            dispatch_set,
-            LowLatencyConfig{}.combine_send_parts,
+    return {ranks_[r].y, ranks_[r].topk, true, static_cast<const float*>(ranks_[r].weights), num_tokens_[r],
+            c_.num_topk, ranks_[r].out, dispatch_set, LowLatencyConfig{}.combine_send_parts,
             /*dispatch_id=*/0,
-            /*programmatic_launch=*/c_.programmatic_launch};
+            /*programmatic_launch=*/c_.programmatic_launch,
+            /*expert_side=*/c_.expert_side,
+            // Ranks sharing a GPU: small expert-side grids, as LowLatencyEngine passes them.
+            /*partial_send_blocks=*/shared_gpu_blocks_,
+            /*partial_recv_blocks=*/shared_gpu_blocks_};
   }
 
   // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive
@@ -436,6 +437,7 @@ class Rig {
   std::vector<DeviceRank> ranks_;
   std::vector<LowLatencyPeers> peers_;
   int64_t num_tokens_[kLowLatencyMaxRanks] = {};
+  int shared_gpu_blocks_ = 0;
 };
 
 class LowLatencyKernels : public ::testing::Test {
@@ -481,13 +483,18 @@ TEST_F(LowLatencyKernels, MatchHostBackend) {
       // Plain stream order (the other cases launch programmatically, the library default).
       {2, 128, 128, 7168, 8, 256, true, false, false, true, /*programmatic_launch=*/false},
       {2, 1, 1, 5120, 1, 16, false, false, false, false, /*programmatic_launch=*/false},
+      // The expert-side reduction (one bf16 partial row per token and expert rank; the host reference sums alike).
+      {2, 128, 128, 7168, 8, 256, true, false, false, true, true, /*expert_side=*/true},
+      {2, 1, 1, 5120, 1, 16, false, false, false, true, true, /*expert_side=*/true},
+      {2, 64, 128, 2048, 8, 256, false, false, /*idle_rank1=*/true, false, false, /*expert_side=*/true},
+      {4, 128, 128, 7168, 8, 256, true, false, false, true, true, /*expert_side=*/true},
   };
   for (const Case& c : cases) {
     if (!runs_here(c)) continue;
-    SCOPED_TRACE("R=" + std::to_string(c.num_ranks) + " T=" + std::to_string(c.num_tokens) +
-                 " H=" + std::to_string(c.hidden) + " K=" + std::to_string(c.num_topk) +
-                 " E=" + std::to_string(c.num_experts) + (c.use_fp8 ? (c.ue8m0 ? " fp8/ue8m0" : " fp8") : " bf16") +
-                 (c.token_staged ? "" : " rows per pair") + (c.programmatic_launch ? "" : " plain launches"));
+    SCOPED_TRACE("R=" + std::to_string(c.num_ranks) + " T=" + std::to_string(c.num_tokens) + " H=" +
+                 std::to_string(c.hidden) + " K=" + std::to_string(c.num_topk) + " E=" + std::to_string(c.num_experts) +
+                 (c.use_fp8 ? (c.ue8m0 ? " fp8/ue8m0" : " fp8") : " bf16") + (c.token_staged ? "" : " rows per pair") +
+                 (c.programmatic_launch ? "" : " plain launches") + (c.expert_side ? " expert-side reduction" : ""));
     Rig rig(c, num_gpus_);
     const std::vector<bool> all(c.num_ranks, true);
     // Three rounds alternate sets 0, 1, 0 with fresh data each time, so tags and set reuse are exercised;
@@ -637,6 +644,7 @@ std::unique_ptr<Buffer> low_latency_buffer(std::shared_ptr<Group> group, const C
   BufferOptions options;
   options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
   options.low_latency.programmatic_launch = c.programmatic_launch;
+  options.low_latency.expert_side_reduction = c.expert_side;
   return Buffer::create(std::move(group), options);
 }
 
@@ -652,9 +660,12 @@ void* to_device(const std::vector<T>& v) {
 // then the hook split; the rank-mask calls.
 TEST_F(LowLatencyKernels, BufferApiWithHooks) {
   std::mt19937 rng(31);
-  // The last case with plain launches (BufferOptions::low_latency.programmatic_launch = false).
+  // The third case with plain launches (BufferOptions::low_latency.programmatic_launch = false), the last with the
+  // expert-side reduction (its send half waits for the peers' weights, so the GEMM sits between a waiting send and
+  // the receive).
   for (const Case& c : {Case{2, 128, 128, 7168, 8, 256, true, false}, Case{4, 32, 64, 2048, 9, 288, false, false},
-                        Case{2, 32, 64, 2048, 8, 16, true, false, false, true, /*programmatic_launch=*/false}}) {
+                        Case{2, 32, 64, 2048, 8, 16, true, false, false, true, /*programmatic_launch=*/false},
+                        Case{2, 128, 128, 7168, 8, 256, true, false, false, true, true, /*expert_side=*/true}}) {
     if (!runs_here(c)) continue;
     const std::vector<bool> all(c.num_ranks, true);
     auto in = make_inputs(c, rng);
@@ -974,13 +985,15 @@ TEST_F(LowLatencyKernels, Timing) {
     // rank 0), then dispatch and its send half alone with rows per pair (the staging the token-staged rows replace
     // from LowLatencyConfig::token_rows_min_tokens on), then dispatch, combine and dispatch+combine again with plain
     // launches (LowLatencyConfig::programmatic_launch = false; the others launch programmatically, the default). A
-    // send half alone waits on nothing: its time is the sender's cost without the peer.
-    constexpr int kNumTimings = 10;
+    // send half alone waits on nothing: its time is the sender's cost without the peer. Last, combine and
+    // dispatch+combine with the expert-side reduction (LowLatencyConfig::expert_side_reduction; programmatic).
+    constexpr int kNumTimings = 12;
     double result[kNumTimings] = {};
     for (int which = 0; which < kNumTimings; ++which) {
       rig.clean();  // the send halves alone (3, 4, 6) leave unconsumed signals
-      const bool programmatic = which < 7;
-      const int kind = programmatic ? which : which - 7;  // 7, 8, 9: as 0, 1, 2
+      const bool programmatic = which < 7 || which >= 10;
+      const bool expert_side = which >= 10;
+      const int kind = which < 7 ? which : which < 10 ? which - 7 : which - 9;  // 7, 8, 9: as 0, 1, 2; 10, 11: 1, 2
       std::vector<cudaGraphExec_t> execs(c.num_ranks);
       for (int r = 0; r < c.num_ranks; ++r) {
         auto& d = rig.rank(r);
@@ -991,9 +1004,11 @@ TEST_F(LowLatencyKernels, Timing) {
           LowLatencyDispatchLaunch da = rig.dispatch_args(r);
           if (kind >= 5) da.token_staged = false;
           da.programmatic_launch = programmatic;
+          da.pair_map = expert_side;
           auto ca = [&](int dset) {
             LowLatencyCombineLaunch a = rig.combine_args(r, dset);
             a.programmatic_launch = programmatic;
+            a.expert_side = expert_side;
             return a;
           };
           if (kind == 3 || kind == 6) {
@@ -1050,9 +1065,10 @@ TEST_F(LowLatencyKernels, Timing) {
     std::printf(
         "[ll timing] EP2 tokens=%ld hidden=7168 top8/256 fp8 dispatch %.1f us, bf16 combine %.1f us, "
         "round trip %.1f us; send halves alone: dispatch %.1f us, combine %.1f us; rows per pair: dispatch %.1f us, "
-        "send half alone %.1f us; plain launches: dispatch %.1f us, combine %.1f us, round trip %.1f us\n",
+        "send half alone %.1f us; plain launches: dispatch %.1f us, combine %.1f us, round trip %.1f us; expert-side "
+        "reduction: combine %.1f us, round trip %.1f us\n",
         static_cast<long>(tokens), result[0], result[1], result[2], result[3], result[4], result[5], result[6],
-        result[7], result[8], result[9]);
+        result[7], result[8], result[9], result[10], result[11]);
     json +=
         std::string(json.size() > 1 ? "," : "") + "{\"tokens\":" + std::to_string(tokens) +
         ",\"dispatch_us\":" + std::to_string(result[0]) + ",\"combine_us\":" + std::to_string(result[1]) +
@@ -1061,7 +1077,9 @@ TEST_F(LowLatencyKernels, Timing) {
         ",\"dispatch_rows_per_pair_us\":" + std::to_string(result[5]) +
         ",\"dispatch_send_alone_rows_per_pair_us\":" + std::to_string(result[6]) +
         ",\"dispatch_no_pdl_us\":" + std::to_string(result[7]) + ",\"combine_no_pdl_us\":" + std::to_string(result[8]) +
-        ",\"round_trip_no_pdl_us\":" + std::to_string(result[9]) + "}";
+        ",\"round_trip_no_pdl_us\":" + std::to_string(result[9]) +
+        ",\"combine_expert_side_us\":" + std::to_string(result[10]) +
+        ",\"round_trip_expert_side_us\":" + std::to_string(result[11]) + "}";
   }
   json += "]";
   if (const char* path = std::getenv("EPX_LL_TIMING_JSON")) std::ofstream(path) << json << "\n";

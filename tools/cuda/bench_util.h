@@ -43,6 +43,7 @@ inline void nccl_ok(ncclResult_t res, const char* what) {
 //   EPX_LL_COMBINE_PARTS=n    low_latency.combine_send_parts = n (1, 2, 4, 8)
 //   EPX_LL_TOKEN_ROWS_MIN=n   low_latency.token_rows_min_tokens = n (>= 0)
 //   EPX_LL_PDL=0              low_latency.programmatic_launch = false (plain stream order)
+//   EPX_LL_EXPERT_SIDE=1      low_latency.expert_side_reduction = true (the combine sums per expert rank first)
 // A value that is not a whole number is kInvalidArgument naming the variable; ranges are Buffer::create's.
 inline BufferOptions tuned_from_env(BufferOptions options) {
   auto number = [](const char* name, int fallback) {
@@ -65,6 +66,7 @@ inline BufferOptions tuned_from_env(BufferOptions options) {
   options.low_latency.token_rows_min_tokens =
       number("EPX_LL_TOKEN_ROWS_MIN", options.low_latency.token_rows_min_tokens);
   options.low_latency.programmatic_launch = flag("EPX_LL_PDL", options.low_latency.programmatic_launch);
+  options.low_latency.expert_side_reduction = flag("EPX_LL_EXPERT_SIDE", options.low_latency.expert_side_reduction);
   return options;
 }
 

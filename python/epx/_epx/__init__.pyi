@@ -253,6 +253,12 @@ class LowLatencyConfig:
     @programmatic_launch.setter
     def programmatic_launch(self, arg: bool, /) -> None: ...
 
+    @property
+    def expert_side_reduction(self) -> bool: ...
+
+    @expert_side_reduction.setter
+    def expert_side_reduction(self, arg: bool, /) -> None: ...
+
 class NormalRouting(enum.Enum):
     """
     Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, docs/internode.md): auto (hierarchical when the group's topology has more than one node), flat, or hierarchical. The same on every rank.

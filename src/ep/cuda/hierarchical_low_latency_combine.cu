@@ -249,9 +249,7 @@ __global__ void __launch_bounds__(kThreads)
           for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], p[q]);
         }
       }
-      out[t * row_vecs + v] =
-          make_uint4(detail::cvt_float2_to_bf16x2(acc[0], acc[1]), detail::cvt_float2_to_bf16x2(acc[2], acc[3]),
-                     detail::cvt_float2_to_bf16x2(acc[4], acc[5]), detail::cvt_float2_to_bf16x2(acc[6], acc[7]));
+      out[t * row_vecs + v] = pack_bf16x8(acc);
     }
   }
   // The completion rule over this node's experts (the flat combine's; the other nodes' forwarders meet this rank in

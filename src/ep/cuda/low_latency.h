@@ -83,6 +83,9 @@ struct LowLatencyDispatchLaunch {
   bool token_staged = false;
   // A programmatic dependent launch (LowLatencyConfig::programmatic_launch; see "Programmatic launches" above).
   bool programmatic_launch = false;
+  // The receive also writes the set's pair_map (LowLatencyConfig::expert_side_reduction: the combine send finds
+  // each (source, token)'s pairs here through it).
+  bool pair_map = false;
 };
 
 struct LowLatencyCombineLaunch {
@@ -99,6 +102,15 @@ struct LowLatencyCombineLaunch {
   // kCombineIdBits bits: the signals carry the sender's, the receive compares it with its own.
   uint32_t dispatch_id;
   bool programmatic_launch = false;  // as LowLatencyDispatchLaunch::programmatic_launch
+  // LowLatencyConfig::expert_side_reduction (the dispatch wrote its pair_map): the send half writes this rank's
+  // weights to every open rank, then one bf16 partial row per (source, token) with pairs here; the receive sums one
+  // row per chosen rank (low_latency_partials.cuh).
+  bool expert_side = false;
+  // Its grid: send blocks (a power of two; 0: partial_send_blocks(layout), up to 128) and a cap on the receive blocks
+  // (0: none). Ranks sharing a GPU pass small grids: a send block waits for the peers' weights, so two ranks' grids
+  // must fit on the GPU at once (LowLatencyEngine).
+  int partial_send_blocks = 0;
+  int partial_recv_blocks = 0;
 };
 
 // A combine signal is (tag << kCombineIdBits) | the sender's dispatch id (low bits).

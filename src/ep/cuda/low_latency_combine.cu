@@ -1,8 +1,11 @@
 // Low-latency combine: expert outputs back to each token's rank, then the weighted reduction per token.
 // Protocol: docs/low-latency.md.
+#include <algorithm>
+
 #include "comm/cuda/device/pdl.cuh"
 #include "core/cuda/cuda_util.h"
 #include "ep/cuda/low_latency_device.cuh"
+#include "ep/cuda/low_latency_partials.cuh"
 
 namespace epx::cuda {
 namespace {
@@ -110,12 +113,7 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
             wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, kCombineIdBits, r,
                      static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
           // The expert's rank must reverse the same dispatch; otherwise its rows are left out (reported).
-          const uint32_t theirs = static_cast<uint32_t>(v) & kCombineIdMask;
-          ok = theirs == (args.dispatch_id & kCombineIdMask);
-          if (!ok) {
-            record_failure(peers, kErrHandleMismatch, kSiteLowLatencyCombineRecv, r, static_cast<int>(e),
-                           args.dispatch_id & kCombineIdMask, theirs);
-          }
+          ok = same_dispatch(peers, v, args.dispatch_id, r, static_cast<int>(e));
         }
       }
       valid[k] = ok;
@@ -137,20 +135,10 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
 #pragma unroll
         for (int u = 0; u < kChunk; ++u) {
           const int k = k0 + u;
-          if (k >= K || !valid[k]) continue;
-          const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            const float2 f = detail::cvt_bf16x2_to_float2(words[w]);
-            // NOTE: explicit rounding (no FMA contraction) so the sum matches the host backend bit for bit.
-            acc[2 * w] = __fadd_rn(acc[2 * w], __fmul_rn(weights[k], f.x));
-            acc[2 * w + 1] = __fadd_rn(acc[2 * w + 1], __fmul_rn(weights[k], f.y));
-          }
+          if (k < K && valid[k]) add_weighted(acc, raw[u], weights[k]);
         }
       }
-      out[t * row_vecs + v] =
-          make_uint4(detail::cvt_float2_to_bf16x2(acc[0], acc[1]), detail::cvt_float2_to_bf16x2(acc[2], acc[3]),
-                     detail::cvt_float2_to_bf16x2(acc[4], acc[5]), detail::cvt_float2_to_bf16x2(acc[6], acc[7]));
+      out[t * row_vecs + v] = pack_bf16x8(acc);
     }
   }
 }
@@ -170,25 +158,37 @@ namespace ll {
 template <typename TopkT>
 __global__ void __launch_bounds__(kThreads) combine(LowLatencyPeers peers, LowLatencyLayout layout, int set,
                                                     LowLatencyCombineLaunch args, int parts, Phase phase) {
-  const int64_t num_send = phase == Phase::kRecv ? 0 : layout.num_local_experts * parts;
+  // LowLatencyCombineLaunch::expert_side: the halves of low_latency_partials.cuh (its send blocks wait for the
+  // peers' weights, so a send-only grid of them triggers by exiting too).
+  const bool expert_side = args.expert_side;
+  const int64_t num_send =
+      phase == Phase::kRecv ? 0 : (expert_side ? args.partial_send_blocks : layout.num_local_experts * parts);
   griddepcontrol_wait();
   if (blockIdx.x < num_send) {
-    if (phase == Phase::kSend) {
-      griddepcontrol_launch_dependents();  // a send-only grid waits for no other grid
+    if (phase == Phase::kSend && !expert_side) griddepcontrol_launch_dependents();  // waits for no other grid
+    if (expert_side) {
+      partial_send_block(peers, layout, set, args, static_cast<int>(blockIdx.x), static_cast<int>(num_send));
+    } else {
       combine_send_block(peers, layout, set, args, blockIdx.x, parts);
-      return;
     }
-    combine_send_block(peers, layout, set, args, blockIdx.x, parts);
+    if (phase == Phase::kSend) return;
+  } else if (expert_side) {
+    partial_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x - num_send, gridDim.x - num_send);
   } else {
     combine_recv_blocks<TopkT>(peers, layout, set, args, blockIdx.x - num_send, gridDim.x - num_send);
   }
   // NOTE: a receiving grid lets the next kernel in only as its blocks exit: its last block waits in the completion
   // rule, and a dependent grid holding SMs meanwhile could keep a peer sharing the GPU from sending (the NOTE at
-  // ll::dispatch).
+  // ll::dispatch). With the expert-side reduction the rule covers every open rank's signal (one per rank).
   LowLatencyControl* ctrl = control_of(peers, layout);
-  finish_combine_grid(peers, ctrl, at<uint64_t>(peers.bases[peers.rank], layout.sets[set].combine_signals),
-                      ctrl->combine_seq[set] + 1, 0, layout.num_experts, layout.num_local_experts,
-                      &ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
+  const uint64_t* signals = at<uint64_t>(peers.bases[peers.rank], layout.sets[set].combine_signals);
+  if (expert_side) {
+    finish_combine_grid(peers, ctrl, signals, ctrl->combine_seq[set] + 1, 0, peers.num_ranks, 1,
+                        &ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
+  } else {
+    finish_combine_grid(peers, ctrl, signals, ctrl->combine_seq[set] + 1, 0, layout.num_experts,
+                        layout.num_local_experts, &ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
+  }
 }
 
 }  // namespace ll
@@ -204,12 +204,18 @@ namespace {
 void launch_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                     const LowLatencyCombineLaunch& args, ll::Phase phase, cudaStream_t stream, const char* what) {
   const int parts = args.send_parts;
-  const unsigned num_send = phase == ll::Phase::kRecv ? 0 : static_cast<unsigned>(layout.num_local_experts * parts);
-  const unsigned num_recv = phase == ll::Phase::kSend ? 0 : combine_recv_blocks_for(args.num_tokens);
+  LowLatencyCombineLaunch a = args;
+  if (a.expert_side && a.partial_send_blocks <= 0) a.partial_send_blocks = partial_send_blocks(layout);
+  const unsigned num_send = phase == ll::Phase::kRecv ? 0
+                            : a.expert_side           ? static_cast<unsigned>(a.partial_send_blocks)
+                                                      : static_cast<unsigned>(layout.num_local_experts * parts);
+  unsigned num_recv = phase == ll::Phase::kSend ? 0 : combine_recv_blocks_for(args.num_tokens);
+  if (a.expert_side && a.partial_recv_blocks > 0)
+    num_recv = std::min(num_recv, static_cast<unsigned>(a.partial_recv_blocks));
   const dim3 grid(num_send + num_recv);
   launch_for_topk_type(args.topk_int64, what, [&](auto topk_id) {
     check_cuda(launch_kernel(&ll::combine<decltype(topk_id)>, grid, dim3(kThreads), 0, stream, args.programmatic_launch,
-                             peers, layout, set, args, parts, phase),
+                             peers, layout, set, a, parts, phase),
                what);
   });
 }

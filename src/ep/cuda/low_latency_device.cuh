@@ -111,6 +111,44 @@ __device__ void finish_combine_grid(const LowLatencyPeers& peers, LowLatencyCont
   }
 }
 
+// acc[0..8) += w * the 8 bf16 values in raw, with explicit rounding (no FMA contraction): the host reference's
+// product, then sum.
+__device__ __forceinline__ void add_weighted(float acc[8], uint4 raw, float w) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = detail::cvt_bf16x2_to_float2(words[q]);
+    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, f.x));
+    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, f.y));
+  }
+}
+
+// acc[0..8) += the 8 bf16 values in raw (fp32, rounded per add).
+__device__ __forceinline__ void add_bf16x8(float acc[8], uint4 raw) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = detail::cvt_bf16x2_to_float2(words[q]);
+    acc[2 * q] = __fadd_rn(acc[2 * q], f.x);
+    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], f.y);
+  }
+}
+
+// The 8 sums as bf16 (round to nearest even).
+__device__ __forceinline__ uint4 pack_bf16x8(const float acc[8]) {
+  return make_uint4(detail::cvt_float2_to_bf16x2(acc[0], acc[1]), detail::cvt_float2_to_bf16x2(acc[2], acc[3]),
+                    detail::cvt_float2_to_bf16x2(acc[4], acc[5]), detail::cvt_float2_to_bf16x2(acc[6], acc[7]));
+}
+
+// Whether a combine signal came from the same dispatch; records the mismatch otherwise.
+__device__ __forceinline__ bool same_dispatch(const LowLatencyPeers& peers, uint64_t v, uint32_t tag_id, int peer,
+                                              int expert) {
+  const uint32_t theirs = static_cast<uint32_t>(v) & kCombineIdMask;
+  if (theirs == (tag_id & kCombineIdMask)) return true;
+  record_failure(peers, kErrHandleMismatch, kSiteLowLatencyCombineRecv, peer, expert, tag_id & kCombineIdMask, theirs);
+  return false;
+}
+
 // Block-wide exclusive scan of one count per thread (every thread calls it): this thread's offset; *total the sum.
 __device__ __forceinline__ int block_exclusive_scan(int mine, int* total) {
   __shared__ int warp_counts[kWarps];

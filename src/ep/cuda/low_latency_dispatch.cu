@@ -264,6 +264,19 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   int* src_info = at<int>(base, s.recv_src_info) + row0;
   for (int row = total + static_cast<int>(threadIdx.x); row < slots; row += kThreads) src_info[row] = -1;
   const int* staged_src_info = at<const int>(base, s.dispatch_src_info) + row0;
+  if (args.pair_map) {
+    // Source r's pair (t, k) -> this expert's packed row, stamped with the tag (entries of older calls stay and
+    // never match). The combine send reads it after this grid (stream order).
+    const int* staged_slot_k = at<const int>(base, s.dispatch_slot_k) + row0;
+    int64_t* map = at<int64_t>(base, s.pair_map);
+    for (int row = threadIdx.x; row < total; row += kThreads) {
+      int r = 0;
+      while (row >= begins[r + 1]) ++r;
+      const int staged = staged_row(row);
+      const int64_t t = __ldcg(staged_src_info + staged), k = __ldcg(staged_slot_k + staged);
+      map[(r * M + t) * kLowLatencyMaxTopk + k] = static_cast<int64_t>((tag & 0xffffffffu) << 32) | (row0 + row);
+    }
+  }
   if (args.token_staged) {
     // src_info first: a token-staged row is found by its token (read back below after the barrier).
     for (int row = threadIdx.x; row < total; row += kThreads) src_info[row] = __ldcg(staged_src_info + staged_row(row));

@@ -3,7 +3,9 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "core/cuda/cuda_util.h"
 #include "core/timeout.h"
@@ -71,6 +73,19 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
   peers_.error = error_device;
   peers_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_.timeout_ms()));
   if (relay_group != nullptr) relay_ = std::make_unique<LowLatencyRelay>(*relay_group, device_);  // collective
+  if (config_.expert_side_reduction && relay_group == nullptr) {
+    // Ranks of this process on this GPU (a process counts as one GPU): the expert-side reduction's send blocks wait
+    // for the peers' weights, so with a shared GPU each rank's grid takes a small share (16 send, 16 receive blocks
+    // for two ranks) and every rank's grid fits on the GPU at once.
+    std::vector<int> devices(num_ranks_);
+    group_.all_gather_bytes(&device_, devices.data(), sizeof(int));
+    const int sharing = single_process ? static_cast<int>(std::count(devices.begin(), devices.end(), device_)) : 1;
+    if (sharing > 1) {
+      int blocks = 8;
+      while (blocks * 2 <= 32 / sharing) blocks *= 2;
+      shared_gpu_blocks_ = blocks;
+    }
+  }
   group_.barrier();
 }
 
@@ -157,7 +172,8 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
       // The relay's forward writes rows per pair; M is the same on every rank (the layout).
       /*token_staged=*/relay_ == nullptr && layout_.max_tokens_per_rank >= config_.token_rows_min_tokens,
       // The flat routing's kernels only: the hierarchical receive follows the relay's event, not a kernel of ours.
-      /*programmatic_launch=*/relay_ == nullptr && config_.programmatic_launch};
+      /*programmatic_launch=*/relay_ == nullptr && config_.programmatic_launch,
+      /*pair_map=*/relay_ == nullptr && config_.expert_side_reduction};
   auto stream = reinterpret_cast<cudaStream_t>(args.stream);
   if (relay_) {
     // Hierarchical: pack, network leg and forwarding on the relay's stream; the receive is the flat kernel's.
@@ -230,7 +246,10 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
                                        handle->set,
                                        config_.combine_send_parts,
                                        handle->dispatch_id,
-                                       /*programmatic_launch=*/relay_ == nullptr && config_.programmatic_launch};
+                                       /*programmatic_launch=*/relay_ == nullptr && config_.programmatic_launch,
+                                       /*expert_side=*/relay_ == nullptr && config_.expert_side_reduction,
+                                       /*partial_send_blocks=*/shared_gpu_blocks_,
+                                       /*partial_recv_blocks=*/shared_gpu_blocks_};
   if (relay_) {
     relay_->send_combine(peers_, layout_, set, launch, stream);
     if (!args.return_recv_hook) {

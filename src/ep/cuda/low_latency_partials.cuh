@@ -1,0 +1,188 @@
+// Low-latency combine with the expert-side reduction (LowLatencyConfig::expert_side_reduction, flat routing; included
+// by low_latency_combine.cu, whose ll::combine runs these halves in place of the per-expert ones).
+//
+// Send half (the expert's rank): block 0 first writes this rank's topk_weights [T][K] into every open rank's
+// combine_weights[this rank] and releases that rank's weights signal; then every block takes units (source r, token t)
+// of r's possible tokens: the dispatch receive's pair_map names the packed rows of r's pairs (t, k) here (stamped with
+// the dispatch's tag); a unit with pairs waits (once per block and source) for r's weights, sums w_k * y_k in fp32 over
+// its pairs in ascending k and stores the bf16 partial row into r's combine_data at [t][this rank]. The last block to
+// finish (a monotonic counter over a power-of-two grid) releases each open rank's combine signal [this rank].
+// Receive half (the token's rank): per token slice, wait for the signal of every open rank a token's experts live on,
+// then out = bf16(0 + p_q over those ranks in ascending q) in fp32; the completion rule covers every open rank.
+// The arithmetic is the host backend's (host_low_latency_routing.cpp) bit for bit. Protocol: docs/low-latency.md.
+#pragma once
+
+#include "ep/cuda/low_latency_device.cuh"
+
+namespace epx::cuda {
+namespace {
+
+// Send blocks of the expert-side reduction: a power of two (the completion counter wraps in phase), one unit of
+// (source, token) per block at least, at most 128.
+__host__ __device__ inline int partial_send_blocks(const LowLatencyLayout& layout) {
+  const int64_t units = static_cast<int64_t>(layout.num_ranks) * layout.max_tokens_per_rank;
+  int blocks = 1;
+  while (blocks < 128 && blocks < units) blocks *= 2;
+  return blocks;
+}
+
+__device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                   const LowLatencyCombineLaunch& args, int block, int num_blocks) {
+  __shared__ bool open[kLowLatencyMaxRanks];          // the mask when the block started (uniform decisions)
+  __shared__ int weights_state[kLowLatencyMaxRanks];  // per source: 0 not yet awaited, 1 there, -1 lost
+  __shared__ int64_t rows[kLowLatencyMaxTopk];        // the unit's packed row per k, -1 without a pair
+  __shared__ float weights[kLowLatencyMaxTopk];
+  __shared__ bool any, unit_ok;
+  const int R = peers.num_ranks;
+  const int64_t M = layout.max_tokens_per_rank, H = layout.hidden;
+  char* base = peers.bases[peers.rank];
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  const uint64_t tag = ctrl->combine_seq[set] + 1;
+  const uint64_t dispatch_tag = ctrl->dispatch_seq[args.dispatch_set] & 0xffffffffu;  // the dispatch's stamp
+  const LowLatencySet& c = layout.sets[set];
+  const LowLatencySet& d = layout.sets[args.dispatch_set];
+  if (threadIdx.x < R) {
+    open[threadIdx.x] = ld_volatile_global(&ctrl->mask[threadIdx.x]) == 0;
+    weights_state[threadIdx.x] = 0;
+  }
+  __syncthreads();
+  if (block == 0) {
+    const int K = args.num_topk;
+    const int64_t per_rank = args.num_tokens * K;
+    for (int64_t i = threadIdx.x; i < R * per_rank; i += kThreads) {
+      const int q = static_cast<int>(i / per_rank);
+      if (!open[q]) continue;
+      const int64_t j = i - q * per_rank, t = j / K, k = j - t * K;
+      at<float>(peers.bases[q], c.combine_weights)[(peers.rank * M + t) * kLowLatencyMaxTopk + k] =
+          args.topk_weights[j];
+    }
+    __syncthreads();  // every thread's stores before the releases (cumulativity)
+    if (threadIdx.x < R && open[threadIdx.x]) {
+      st_release_sys(at<uint64_t>(peers.bases[threadIdx.x], c.weights_signals) + peers.rank, tag);
+    }
+  }
+  const int64_t* map = at<const int64_t>(base, d.pair_map);
+  const auto* x = static_cast<const uint4*>(args.x);
+  const int64_t row_vecs = H / 8;
+  for (int64_t u = block; u < R * M; u += num_blocks) {
+    const int r = static_cast<int>(u / M);
+    const int64_t t = u - r * M;
+    __syncthreads();  // rows[] and weights[] of the previous unit are no longer read
+    if (threadIdx.x == 0) any = false;
+    __syncthreads();
+    if (threadIdx.x < kLowLatencyMaxTopk) {
+      const int64_t entry = map[u * kLowLatencyMaxTopk + threadIdx.x];
+      const bool hit = open[r] && (static_cast<uint64_t>(entry) >> 32) == dispatch_tag;
+      rows[threadIdx.x] = hit ? (entry & 0xffffffff) : -1;
+      if (hit) any = true;
+    }
+    __syncthreads();
+    if (!any) continue;  // uniform: no pair of (r, t) here
+    if (threadIdx.x == 0) {
+      if (weights_state[r] == 0) {
+        uint64_t v = 0;
+        const bool there =
+            ld_volatile_global(&ctrl->mask[r]) == 0 && wait_tag(peers, ctrl, at<uint64_t>(base, c.weights_signals) + r,
+                                                                tag, 0, r, r, kSiteLowLatencyCombineRecv, &v);
+        weights_state[r] = there ? 1 : -1;
+      }
+      unit_ok = weights_state[r] == 1;
+    }
+    __syncthreads();
+    if (!unit_ok) continue;  // uniform: r's weights never came (r is masked now)
+    if (threadIdx.x < kLowLatencyMaxTopk) {
+      weights[threadIdx.x] =
+          rows[threadIdx.x] >= 0
+              ? __ldcg(at<const float>(base, c.combine_weights) + u * kLowLatencyMaxTopk + threadIdx.x)
+              : 0.f;
+    }
+    __syncthreads();
+    uint4* dst = at<uint4>(peers.bases[r], c.combine_data + (t * kLowLatencyMaxTopk + peers.rank) * H * 2);
+    for (int64_t v = threadIdx.x; v < row_vecs; v += kThreads) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      // The rows of kChunk slots are loaded before any is added (loads in flight), then added in ascending k.
+      constexpr int kChunk = 8;
+      for (int k0 = 0; k0 < kLowLatencyMaxTopk; k0 += kChunk) {
+        uint4 raw[kChunk] = {};
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          if (rows[k0 + i] >= 0) raw[i] = __ldg(x + rows[k0 + i] * row_vecs + v);
+        }
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          if (rows[k0 + i] >= 0) add_weighted(acc, raw[i], weights[k0 + i]);
+        }
+      }
+      dst[v] = pack_bf16x8(acc);
+    }
+  }
+  if (last_of_parts(&ctrl->partial_sends_done[set], num_blocks) && threadIdx.x < R && open[threadIdx.x] &&
+      ld_volatile_global(&ctrl->mask[threadIdx.x]) == 0) {
+    st_release_sys(at<uint64_t>(peers.bases[threadIdx.x], c.combine_signals) + peers.rank,
+                   (tag << kCombineIdBits) | (args.dispatch_id & kCombineIdMask));
+  }
+}
+
+// Blocks first_block, first_block + num_blocks, ... of the receive: units of combine_recv_parts(T) slices per token.
+template <typename TopkT>
+__device__ void partial_recv_blocks(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                    const LowLatencyCombineLaunch& args, int64_t first_block, int64_t num_blocks) {
+  __shared__ bool valid[kLowLatencyMaxRanks];  // rank q's partial of the token counts
+  const int R = peers.num_ranks;
+  const int64_t H = layout.hidden, E_local = layout.num_local_experts;
+  const int K = args.num_topk;
+  char* base = peers.bases[peers.rank];
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  const uint64_t tag = ctrl->combine_seq[set] + 1;
+  const LowLatencySet& c = layout.sets[set];
+  const auto* topk = static_cast<const TopkT*>(args.topk);
+  auto* out = static_cast<uint4*>(args.out);
+  const int64_t row_vecs = H / 8;
+  const int parts = combine_recv_parts(args.num_tokens);
+  const int64_t part_vecs = (row_vecs + parts - 1) / parts;
+  for (int64_t unit = first_block; unit < args.num_tokens * parts; unit += num_blocks) {
+    const int64_t t = unit / parts;
+    const int64_t v_begin = (unit % parts) * part_vecs;
+    const int64_t v_end = v_begin + part_vecs < row_vecs ? v_begin + part_vecs : row_vecs;
+    __syncthreads();  // valid[] of the previous unit is no longer read
+    if (threadIdx.x < R) {
+      const int q = threadIdx.x;
+      bool chosen = false;
+      for (int k = 0; k < K; ++k) {
+        // NOTE: an id outside [0, num_experts) was sent to no expert by dispatch: as -1.
+        const int64_t e = static_cast<int64_t>(topk[t * K + k]);
+        chosen |= e >= 0 && e < layout.num_experts && e / E_local == q;
+      }
+      bool ok = false;
+      uint64_t v = 0;
+      if (chosen && ld_volatile_global(&ctrl->mask[q]) == 0 &&
+          wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + q, tag, kCombineIdBits, q, q,
+                   kSiteLowLatencyCombineRecv, &v)) {
+        ok = same_dispatch(peers, v, args.dispatch_id, q, q);  // else its partial is left out (reported)
+      }
+      valid[q] = ok;
+    }
+    __syncthreads();
+    const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
+    for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      // kChunk ranks' rows are loaded before any is added (loads in flight), then added in ascending q.
+      constexpr int kChunk = 4;
+      for (int q0 = 0; q0 < R; q0 += kChunk) {
+        uint4 raw[kChunk] = {};
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          if (q0 + i < R && valid[q0 + i]) raw[i] = __ldcg(rows + (q0 + i) * row_vecs + v);
+        }
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          if (q0 + i < R && valid[q0 + i]) add_bf16x8(acc, raw[i]);
+        }
+      }
+      out[t * row_vecs + v] = pack_bf16x8(acc);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace epx::cuda
