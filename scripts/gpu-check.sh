@@ -138,6 +138,10 @@ fi
 
 if want bench; then
   timed "epx bench --sms $SMS" 400 sh -c "'$BUILD/epx' bench --sms $SMS --json '$OUT/bench.json' >'$OUT/bench.txt'"
+  # LowLatencyConfig::expert_side_reduction (perf-notes LL13) beside the default: the low-latency rows of this run
+  # against bench.json's (its normal phases are the default ones again, at 24 SMs).
+  timed "epx bench (EPX_LL_EXPERT_SIDE=1)" 300 sh -c "EPX_LL_EXPERT_SIDE=1 '$BUILD/epx' bench --sms 24 \
+    --json '$OUT/bench_expert_side.json' >'$OUT/bench_expert_side.txt'"
   # The same phases driven from Python, one process per GPU: per phase the ratio to the CLI and the microseconds
   # Python adds (eager phases: the host cost of a call; back to back and graph phases: what the GPU sets).
   timed "python -m epx.bench" 300 env PYTHONPATH="$BUILD/python" sh -c \
@@ -185,7 +189,7 @@ fi
 echo
 echo "gpu-check summary (log: $LOG)"
 for i in "${!NAMES[@]}"; do printf '  %-44s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
-cat "$OUT/bench.txt" "$OUT/python_bench.txt" "$OUT/bench_dp.txt" "$OUT/bench_tbo.txt" "$OUT/bench_eplb.txt" \
+cat "$OUT/bench.txt" "$OUT/bench_expert_side.txt" "$OUT/python_bench.txt" "$OUT/bench_dp.txt" "$OUT/bench_tbo.txt" "$OUT/bench_eplb.txt" \
   "$OUT"/bench_nodes_*.txt 2>/dev/null |
   tail -130
 exit $status
