@@ -173,6 +173,29 @@ def test_low_latency():
     assert all(run(fn, num_rdma_bytes=nbytes, low_latency_mode=True))
 
 
+def test_low_latency_expert_side_reduction():
+    """epx_low_latency reaches the runtime: the expert-side reduction (bf16 partial per expert rank, then their sum)
+    differs from the default order somewhere, and both stay close to x * sum(w)."""
+    M = 64
+    nbytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
+    config = epx.LowLatencyConfig()
+    config.expert_side_reduction = True
+
+    def fn(rank, buffer):
+        x, idx, w = INPUTS[rank]
+        g = torch.Generator().manual_seed(7 + rank)
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        y = (recv.float() * (1 + torch.rand(recv.shape, generator=g))).to(torch.bfloat16)  # per-slot outputs
+        combined, _, _ = buffer.low_latency_combine(y, idx, w, handle)
+        return combined
+
+    plain = run(fn, num_rdma_bytes=nbytes, low_latency_mode=True)
+    side = run(fn, num_rdma_bytes=nbytes, low_latency_mode=True, epx_low_latency=config)
+    assert any(not torch.equal(a, b) for a, b in zip(plain, side))
+    for a, b in zip(plain, side):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=2e-2)
+
+
 def test_static_helpers_and_errors():
     deep_ep.Buffer.set_num_sms(24)
     assert deep_ep.Buffer.get_dispatch_config(8).num_sms == 24

@@ -85,7 +85,10 @@ class Buffer:
     Config asking for more is clamped, with a warning); epx_timeout_ms, the group's timeout for peer
     waits; epx_column_major_scales (default True), whether low-latency fp8 scales come in DeepEP's
     column-major layout or row-major (both written by the receive kernel, no copy); epx_gpus_per_node, the
-    ranks per node of a ProcessGroup (0 or None: from the host names; ignored for an epx.Group).
+    ranks per node of a ProcessGroup (0 or None: from the host names; ignored for an epx.Group);
+    epx_low_latency, an epx.LowLatencyConfig for the low-latency kernels (None: epx's defaults), e.g. with
+    expert_side_reduction = True (one partial row per token and expert rank; another summation order than
+    DeepEP's, docs/low-latency.md). The same on every rank.
     """
 
     #: SMs of the normal kernels when no Config is given (DeepEP's class attribute; see set_num_sms).
@@ -96,7 +99,8 @@ class Buffer:
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm: Any = None, *, epx_num_sms: Optional[int] = None,
                  epx_timeout_ms: int = 60_000, epx_column_major_scales: bool = True,
-                 epx_gpus_per_node: Optional[int] = None) -> None:
+                 epx_gpus_per_node: Optional[int] = None,
+                 epx_low_latency: Optional[_epx.LowLatencyConfig] = None) -> None:
         if group is None:
             if comm is not None:
                 raise NotImplementedError("epx.deep_ep: an mpi4py communicator (comm=) is not supported; "
@@ -137,7 +141,8 @@ class Buffer:
         # that `auto` picks on more than one node (docs/internode.md, "Low-latency across nodes").
         self.runtime: Optional[epx.Buffer] = epx.Buffer(epx_group, num_normal_bytes=normal_bytes,
                                                         num_low_latency_bytes=self._low_latency_bytes,
-                                                        num_sms=self._max_sms, low_latency_routing="flat")
+                                                        num_sms=self._max_sms, low_latency=epx_low_latency,
+                                                        low_latency_routing="flat")
         self._native = self.runtime._native
         self._call_num_sms = _accepts(self.runtime.dispatch, "num_sms") and _accepts(self.runtime.combine, "num_sms")
         self._column_major_scales = epx_column_major_scales
