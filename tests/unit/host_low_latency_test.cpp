@@ -817,20 +817,29 @@ TEST(HostLowLatency, BufferDestroyedRightAfterLastCombine) {
 // LowLatencyConfig::expert_side_reduction (flat routing): per expert rank d ascending, p_d = 0 + w * y over d's
 // pairs in ascending k (fp32), rounded to bf16; out = bf16(0 + p_0 + p_1 + ...). Checked bit for bit against that
 // arithmetic done here from the dispatch results, with random expert outputs (so the two orders differ), an idle
-// rank and -1 entries; the default (one rounding, ascending k) on the same data differs somewhere.
+// rank and -1 entries, and with 3 or 4 ranks a second pass where the first and last rank mask each other (their pairs
+// and partials for each other contribute zero); the default (one rounding, ascending k) on the same data differs
+// somewhere.
 TEST(HostLowLatency, ExpertSideReductionSumsPerRankFirst) {
   const unsigned seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
-  for (int num_ranks : {1, 2, 3, 4}) {
+  for (const auto& [case_ranks, case_masked] : {std::pair{1, false}, std::pair{2, false}, std::pair{3, false},
+                                                std::pair{4, false}, std::pair{3, true}, std::pair{4, true}}) {
+    const int num_ranks = case_ranks;
+    const bool masked = case_masked;  // plain copies: lambdas capture them
     Case c;
     c.num_ranks = num_ranks;
     c.num_experts = 12 * num_ranks;
     c.num_topk = 8;
     c.max_tokens = 16;
     c.hidden = 256;
-    SCOPED_TRACE("ranks " + std::to_string(num_ranks));
+    SCOPED_TRACE("ranks " + std::to_string(num_ranks) + (masked ? ", 0 and R-1 masked" : ""));
     const auto in = make_inputs(rng, c);
+    // Whether rank a's pairs reach rank b and come back (the mask of the second pass is symmetric).
+    auto open = [&](int a, int b) {
+      return !masked || !((a == 0 && b == num_ranks - 1) || (b == 0 && a == num_ranks - 1));
+    };
     const int64_t R = num_ranks, M = c.max_tokens, H = c.hidden, K = c.num_topk, E_local = c.num_experts / R;
     std::vector<std::vector<uint16_t>> y(R);
     for (auto& v : y) v = testing::random_bf16(rng, E_local * R * M * H, 4.f);
@@ -846,6 +855,9 @@ TEST(HostLowLatency, ExpertSideReductionSumsPerRankFirst) {
         options.num_low_latency_bytes = 1;
         options.low_latency.expert_side_reduction = expert_side;
         auto buffer = Buffer::create(groups[r], options);
+        for (int q = 0; q < num_ranks; ++q) {
+          if (!open(r, q)) buffer->mask_rank(q);
+        }
         const auto d = buffer->low_latency_dispatch(dispatch_args(inputs[r], c));
         src_info[r].assign(d.recv_src_info.data_as<int32_t>(), d.recv_src_info.data_as<int32_t>() + E_local * R * M);
         count[r].assign(d.recv_count.data_as<int32_t>(), d.recv_count.data_as<int32_t>() + E_local);
@@ -865,7 +877,7 @@ TEST(HostLowLatency, ExpertSideReductionSumsPerRankFirst) {
           bool any = false;
           for (int64_t k = 0; k < K; ++k) {
             const int64_t e = in[r].topk[t * K + k];
-            if (e < 0 || e / E_local != d) continue;
+            if (e < 0 || e / E_local != d || !open(r, d)) continue;
             // The pair's packed row on rank d: source r's block of expert e, the entry naming token t.
             const int64_t el = e % E_local, packed = range[d][el * R + r];
             int64_t row = -1;
