@@ -1,5 +1,5 @@
-// `epx bench`: the main job. Shared between the host path (cmd_bench.cpp) and the CUDA path
-// (tools/cuda/bench_normal.cpp, CUDA builds only).
+// `epx bench`: the main job. Shared between the command (cmd_bench.cpp), the host path (bench_host.cpp) and the
+// CUDA path (tools/cuda/bench_normal.cpp, CUDA builds only).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// `epx bench`'s random inputs, one set per rank: what the plain host run (cmd_bench.cpp) and the nodes runs
+// `epx bench`'s random inputs, one set per rank: what the plain host run (bench_host.cpp) and the nodes runs
 // (bench_nodes.cpp, tools/cuda/bench_nodes.cpp) draw from the same generator.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Arguments of collective bindings (buffer.cpp, dp.cpp, eplb.cpp).
+// Arguments of collective bindings (buffer.cpp, dp.cpp, eplb_relocation.cpp).
 //
 #pragma once
 

@@ -1,5 +1,5 @@
 // Order statistics of timing samples, shared by the GPU tests (tests/gpu) and the benchmark drivers (tools/cuda,
-// tools/cmd_bench.cpp). Host only; headers only (src/testing is not compiled into the library).
+// tools/bench_host.cpp). Host only; headers only (src/testing is not compiled into the library).
 #pragma once
 
 #include <algorithm>
