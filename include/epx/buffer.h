@@ -241,6 +241,11 @@ struct LowLatencyDispatchArgs {
   bool return_recv_hook = false;
   // Optional int32 [num_local_experts]: incremented by the pairs received per local expert (EPLB).
   TensorView cumulative_recv_counts;
+  // Optional int64 [num_ranks]: entry s grows by the nanoseconds this call's receive waited for source rank s
+  // (DeepEP's dispatch_wait_recv_cost_stats, which counts clock cycles): a slow or absent rank stands out. cuda:
+  // summed over the receive's waiting threads (one per local expert and source; the flat routing only), host: the
+  // wall time until s's message was there. Masked ranks add nothing.
+  TensorView wait_recv_cost_ns;
   Stream stream = nullptr;
 };
 
@@ -274,6 +279,9 @@ struct LowLatencyCombineArgs {
   TensorView topk_weights;  // [T, K] fp32
   std::shared_ptr<const LowLatencyHandle> handle;
   bool return_recv_hook = false;
+  // Optional int64 [num_ranks]: entry q grows by the nanoseconds this call's receive waited for expert rank q
+  // (DeepEP's combine_wait_recv_cost_stats), as LowLatencyDispatchArgs::wait_recv_cost_ns.
+  TensorView wait_recv_cost_ns;
   TensorView out;  // optional [T, H] bf16 to write into; else allocated
   Stream stream = nullptr;
 };

@@ -175,8 +175,13 @@ class Buffer:
     def low_latency_dispatch(self, x: Any, topk_idx: Any, max_tokens_per_rank: int, num_experts: int, *,
                              use_fp8: bool = False, use_ue8m0: bool = False, round_scale: bool = False,
                              column_major_scales: bool = False, return_recv_hook: bool = False,
-                             cumulative_recv_counts: Any = None, stream: Any = None) -> LowLatencyDispatchResult:
+                             cumulative_recv_counts: Any = None, wait_recv_cost_ns: Any = None,
+                             stream: Any = None) -> LowLatencyDispatchResult:
         """Low-latency dispatch: fixed shapes, no host sync on the cuda backend (CUDA-graph capturable).
+
+        wait_recv_cost_ns: optional int64 [num_ranks]; entry s grows by the nanoseconds the receive waited for
+        source rank s (DeepEP's dispatch_wait_recv_cost_stats; include/epx/buffer.h). cumulative_recv_counts:
+        optional int32 [E_local], incremented by the pairs received per local expert.
 
         fp8 scales (use_fp8): fp32 [E_local, R * M, H / 128] (amax / 448), powers of two with round_scale, or
         uint8 UE8M0 exponents with use_ue8m0. column_major_scales: DeepGEMM's layout, written by the receive
@@ -196,7 +201,8 @@ class Buffer:
                 x=to_arg(x), topk_idx=to_arg(topk_idx), max_tokens_per_rank=max_tokens_per_rank,
                 num_experts=num_experts, use_fp8=use_fp8, scale_format=fmt, round_scale=round_scale,
                 scale_layout=layout, return_recv_hook=return_recv_hook,
-                cumulative_recv_counts=to_arg(cumulative_recv_counts), stream=cuda_stream_of(stream, x))
+                cumulative_recv_counts=to_arg(cumulative_recv_counts), wait_recv_cost_ns=to_arg(wait_recv_cost_ns),
+                stream=cuda_stream_of(stream, x))
         except TypeError as e:
             for name, value, native, passed in (("use_ue8m0", use_ue8m0, "scale_format:", fmt),
                                                 ("column_major_scales", column_major_scales, "scale_layout:", layout)):
@@ -214,13 +220,15 @@ class Buffer:
             handle=out["handle"], recv_hook=out["recv_hook"])
 
     def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: _epx.LowLatencyHandle, *,
-                            return_recv_hook: bool = False, out: Any = None,
+                            return_recv_hook: bool = False, out: Any = None, wait_recv_cost_ns: Any = None,
                             stream: Any = None) -> LowLatencyCombineResult:
-        """Low-latency combine: out[t] = bf16(sum_k w[t,k] * x[expert][slot of (t,k)]), fp32 accumulation."""
+        """Low-latency combine: out[t] = bf16(sum_k w[t,k] * x[expert][slot of (t,k)]), fp32 accumulation
+        (LowLatencyConfig.expert_side_reduction: per expert rank first). wait_recv_cost_ns: optional int64
+        [num_ranks], entry q grows by the nanoseconds the receive waited for expert rank q."""
         res, conv = self._call(self._native.low_latency_combine, (x, topk_idx), x=to_arg(x),
                                topk_idx=to_arg(topk_idx), topk_weights=to_arg(topk_weights), handle=handle,
                                return_recv_hook=return_recv_hook, out=to_arg(out),
-                               stream=cuda_stream_of(stream, x))
+                               wait_recv_cost_ns=to_arg(wait_recv_cost_ns), stream=cuda_stream_of(stream, x))
         result = conv(res["x"])
         if out is not None:
             result = out

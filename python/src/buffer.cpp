@@ -101,7 +101,7 @@ nb::dict combine(Buffer& buffer, nb::handle x, nb::handle topk_weights, nb::hand
 nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx, nb::handle max_tokens_per_rank,
                               nb::handle num_experts, nb::handle use_fp8, nb::handle scale_format,
                               nb::handle round_scale, nb::handle scale_layout, nb::handle return_recv_hook,
-                              nb::handle cumulative_recv_counts, nb::handle stream) {
+                              nb::handle cumulative_recv_counts, nb::handle wait_recv_cost_ns, nb::handle stream) {
   LowLatencyDispatchResult r = collective<LowLatencyDispatchArgs>(
       [&](LowLatencyDispatchArgs& a) {
         a.x = to_view(x, "x");
@@ -114,6 +114,7 @@ nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx,
         a.scale_layout = to_enum<ScaleLayout>(scale_layout, "scale_layout", "an epx.ScaleLayout");
         a.return_recv_hook = to_bool(return_recv_hook, "return_recv_hook");
         a.cumulative_recv_counts = to_view(cumulative_recv_counts, "cumulative_recv_counts");
+        a.wait_recv_cost_ns = to_view(wait_recv_cost_ns, "wait_recv_cost_ns");
         a.stream = to_stream(stream);
       },
       [&](const LowLatencyDispatchArgs& a) { return buffer.low_latency_dispatch(a); });
@@ -129,7 +130,8 @@ nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx,
 }
 
 nb::dict low_latency_combine(Buffer& buffer, nb::handle x, nb::handle topk_idx, nb::handle topk_weights,
-                             nb::handle handle, nb::handle return_recv_hook, nb::handle out_arg, nb::handle stream) {
+                             nb::handle handle, nb::handle return_recv_hook, nb::handle out_arg,
+                             nb::handle wait_recv_cost_ns, nb::handle stream) {
   LowLatencyCombineResult r = collective<LowLatencyCombineArgs>(
       [&](LowLatencyCombineArgs& a) {
         a.x = to_view(x, "x");
@@ -138,6 +140,7 @@ nb::dict low_latency_combine(Buffer& buffer, nb::handle x, nb::handle topk_idx, 
         a.handle = to_handle<LowLatencyHandle>(handle, "handle", "an epx.LowLatencyHandle");
         a.return_recv_hook = to_bool(return_recv_hook, "return_recv_hook");
         a.out = to_view(out_arg, "out");
+        a.wait_recv_cost_ns = to_view(wait_recv_cost_ns, "wait_recv_cost_ns");
         a.stream = to_stream(stream);
       },
       [&](const LowLatencyCombineArgs& a) { return buffer.low_latency_combine(a); });
@@ -260,18 +263,21 @@ void register_buffer(nb::module_& m) {
       .def("low_latency_dispatch", &low_latency_dispatch, arg("x"), arg("topk_idx"), arg("max_tokens_per_rank"),
            arg("num_experts"), arg("use_fp8") = false, arg("scale_format") = ScaleFormat::kFloat32,
            arg("round_scale") = false, arg("scale_layout") = ScaleLayout::kRowMajor, arg("return_recv_hook") = false,
-           arg("cumulative_recv_counts") = nb::none(), arg("stream") = nb::none(),
+           arg("cumulative_recv_counts") = nb::none(), arg("wait_recv_cost_ns") = nb::none(),
+           arg("stream") = nb::none(),
            nb::sig(
                "def low_latency_dispatch(self, x: object, topk_idx: object, max_tokens_per_rank: int, "
                "num_experts: int, use_fp8: bool = False, "
                "scale_format: epx._epx.ScaleFormat = epx._epx.ScaleFormat.float32, round_scale: bool = False, "
                "scale_layout: epx._epx.ScaleLayout = epx._epx.ScaleLayout.row_major, return_recv_hook: bool = False, "
-               "cumulative_recv_counts: object | None = None, stream: object | None = None) -> dict"))
+               "cumulative_recv_counts: object | None = None, wait_recv_cost_ns: object | None = None, "
+               "stream: object | None = None) -> dict"))
       .def("low_latency_combine", &low_latency_combine, arg("x"), arg("topk_idx"), arg("topk_weights"), arg("handle"),
-           arg("return_recv_hook") = false, arg("out") = nb::none(), arg("stream") = nb::none(),
+           arg("return_recv_hook") = false, arg("out") = nb::none(), arg("wait_recv_cost_ns") = nb::none(),
+           arg("stream") = nb::none(),
            nb::sig("def low_latency_combine(self, x: object, topk_idx: object, topk_weights: object, "
                    "handle: epx._epx.LowLatencyHandle, return_recv_hook: bool = False, out: object | None = None, "
-                   "stream: object | None = None) -> dict"))
+                   "wait_recv_cost_ns: object | None = None, stream: object | None = None) -> dict"))
       .def("mask_rank", &Buffer::mask_rank, nb::arg("rank"))
       .def("unmask_rank", &Buffer::unmask_rank, nb::arg("rank"))
       .def("clear_rank_mask", &Buffer::clear_rank_mask)

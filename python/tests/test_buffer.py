@@ -199,6 +199,36 @@ def test_low_latency_packed_rows_and_combine(num_ranks):
     assert all(run(num_ranks, body))
 
 
+def test_low_latency_wait_recv_cost_ns_names_the_late_rank():
+    """wait_recv_cost_ns (DeepEP's wait-time statistics): rank 1 starts each call 50 ms late; rank 0's entry for it
+    grows by about that much per call, its own entry far less; the entries accumulate over calls."""
+    T, H, K, E, M = 8, 128, 4, 8, 8
+    inputs = [make_inputs(r, T, H, K, E, seed=3) for r in range(2)]
+    late_s = 0.05
+
+    def body(rank, group):
+        buffer = epx.Buffer(group, num_low_latency_bytes=epx.low_latency_buffer_size_hint(M, H, 2, E))
+        x, idx, w = inputs[rank]
+        dispatch_ns, combine_ns = np.zeros(2, np.int64), np.zeros(2, np.int64)
+        for _ in range(2):
+            if rank == 1:
+                time.sleep(late_s)
+            d = buffer.low_latency_dispatch(x, idx, M, E, wait_recv_cost_ns=dispatch_ns)
+            if rank == 1:
+                time.sleep(late_s)
+            buffer.low_latency_combine(d.recv_x, idx, w, d.handle, wait_recv_cost_ns=combine_ns)
+        return dispatch_ns, combine_ns
+
+    (d0, c0), (d1, c1) = run(2, body)
+    for waits in (d0, c0):
+        assert waits[1] >= 2 * late_s * 1e9 * 0.9, waits
+        assert waits[0] < late_s * 1e9, waits
+    assert d1[0] < late_s * 1e9 and c1[0] < late_s * 1e9, (d1, c1)
+    with pytest.raises(ValueError, match="wait_recv_cost_ns"):
+        run(1, lambda rank, group: epx.Buffer(group, num_low_latency_bytes=1).low_latency_dispatch(
+            inputs[0][0], inputs[0][1], M, E, wait_recv_cost_ns=np.zeros(3, np.int64)))
+
+
 def test_low_latency_scale_options():
     """round_scale: UE8M0 quantization with fp32 powers of two; column_major_scales: DeepGEMM's layout, the same
     values as a transposed view; UE8M0 column-major packs four exponents per int32."""

@@ -175,6 +175,7 @@ LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args
   shape.num_local_experts = args.num_experts / num_ranks;
   check_optional(args.cumulative_recv_counts, "cumulative_recv_counts", DType::kInt32, {shape.num_local_experts},
                  device);
+  check_optional(args.wait_recv_cost_ns, "wait_recv_cost_ns", DType::kInt64, {num_ranks}, device);
   return shape;
 }
 
@@ -192,6 +193,7 @@ void validate_low_latency_combine(const LowLatencyCombineArgs& args, const LowLa
                {dispatch_shape.num_tokens, dispatch_shape.num_topk});
   check_device(args.topk_weights, "topk_weights", device);
   check_optional(args.out, "out", DType::kBFloat16, {dispatch_shape.num_tokens, dispatch_shape.hidden}, device);
+  check_optional(args.wait_recv_cost_ns, "wait_recv_cost_ns", DType::kInt64, {num_ranks}, device);
 }
 
 void validate_options(const BufferOptions& options) {

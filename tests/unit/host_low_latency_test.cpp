@@ -17,6 +17,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "epx/buffer.h"
 #include "epx/error.h"
@@ -905,6 +906,63 @@ TEST(HostLowLatency, ExpertSideReductionSumsPerRankFirst) {
       EXPECT_TRUE(orders_differ) << "the option changed nothing";
     }
   }
+}
+
+// wait_recv_cost_ns (DeepEP's dispatch/combine_wait_recv_cost_stats): the receive adds per peer the time until the
+// peer's data was there; a rank that starts late stands out in everyone else's entry for it, calls accumulate, and a
+// masked rank adds nothing.
+TEST(HostLowLatency, WaitCostStatsNameTheLateRank) {
+  constexpr int R = 3;
+  constexpr int64_t kLateMs = 60;
+  Case c;
+  c.num_ranks = R;
+  c.num_experts = 12;
+  c.num_topk = 4;
+  c.max_tokens = 8;
+  c.hidden = 128;
+  std::mt19937 rng(5);
+  auto in = make_inputs(rng, c);
+  auto groups = create_host_groups(R, {.timeout_ms = 20'000});
+  std::vector<std::vector<int64_t>> dispatch_ns(R, std::vector<int64_t>(R, 0)), combine_ns = dispatch_ns;
+  std::vector<std::vector<uint16_t>> y(R);
+  run_host_ranks(groups, [&](int r, Group&) {
+    BufferOptions options;
+    options.num_low_latency_bytes = 1;
+    auto buffer = Buffer::create(groups[r], options);
+    for (int round = 0; round < 2; ++round) {  // the late rank is 2, then (round 1) 2 again: entries accumulate
+      if (r == 2) std::this_thread::sleep_for(std::chrono::milliseconds(kLateMs));
+      auto a = dispatch_args(in[r], c);
+      a.wait_recv_cost_ns = TensorView::of(dispatch_ns[r].data(), DType::kInt64, {R});
+      const auto d = buffer->low_latency_dispatch(a);
+      y[r] = identity_expert(c, d);
+      if (r == 2) std::this_thread::sleep_for(std::chrono::milliseconds(kLateMs));
+      auto b = combine_args(in[r], c, d, y[r]);
+      b.wait_recv_cost_ns = TensorView::of(combine_ns[r].data(), DType::kInt64, {R});
+      buffer->low_latency_combine(b);
+    }
+    // Masked: rank 0 masks rank 2 (and 2 masks 0) for one more round; 0's entries for 2 stay.
+    if (r != 1) buffer->mask_rank(r == 0 ? 2 : 0);
+    const auto before = dispatch_ns[r];
+    auto a = dispatch_args(in[r], c);
+    a.wait_recv_cost_ns = TensorView::of(dispatch_ns[r].data(), DType::kInt64, {R});
+    buffer->low_latency_dispatch(a);
+    if (r == 0) {
+      EXPECT_EQ(dispatch_ns[0][2], before[2]) << "a masked rank adds nothing";
+    }
+  });
+  const int64_t late_ns = 2 * kLateMs * 1'000'000;
+  for (int r : {0, 1}) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    // Two late rounds: at least ~2 x kLateMs waited for rank 2 in each direction, far less for the punctual ones.
+    EXPECT_GE(dispatch_ns[r][2], late_ns * 9 / 10);
+    EXPECT_GE(combine_ns[r][2], late_ns * 9 / 10);
+    EXPECT_LT(dispatch_ns[r][1 - r], late_ns / 2);
+    EXPECT_LT(combine_ns[r][1 - r], late_ns / 2);
+    EXPECT_GE(dispatch_ns[r][r], 0);
+  }
+  // Rank 2 itself came last: it waited little for anyone.
+  EXPECT_LT(dispatch_ns[2][0], late_ns / 2);
+  EXPECT_LT(combine_ns[2][1], late_ns / 2);
 }
 
 }  // namespace

@@ -506,13 +506,13 @@ class Buffer:
         low-latency dispatch). Expert e's rows [0, recv_count[e]) are its received tokens, ordered by source
         rank, then source token.
 
+        dispatch_wait_recv_cost_stats: int64 [num_ranks], entry s grows by the receive's wait for rank s, in
+        nanoseconds (DeepEP counts clock cycles; compare entries, not units; the flat routing, which this shim uses).
+
         Returns (recv_x or (recv_x fp8, scales), recv_count int32 [E_local], handle, EventOverlap, hook).
         """
         runtime = self._alive()
         self._require_low_latency()
-        if dispatch_wait_recv_cost_stats is not None:
-            raise NotImplementedError("epx.deep_ep: dispatch_wait_recv_cost_stats (per-rank wait-time statistics) "
-                                      "is not implemented")
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0 needs round_scale=True")
         if async_finish and return_recv_hook:
@@ -523,7 +523,7 @@ class Buffer:
                                            column_major_scales=self._column_major_scales,
                                            return_recv_hook=return_recv_hook,
                                            cumulative_recv_counts=cumulative_local_expert_recv_stats,
-                                           stream=launch.stream)
+                                           wait_recv_cost_ns=dispatch_wait_recv_cost_stats, stream=launch.stream)
         # The receive kernel writes the scales in DeepEP's format and layout: fp32 (powers of two with
         # round_scale), or with use_ue8m0 int32 words of four exponents [E, R * M, H / 512]; column-major (the
         # transpose of [E, S, R * M] memory) unless epx_column_major_scales=False.
@@ -537,7 +537,7 @@ class Buffer:
         handle = LowLatencyHandle(res.recv_src_info, res.recv_layout_range, num_max_dispatch_tokens_per_rank,
                                   int(x.shape[1]), num_experts, res.handle)
         recv = (res.recv_x, scales) if use_fp8 else res.recv_x
-        ins = (x, topk_idx, cumulative_local_expert_recv_stats)
+        ins = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
         keep = ins + (res.recv_x, scales, res.recv_count, res.recv_src_info, res.recv_layout_range)
         event = self._finish(launch, async_finish, ins, (), keep=keep)
         return recv, res.recv_count, handle, event, hook
@@ -565,9 +565,6 @@ class Buffer:
         if use_logfmt:
             raise NotImplementedError("epx.deep_ep: use_logfmt (LogFMT-compressed combine) is not implemented; "
                                       "epx combines in bf16")
-        if combine_wait_recv_cost_stats is not None:
-            raise NotImplementedError("epx.deep_ep: combine_wait_recv_cost_stats (per-rank wait-time statistics) "
-                                      "is not implemented")
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set")
         native = native_low_latency_handle(handle)
@@ -577,8 +574,9 @@ class Buffer:
             x = self._combine_staging
         launch = self._ll_launch(async_finish)
         res = runtime.low_latency_combine(x, topk_idx, topk_weights, native, return_recv_hook=return_recv_hook,
-                                          out=out, stream=launch.stream)
-        ins = (x, topk_idx, topk_weights, out)
+                                          out=out, wait_recv_cost_ns=combine_wait_recv_cost_stats,
+                                          stream=launch.stream)
+        ins = (x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats)
         event = self._finish(launch, async_finish, ins, (res.x,) if out is None else (),
                              keep=ins + (res.x, handle[0], handle[1]))
         return res.x, event, res.recv_hook

@@ -414,7 +414,17 @@ def check_low_latency(rank: int, R: int, group) -> None:
     assert int(count.sum()) == int(((head >= 0) & (head // num_local == rank)).sum())
     with pytest.raises(NotImplementedError, match="use_logfmt"):
         buffer.low_latency_combine(recv, idx[:60], w[:60], handle, use_logfmt=True)
-    with pytest.raises(NotImplementedError):
+    # DeepEP's wait-time statistics: int64 [R], nanoseconds per peer (every rank's entries >= 0, and one round
+    # waits somewhere); a [R, R] tensor is refused on every rank, naming the argument.
+    waits = torch.zeros(R, dtype=torch.int64, device=dev)
+    combine_waits = torch.zeros(R, dtype=torch.int64, device=dev)
+    recv, count, handle, _, _ = buffer.low_latency_dispatch(x[:60], idx[:60], 64, E, use_fp8=False,
+                                                            dispatch_wait_recv_cost_stats=waits)
+    buffer.low_latency_combine(recv, idx[:60], w[:60], handle, combine_wait_recv_cost_stats=combine_waits)
+    torch.cuda.synchronize()
+    assert bool((waits >= 0).all()) and bool((combine_waits >= 0).all())
+    assert int(waits.sum()) > 0 and int(combine_waits.sum()) > 0
+    with pytest.raises(ValueError, match="wait_recv_cost_ns"):
         buffer.low_latency_dispatch(x[:60], idx[:60], 64, E, dispatch_wait_recv_cost_stats=torch.zeros(
             R, R, dtype=torch.int64, device=dev))
     with pytest.raises(ValueError):

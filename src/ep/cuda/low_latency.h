@@ -86,6 +86,9 @@ struct LowLatencyDispatchLaunch {
   // The receive also writes the set's pair_map (LowLatencyConfig::expert_side_reduction: the combine send finds
   // each (source, token)'s pairs here through it).
   bool pair_map = false;
+  // LowLatencyDispatchArgs::wait_recv_cost_ns ([R] int64) or null: each receive wait adds its nanoseconds to the
+  // entry of the source it waited for.
+  unsigned long long* wait_cost = nullptr;
 };
 
 struct LowLatencyCombineLaunch {
@@ -111,6 +114,7 @@ struct LowLatencyCombineLaunch {
   // must fit on the GPU at once (LowLatencyEngine).
   int partial_send_blocks = 0;
   int partial_recv_blocks = 0;
+  unsigned long long* wait_cost = nullptr;  // LowLatencyCombineArgs::wait_recv_cost_ns: per expert rank, as dispatch's
 };
 
 // A combine signal is (tag << kCombineIdBits) | the sender's dispatch id (low bits).

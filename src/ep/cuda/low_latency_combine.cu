@@ -111,7 +111,8 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
         uint64_t v = 0;
         if (ld_volatile_global(&ctrl->mask[r]) == 0 &&
             wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, kCombineIdBits, r,
-                     static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
+                     static_cast<int>(e), kSiteLowLatencyCombineRecv, &v,
+                     args.wait_cost != nullptr ? args.wait_cost + r : nullptr)) {
           // The expert's rank must reverse the same dispatch; otherwise its rows are left out (reported).
           ok = same_dispatch(peers, v, args.dispatch_id, r, static_cast<int>(e));
         }
@@ -184,10 +185,10 @@ __global__ void __launch_bounds__(kThreads) combine(LowLatencyPeers peers, LowLa
   const uint64_t* signals = at<uint64_t>(peers.bases[peers.rank], layout.sets[set].combine_signals);
   if (expert_side) {
     finish_combine_grid(peers, ctrl, signals, ctrl->combine_seq[set] + 1, 0, peers.num_ranks, 1,
-                        &ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
+                        &ctrl->combine_ticket[set], &ctrl->combine_seq[set], args.wait_cost);
   } else {
     finish_combine_grid(peers, ctrl, signals, ctrl->combine_seq[set] + 1, 0, layout.num_experts,
-                        layout.num_local_experts, &ctrl->combine_ticket[set], &ctrl->combine_seq[set]);
+                        layout.num_local_experts, &ctrl->combine_ticket[set], &ctrl->combine_seq[set], args.wait_cost);
   }
 }
 

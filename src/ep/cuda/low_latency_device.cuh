@@ -67,8 +67,11 @@ __device__ __forceinline__ void record_failure(const LowLatencyPeers& peers, int
 // masked the peer meanwhile (its timeout); on its own timeout it masks the peer locally and records the wait;
 // returns false either way.
 __device__ bool wait_tag(const LowLatencyPeers& peers, LowLatencyControl* ctrl, const uint64_t* signal, uint64_t tag,
-                         int tag_shift, int peer, int expert, int32_t site, uint64_t* value) {
-  return bounded_wait<1>(
+                         int tag_shift, int peer, int expert, int32_t site, uint64_t* value,
+                         unsigned long long* cost = nullptr) {
+  // With `cost` (the wait_recv_cost_ns entry of the rank waited for): the wait's nanoseconds are added to it.
+  const uint64_t start = cost != nullptr ? global_ns() : 0;
+  const bool ok = bounded_wait<1>(
       signal, peers.timeout_ns,
       [&](uint64_t v) {
         if ((v >> tag_shift) != tag) return false;
@@ -80,6 +83,8 @@ __device__ bool wait_tag(const LowLatencyPeers& peers, LowLatencyControl* ctrl, 
         atomicExch(&ctrl->mask[peer], 1);
         record_failure(peers, kErrTimeout, site, peer, expert, static_cast<int64_t>(tag), static_cast<int64_t>(v));
       });
+  if (cost != nullptr) atomicAdd(cost, static_cast<unsigned long long>(global_ns() - start));
+  return ok;
 }
 
 // The combine's completion rule, run by the last block of a combine grid to finish (every thread calls it): that
@@ -92,7 +97,7 @@ __device__ bool wait_tag(const LowLatencyPeers& peers, LowLatencyControl* ctrl, 
 // before its last unit cost 13% of a 128-token combine on one H200). docs/low-latency.md.
 __device__ void finish_combine_grid(const LowLatencyPeers& peers, LowLatencyControl* ctrl, const uint64_t* signals,
                                     uint64_t tag, int64_t e_begin, int64_t e_end, int64_t experts_per_rank,
-                                    unsigned int* ticket, uint64_t* seq) {
+                                    unsigned int* ticket, uint64_t* seq, unsigned long long* cost = nullptr) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) last = last_block_arrives(ticket);
@@ -102,7 +107,8 @@ __device__ void finish_combine_grid(const LowLatencyPeers& peers, LowLatencyCont
     const int r = static_cast<int>(e / experts_per_rank);
     if (ld_volatile_global(&ctrl->mask[r]) != 0) continue;
     uint64_t v = 0;
-    wait_tag(peers, ctrl, signals + e, tag, kCombineIdBits, r, static_cast<int>(e), kSiteLowLatencyCombineRecv, &v);
+    wait_tag(peers, ctrl, signals + e, tag, kCombineIdBits, r, static_cast<int>(e), kSiteLowLatencyCombineRecv, &v,
+             cost != nullptr ? cost + r : nullptr);
   }
   __syncthreads();
   if (threadIdx.x == 0) {

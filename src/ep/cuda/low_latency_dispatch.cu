@@ -209,7 +209,8 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
     uint64_t v = 0;
     if (ld_volatile_global(&ctrl->mask[src]) == 0 && ld_volatile_global(&ctrl->mask[via]) == 0 &&
         wait_tag(peers, ctrl, at<uint64_t>(base, s.dispatch_signals) + e_local * R + src, tag, 32, via,
-                 static_cast<int>(src * layout.num_local_experts + e_local), kSiteLowLatencyDispatchRecv, &v)) {
+                 static_cast<int>(src * layout.num_local_experts + e_local), kSiteLowLatencyDispatchRecv, &v,
+                 args.wait_cost != nullptr ? args.wait_cost + src : nullptr)) {
       c = static_cast<int>(v & 0xffffffffu);
     }
     counts[src] = c;

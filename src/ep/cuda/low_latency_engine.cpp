@@ -24,6 +24,16 @@ class CudaLowLatencyHandle final : public LowLatencyHandle {
   int64_t max_tokens = 0;
 };
 
+// The kernels' pointer for LowLatency{Dispatch,Combine}Args::wait_recv_cost_ns (validated: [R] int64 on this
+// device), or null. The hierarchical routing's kernels do not record waits.
+unsigned long long* wait_cost_of(const TensorView& stats, bool hierarchical) {
+  if (!stats.defined()) return nullptr;
+  EPX_CHECK(ErrorCode::kUnsupported, !hierarchical,
+            "wait_recv_cost_ns: the cuda hierarchical low-latency routing does not record wait times; the flat "
+            "routing does (BufferOptions::low_latency_routing)");
+  return static_cast<unsigned long long*>(stats.data);
+}
+
 // Calls `fn` once, however often the returned hook runs.
 std::function<void()> once(std::function<void()> fn) {
   auto done = std::make_shared<bool>(false);
@@ -173,7 +183,8 @@ LowLatencyDispatchResult LowLatencyEngine::dispatch(const LowLatencyDispatchArgs
       /*token_staged=*/relay_ == nullptr && layout_.max_tokens_per_rank >= config_.token_rows_min_tokens,
       // The flat routing's kernels only: the hierarchical receive follows the relay's event, not a kernel of ours.
       /*programmatic_launch=*/relay_ == nullptr && config_.programmatic_launch,
-      /*pair_map=*/relay_ == nullptr && config_.expert_side_reduction};
+      /*pair_map=*/relay_ == nullptr && config_.expert_side_reduction,
+      /*wait_cost=*/wait_cost_of(args.wait_recv_cost_ns, relay_ != nullptr)};
   auto stream = reinterpret_cast<cudaStream_t>(args.stream);
   if (relay_) {
     // Hierarchical: pack, network leg and forwarding on the relay's stream; the receive is the flat kernel's.
@@ -249,7 +260,8 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
                                        /*programmatic_launch=*/relay_ == nullptr && config_.programmatic_launch,
                                        /*expert_side=*/relay_ == nullptr && config_.expert_side_reduction,
                                        /*partial_send_blocks=*/shared_gpu_blocks_,
-                                       /*partial_recv_blocks=*/shared_gpu_blocks_};
+                                       /*partial_recv_blocks=*/shared_gpu_blocks_,
+                                       /*wait_cost=*/wait_cost_of(args.wait_recv_cost_ns, relay_ != nullptr)};
   if (relay_) {
     relay_->send_combine(peers_, layout_, set, launch, stream);
     if (!args.return_recv_hook) {

@@ -157,7 +157,7 @@ __device__ void partial_recv_blocks(const LowLatencyPeers& peers, const LowLaten
       uint64_t v = 0;
       if (chosen && ld_volatile_global(&ctrl->mask[q]) == 0 &&
           wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + q, tag, kCombineIdBits, q, q,
-                   kSiteLowLatencyCombineRecv, &v)) {
+                   kSiteLowLatencyCombineRecv, &v, args.wait_cost != nullptr ? args.wait_cost + q : nullptr)) {
         ok = same_dispatch(peers, v, args.dispatch_id, q, q);  // else its partial is left out (reported)
       }
       valid[q] = ok;

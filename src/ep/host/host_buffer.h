@@ -69,7 +69,8 @@ class HostBuffer final : public Buffer {
   // did not post in time, posted something else, or masked this rank are masked here. Returns the
   // posts by rank (null where masked).
   // A post flagged as failed (a peer's invalid input) raises Error(kPeerFailure) naming it, after the wait.
-  std::vector<std::shared_ptr<const LowLatencyPost>> collect(uint64_t seq, int kind);
+  // wait_ns: optional int64 [R] (wait_recv_cost_ns): entry r grows by the time until r's post was there.
+  std::vector<std::shared_ptr<const LowLatencyPost>> collect(uint64_t seq, int kind, const TensorView& wait_ns = {});
   // Runs prepare() (the validation of a low-latency call). If it throws, posts a failure for call
   // ++ll_seq_ first, so that peers raise at once and the sequence numbers stay in step.
   template <typename Prepare>

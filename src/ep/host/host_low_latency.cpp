@@ -95,11 +95,16 @@ void HostBuffer::prepare_or_post_failure(LowLatencyKind kind, Prepare&& prepare)
   }
 }
 
-std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t seq, int kind) {
+std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t seq, int kind,
+                                                                       const TensorView& wait_ns) {
   enum class Status { kPending, kFound, kGone };
   std::vector<std::shared_ptr<const LowLatencyPost>> found(num_ranks_);
   std::vector<Status> status(num_ranks_, Status::kPending);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<int64_t> waited(num_ranks_, -1);  // ns until the rank's post was there; -1 while pending
   auto scan = [&] {
+    const int64_t now_ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
     bool pending = false;
     for (int r = 0; r < num_ranks_; ++r) {
       if (mask_[r] || status[r] != Status::kPending) continue;
@@ -108,6 +113,7 @@ std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t 
         if (p->seq == seq) {
           found[r] = p;
           status[r] = Status::kFound;
+          waited[r] = now_ns;
         }
       }
       if (status[r] == Status::kPending && !queue.empty() && queue.back()->seq > seq) status[r] = Status::kGone;
@@ -119,6 +125,14 @@ std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t 
   {
     std::unique_lock lock(mailbox_->mutex);
     mailbox_->cv.wait_until(lock, deadline, scan);
+  }
+  if (wait_ns.defined()) {
+    const int64_t total_ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    for (int r = 0; r < num_ranks_; ++r) {
+      // A rank masked before the call adds nothing; one that never came, the whole wait.
+      if (!mask_[r]) wait_ns.data_as<int64_t>()[r] += waited[r] >= 0 ? waited[r] : total_ns;
+    }
   }
   const char* what = kind == static_cast<int>(LowLatencyKind::kDispatch) ? "dispatch" : "combine";
   std::vector<int> failed;
@@ -227,6 +241,7 @@ LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispat
     if (state->topk[i] >= 0) state->slot_idx[i] = next_slot[state->topk[i]]++;
   }
   state->cumulative_recv_counts = args.cumulative_recv_counts;
+  state->wait_recv_cost_ns = args.wait_recv_cost_ns;
 
   // Receive storage: the buffer set of this call (two alternate).
   state->set_idx = static_cast<int>(ll_num_dispatches_ % 2);
@@ -356,6 +371,7 @@ LowLatencyCombineResult HostBuffer::low_latency_combine(const LowLatencyCombineA
   LowLatencyCombineResult result;
   result.x = args.out.defined() ? Tensor::wrap(args.out, nullptr) : alloc(DType::kBFloat16, {num_tokens, hidden});
   state->out = result.x.view();
+  state->wait_recv_cost_ns = args.wait_recv_cost_ns;
 
   post(std::move(message));
   if (args.return_recv_hook) {

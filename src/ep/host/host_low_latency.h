@@ -115,6 +115,7 @@ struct LowLatencyState {
   uint64_t dispatch_number = 0;  // the buffer's dispatch count, never reset: owner of the buffer set
   std::shared_ptr<void> recv_x, recv_x_scales, recv_count, recv_src_info, recv_layout_range;
   TensorView cumulative_recv_counts;
+  TensorView wait_recv_cost_ns;  // the call's (LowLatency{Dispatch,Combine}Args), or undefined
   // Combine.
   std::shared_ptr<const LowLatencyState> dispatch;
   TensorView out;  // [T, H] bf16

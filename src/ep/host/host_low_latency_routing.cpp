@@ -92,7 +92,7 @@ void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>&
   EPX_CHECK_ARG(recv_sets_[state->set_idx].owner_dispatch == state->dispatch_number,
                 "the receive hook of low-latency dispatch #{} ran after two later dispatches reused its buffer set",
                 state->seq);
-  const auto posts = collect(state->seq, static_cast<int>(LowLatencyKind::kDispatch));
+  const auto posts = collect(state->seq, static_cast<int>(LowLatencyKind::kDispatch), state->wait_recv_cost_ns);
   const int64_t hidden = state->shape.hidden, num_local_experts = state->shape.num_local_experts;
   const int64_t max_tokens = state->max_tokens, num_slots = num_ranks_ * max_tokens;
   const int64_t num_blocks = hidden / kFp8BlockSize;
@@ -161,7 +161,7 @@ void HostBuffer::finish_dispatch_receive(const std::shared_ptr<LowLatencyState>&
 void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& state) {
   EPX_CHECK_ARG(state->epoch == ll_epoch_,
                 "the receive hook of low-latency combine #{} ran after clean_low_latency_buffer", state->seq);
-  const auto posts = collect(state->seq, static_cast<int>(LowLatencyKind::kCombine));
+  const auto posts = collect(state->seq, static_cast<int>(LowLatencyKind::kCombine), state->wait_recv_cost_ns);
   const LowLatencyState& dispatch = *state->dispatch;
   const int64_t num_tokens = dispatch.shape.num_tokens, num_topk = dispatch.shape.num_topk;
   const int64_t hidden = dispatch.shape.hidden, num_local_experts = dispatch.shape.num_local_experts;
