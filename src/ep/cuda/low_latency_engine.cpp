@@ -84,12 +84,16 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
   peers_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_.timeout_ms()));
   if (relay_group != nullptr) relay_ = std::make_unique<LowLatencyRelay>(*relay_group, device_);  // collective
   if (config_.expert_side_reduction && relay_group == nullptr) {
-    // Ranks of this process on this GPU (a process counts as one GPU): the expert-side reduction's send blocks wait
-    // for the peers' weights, so with a shared GPU each rank's grid takes a small share (16 send, 16 receive blocks
-    // for two ranks) and every rank's grid fits on the GPU at once.
-    std::vector<int> devices(num_ranks_);
-    group_.all_gather_bytes(&device_, devices.data(), sizeof(int));
-    const int sharing = single_process ? static_cast<int>(std::count(devices.begin(), devices.end(), device_)) : 1;
+    // Ranks on this rank's GPU, by the GPU's UUID (ranks of one process or of several): the expert-side reduction's
+    // send blocks wait for the peers' weights, so with a shared GPU each rank's grid takes a small share (16 send, 16
+    // receive blocks for two ranks) and every rank's grid fits on the GPU at once.
+    cudaDeviceProp prop{};
+    check_cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties");
+    std::vector<cudaUUID_t> uuids(num_ranks_);
+    group_.all_gather_bytes(&prop.uuid, uuids.data(), sizeof(cudaUUID_t));
+    const int sharing = static_cast<int>(std::count_if(uuids.begin(), uuids.end(), [&](const cudaUUID_t& u) {
+      return std::memcmp(&u, &prop.uuid, sizeof(cudaUUID_t)) == 0;
+    }));
     if (sharing > 1) {
       int blocks = 8;
       while (blocks * 2 <= 32 / sharing) blocks *= 2;
