@@ -83,10 +83,12 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
   peers_.error = error_device;
   peers_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_.timeout_ms()));
   if (relay_group != nullptr) relay_ = std::make_unique<LowLatencyRelay>(*relay_group, device_);  // collective
-  if (config_.expert_side_reduction && relay_group == nullptr) {
-    // Ranks on this rank's GPU, by the GPU's UUID (ranks of one process or of several): the expert-side reduction's
-    // send blocks wait for the peers' weights, so with a shared GPU each rank's grid takes a small share (16 send, 16
-    // receive blocks for two ranks) and every rank's grid fits on the GPU at once.
+  {
+    // Ranks on this rank's GPU, by the GPU's UUID (ranks of one process or of several), gathered whatever the
+    // options (a collective must not depend on them: a rank with other options would otherwise hang here instead of
+    // failing the agreement). The expert-side reduction's send blocks wait for the peers' weights, so with a shared
+    // GPU each rank's grid takes a small share (16 send, 16 receive blocks for two ranks) and every rank's grid fits
+    // on the GPU at once.
     cudaDeviceProp prop{};
     check_cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties");
     std::vector<cudaUUID_t> uuids(num_ranks_);
@@ -94,7 +96,7 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
     const int sharing = static_cast<int>(std::count_if(uuids.begin(), uuids.end(), [&](const cudaUUID_t& u) {
       return std::memcmp(&u, &prop.uuid, sizeof(cudaUUID_t)) == 0;
     }));
-    if (sharing > 1) {
+    if (config_.expert_side_reduction && relay_group == nullptr && sharing > 1) {
       int blocks = 8;
       while (blocks * 2 <= 32 / sharing) blocks *= 2;
       shared_gpu_blocks_ = blocks;

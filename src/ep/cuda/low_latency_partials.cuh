@@ -82,8 +82,9 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
       if (weights_state[r] == 0) {
         uint64_t v = 0;
         const bool there =
-            ld_volatile_global(&ctrl->mask[r]) == 0 && wait_tag(peers, ctrl, at<uint64_t>(base, c.weights_signals) + r,
-                                                                tag, 0, r, r, kSiteLowLatencyCombineRecv, &v);
+            ld_volatile_global(&ctrl->mask[r]) == 0 &&
+            wait_tag(peers, ctrl, at<uint64_t>(base, c.weights_signals) + r, tag, 0, r, r, kSiteLowLatencyCombineRecv,
+                     &v, args.wait_cost != nullptr ? args.wait_cost + r : nullptr);
         weights_state[r] = there ? 1 : -1;
       }
       unit_ok = weights_state[r] == 1;
