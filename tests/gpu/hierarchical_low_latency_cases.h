@@ -106,6 +106,41 @@ inline std::vector<T> fetch(bool host, const Tensor& t, Stream stream) {
   return std::vector<T>(t.data_as<const T>(), t.data_as<const T>() + t.nbytes() / sizeof(T));
 }
 
+// One round's tensors: inputs x, topk, weights, the expert outputs y and the combine's out.
+struct RoundTensors {
+  Tensor x, topk, weights, y, out;
+};
+
+// The dispatch and combine arguments of one round of case c (hooks or not) on `stream`.
+inline LowLatencyDispatchArgs round_dispatch_args(const Case& c, const RoundTensors& t, bool hooks,
+                                                  const Tensor& cumulative, Stream stream) {
+  LowLatencyDispatchArgs a;
+  a.x = t.x;
+  a.topk_idx = t.topk;
+  a.max_tokens_per_rank = c.max_tokens;
+  a.num_experts = c.num_experts;
+  a.use_fp8 = c.fp8;
+  a.scale_format = c.scale_format;
+  a.round_scale = c.round_scale;
+  a.scale_layout = c.scale_layout;
+  a.return_recv_hook = hooks;
+  a.cumulative_recv_counts = cumulative;
+  a.stream = stream;
+  return a;
+}
+inline LowLatencyCombineArgs round_combine_args(const RoundTensors& t, const LowLatencyDispatchResult& res, bool hooks,
+                                                Stream stream) {
+  LowLatencyCombineArgs b;
+  b.x = t.y;
+  b.topk_idx = t.topk;
+  b.topk_weights = t.weights;
+  b.handle = res.handle;
+  b.return_recv_hook = hooks;
+  b.out = t.out;  // NOTE: given, so the combine allocates nothing (also under capture)
+  b.stream = stream;
+  return b;
+}
+
 // Device copies of one round's results, made on the stream and downloaded after the last round (see run_rank).
 struct DeviceRound {
   Tensor count, ranges, src_info, x, scales, combined;
@@ -135,9 +170,7 @@ inline RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, con
   RankOutput o;
   {
     const int64_t H = c.hidden, K = c.num_topk, E_local = c.local_experts();
-    struct Inputs {
-      Tensor x, topk, weights, y, out;
-    };
+    using Inputs = RoundTensors;
     std::vector<Inputs> inputs(c.rounds);
     std::vector<std::vector<int32_t>> topk32(c.rounds);
     std::vector<std::vector<uint16_t>> poison(c.rounds);  // host: written in place
@@ -173,19 +206,7 @@ inline RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, con
     for (int round = 0; round < c.rounds; ++round) {
       const bool hooks = c.hooks || round == c.hook_round;
       const Inputs& t = inputs[round];
-      LowLatencyDispatchArgs a;
-      a.x = t.x;
-      a.topk_idx = t.topk;
-      a.max_tokens_per_rank = c.max_tokens;
-      a.num_experts = c.num_experts;
-      a.use_fp8 = c.fp8;
-      a.scale_format = c.scale_format;
-      a.round_scale = c.round_scale;
-      a.scale_layout = c.scale_layout;
-      a.return_recv_hook = hooks;
-      a.cumulative_recv_counts = cumulative;
-      a.stream = stream;
-      LowLatencyDispatchResult res = buffer->low_latency_dispatch(a);
+      LowLatencyDispatchResult res = buffer->low_latency_dispatch(round_dispatch_args(c, t, hooks, cumulative, stream));
       EXPECT_EQ(static_cast<bool>(res.recv_hook), hooks);
       if (hooks) res.recv_hook();
       RoundOutput ro;
@@ -203,15 +224,7 @@ inline RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, con
         k.x = device_copy(res.recv_x, dev, stream);
         k.scales = device_copy(res.recv_x_scales, dev, stream);
       }
-      LowLatencyCombineArgs b;
-      b.x = t.y;
-      b.topk_idx = t.topk;
-      b.topk_weights = t.weights;
-      b.handle = res.handle;
-      b.return_recv_hook = hooks;
-      b.out = t.out;
-      b.stream = stream;
-      LowLatencyCombineResult comb = buffer->low_latency_combine(b);
+      LowLatencyCombineResult comb = buffer->low_latency_combine(round_combine_args(t, res, hooks, stream));
       if (hooks) comb.recv_hook();
       if (host) {
         ro.combined = fetch<uint16_t>(host, comb.x, stream);

@@ -214,8 +214,7 @@ std::vector<GraphCase> graph_cases(int num_ranks, uint64_t seed) {
 }
 
 // One round's device tensors: the inputs the graph reads and the combine's output, shapes fixed at the capture.
-struct GraphRound {
-  Tensor x, topk, weights, y, out;
+struct GraphRound : RoundTensors {
   LowLatencyDispatchResult res;  // views of the dispatch results in the buffer (set fixed at the capture)
 };
 
@@ -248,30 +247,10 @@ void load_round(const Case& c, const RoundInput& in, GraphRound& g, cudaStream_t
 // Dispatch + combine of one round on `stream` (hooks run at once); keeps the dispatch result in g.
 void enqueue_round(const Case& c, int round, Buffer& buffer, GraphRound& g, const Tensor& cumulative, Stream stream) {
   const bool hooks = c.hooks || round == c.hook_round;
-  LowLatencyDispatchArgs a;
-  a.x = g.x;
-  a.topk_idx = g.topk;
-  a.max_tokens_per_rank = c.max_tokens;
-  a.num_experts = c.num_experts;
-  a.use_fp8 = c.fp8;
-  a.scale_format = c.scale_format;
-  a.round_scale = c.round_scale;
-  a.scale_layout = c.scale_layout;
-  a.return_recv_hook = hooks;
-  a.cumulative_recv_counts = cumulative;
-  a.stream = stream;
-  g.res = buffer.low_latency_dispatch(a);
+  g.res = buffer.low_latency_dispatch(round_dispatch_args(c, g, hooks, cumulative, stream));
   EXPECT_EQ(static_cast<bool>(g.res.recv_hook), hooks);
   if (hooks) g.res.recv_hook();
-  LowLatencyCombineArgs b;
-  b.x = g.y;
-  b.topk_idx = g.topk;
-  b.topk_weights = g.weights;
-  b.handle = g.res.handle;
-  b.return_recv_hook = hooks;
-  b.out = g.out;  // NOTE: given, so the combine allocates nothing under capture
-  b.stream = stream;
-  LowLatencyCombineResult comb = buffer.low_latency_combine(b);
+  LowLatencyCombineResult comb = buffer.low_latency_combine(round_combine_args(g, g.res, hooks, stream));
   if (hooks) comb.recv_hook();
 }
 
