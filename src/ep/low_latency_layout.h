@@ -56,7 +56,12 @@ struct LowLatencyControl {
   unsigned int combine_ticket[2];
   int mask[kLowLatencyMaxRanks];                           // 1 = masked
   unsigned int combine_parts_done[kLowLatencyMaxExperts];  // per local expert: combine-send blocks finished
-  unsigned int partial_sends_done[2];  // per set: expert-side reduction send blocks finished (a power of two)
+  // Per set and destination rank: expert-side reduction send blocks done with that destination (a power of two).
+  unsigned int partial_sends_done[2][kLowLatencyMaxRanks];
+  // Per set and source rank: the low 32 bits of the tag of the last dispatch on the set whose receive here missed some
+  // or all of that source's pairs (a wait that timed out, or the source masked); the combine that reverses it then
+  // signals the source kCombineNoRows (low_latency.h). Entries of older dispatches never match.
+  uint32_t recv_lost[2][kLowLatencyMaxRanks];
 };
 
 }  // namespace epx::cuda

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -967,6 +968,162 @@ TEST_F(LowLatencyKernels, ScaleOptionsMatchHostBackend) {
     buffer.reset();
     cudaStreamDestroy(stream);
   });
+}
+
+// One rank's dispatch + combine through the Buffer API, for the mask tests below: `between` runs after the dispatch's
+// send half (the dispatch returns its hook) and before its receive half, `before_combine` between the dispatch and
+// the combine. Returns the combine output.
+struct MaskRound {
+  const Case& c;
+  Buffer& buffer;
+  cudaStream_t stream;
+  Device dev;
+  int64_t num_tokens;
+  void *x, *topk, *weights, *y;
+  std::vector<uint16_t> run(const std::function<void()>& between, const std::function<void()>& before_combine) {
+    LowLatencyDispatchArgs a;
+    a.x = TensorView::of(x, DType::kBFloat16, {num_tokens, c.hidden}, dev);
+    a.topk_idx = TensorView::of(topk, DType::kInt64, {num_tokens, c.num_topk}, dev);
+    a.max_tokens_per_rank = c.max_tokens;
+    a.num_experts = c.num_experts;
+    a.use_fp8 = c.use_fp8;
+    a.return_recv_hook = static_cast<bool>(between);
+    a.stream = stream;
+    auto d = buffer.low_latency_dispatch(a);
+    if (between) {
+      cudaStreamSynchronize(stream);  // the send half is out
+      between();
+      d.recv_hook();
+    }
+    if (before_combine) {
+      cudaStreamSynchronize(stream);
+      before_combine();
+    }
+    LowLatencyCombineArgs b;
+    const int64_t e_local = c.num_experts / c.num_ranks;
+    b.x = TensorView::of(y, DType::kBFloat16, {e_local, c.num_ranks * c.max_tokens, c.hidden}, dev);
+    b.topk_idx = a.topk_idx;
+    b.topk_weights = TensorView::of(weights, DType::kFloat32, {num_tokens, c.num_topk}, dev);
+    b.handle = d.handle;
+    b.stream = stream;
+    auto out = buffer.low_latency_combine(b);
+    cudaStreamSynchronize(stream);
+    std::vector<uint16_t> result = download<uint16_t>(out.x);
+    out = {};  // frees on `stream` (cudaFreeAsync): before the stream goes
+    return result;
+  }
+};
+
+// The same rank's four device copies of a round's inputs.
+struct DeviceInputs {
+  void *x = nullptr, *topk = nullptr, *weights = nullptr, *y = nullptr;
+  explicit DeviceInputs(const RankInputs& in)
+      : x(to_device(in.x)), topk(to_device(in.topk)), weights(to_device(in.weights)), y(to_device(in.y)) {}
+  ~DeviceInputs() {
+    for (void* p : {x, topk, weights, y}) cudaFree(p);
+  }
+  DeviceInputs(const DeviceInputs&) = delete;
+  DeviceInputs& operator=(const DeviceInputs&) = delete;
+};
+
+// A rank whose dispatch receive found a source masked, and whose mask was lifted before the combine, sent that source
+// none of its rows: its combine signals say so (kCombineNoRows), and the source counts its experts as zero instead of
+// adding the rows an earlier call left in the same buffer set (review of fd96f8c). Rank 1 masks rank 0 between its
+// dispatch's halves and unmasks it before the combine; rank 0's output must equal the host backend's with rank 1
+// absent, in both combine modes; the next round matches the host backend again.
+TEST_F(LowLatencyKernels, MaskLiftedBeforeCombineLeavesNoStaleRows) {
+  for (const bool expert_side : {false, true}) {
+    SCOPED_TRACE(expert_side ? "expert-side reduction" : "per-expert combine");
+    std::mt19937 rng(expert_side ? 91 : 90);
+    Case c{2, 64, 64, 2048, 8, 32, false, false};
+    c.expert_side = expert_side;
+    if (!runs_here(c)) GTEST_SKIP() << "needs " << c.num_ranks << " ranks";
+    auto old_in = make_inputs(c, rng);  // rounds 1 and 2 (sets 0 and 1): rows a stale read would find
+    auto in = make_inputs(c, rng);      // rounds 3 and 4
+    const auto expected_all = host_reference(c, in, {true, true});
+    const auto expected_alone = host_reference(c, in, {true, false});
+    const std::vector<int> devices = devices_for(c);
+    auto groups = create_cuda_groups(devices);
+    std::vector<std::vector<uint16_t>> third(c.num_ranks), fourth(c.num_ranks);
+    run_host_ranks(groups, [&](int r, Group& group) {
+      cudaSetDevice(devices[r]);
+      auto buffer = low_latency_buffer(groups[r], c);
+      cudaStream_t stream;
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      {
+        DeviceInputs a(old_in[r]), b(in[r]);
+        const Device dev = Device::cuda(devices[r]);
+        MaskRound old_round{c, *buffer, stream, dev, old_in[r].num_tokens, a.x, a.topk, a.weights, a.y};
+        MaskRound round{c, *buffer, stream, dev, in[r].num_tokens, b.x, b.topk, b.weights, b.y};
+        old_round.run(nullptr, nullptr);
+        old_round.run(nullptr, nullptr);
+        if (r == 1) {
+          third[r] = round.run([&] { buffer->mask_rank(0); }, [&] { buffer->unmask_rank(0); });
+        } else {
+          third[r] = round.run(nullptr, nullptr);
+        }
+        group.barrier();
+        EXPECT_FALSE(buffer->rank_mask()[1 - r]) << "rank " << r;
+        fourth[r] = round.run(nullptr, nullptr);
+      }
+      buffer.reset();
+      cudaStreamDestroy(stream);
+    });
+    EXPECT_EQ(third[0], expected_alone[0].out) << "rank 0 read rows rank 1 never sent this call";
+    for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(fourth[r], expected_all[r].out) << "rank " << r << ", next round";
+  }
+}
+
+// Expert-side reduction, a one-sided mask: rank 0 masks rank 1 between its dispatch's halves (after rank 1 received
+// rank 0's pairs), so rank 0 sends rank 1 no weights and rank 1 waits for them until its timeout. Rank 1's partials
+// for rank 2 must not wait with them: rank 2 gets them in time, masks nobody and matches the host backend (before the
+// fix every send block of rank 1 waited for rank 0's weights first, so rank 2 timed out on rank 1 too; review of
+// fd96f8c). Three ranks: on one GPU they share it (the expert-side grids are small there).
+TEST_F(LowLatencyKernels, ExpertSideOneSidedMaskStaysOneSided) {
+  std::mt19937 rng(93);
+  Case c{3, 32, 32, 2048, 6, 24, false, false};
+  c.expert_side = true;
+  if (!runs_here(c, 3)) GTEST_SKIP() << "needs " << c.num_ranks << " ranks";
+  auto in = make_inputs(c, rng);
+  const auto expected = host_reference(c, in, {true, true, true});
+  const std::vector<int> devices = devices_for(c);
+  CudaGroupOptions options;
+  options.timeout_ms = 2'000;
+  auto groups = create_cuda_groups(devices, options);
+  std::vector<std::vector<uint16_t>> first(c.num_ranks);
+  std::vector<std::vector<bool>> masks(c.num_ranks);
+  run_host_ranks(groups, [&](int r, Group& group) {
+    cudaSetDevice(devices[r]);
+    auto buffer = low_latency_buffer(groups[r], c);
+    cudaStream_t stream;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    {
+      DeviceInputs d(in[r]);
+      MaskRound round{c, *buffer, stream, Device::cuda(devices[r]), in[r].num_tokens, d.x, d.topk, d.weights, d.y};
+      if (r == 0) {
+        first[r] = round.run([&] { buffer->mask_rank(1); }, nullptr);
+      } else {
+        try {
+          first[r] = round.run(nullptr, nullptr);
+        } catch (const Error& e) {
+          ADD_FAILURE() << "rank " << r << ": " << e.what();
+        }
+      }
+      masks[r] = buffer->rank_mask();
+      group.barrier();
+      buffer->clear_rank_mask();
+      group.barrier();
+      EXPECT_EQ(round.run(nullptr, nullptr), expected[r].out) << "rank " << r << ", the round after (usable again)";
+    }
+    buffer.reset();
+    cudaStreamDestroy(stream);
+  });
+  EXPECT_EQ(first[2], expected[2].out) << "rank 2's combine with every partial in time";
+  EXPECT_TRUE(masks[0][1]);
+  EXPECT_TRUE(masks[1][0]) << "rank 1 waited for rank 0's weights until its timeout";
+  EXPECT_FALSE(masks[2][0]);
+  EXPECT_FALSE(masks[2][1]) << "rank 2 timed out on rank 1: rank 1's partials waited for rank 0's weights";
+  EXPECT_FALSE(masks[1][2]);
 }
 
 // Timing of EP2 (or EP1x2 on one GPU), 128 tokens, hidden 7168, top-8 of 256: fp8 dispatch, bf16 combine.

@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int row_start[kLowLatencyMaxRanks + 1];  // prefix of the rows to send, by source rank
   __shared__ int row_begin[kLowLatencyMaxRanks];      // packed row of source r's first pair in x
   __shared__ bool open[kLowLatencyMaxRanks];          // source r's path is open (not masked here)
+  __shared__ bool lost[kLowLatencyMaxRanks];          // the dispatch receive here missed source r's pairs
   const int parts = args.parts;
   const int64_t e_local = blockIdx.x / parts;
   const int part = static_cast<int>(blockIdx.x % parts);
@@ -34,9 +35,13 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     const int64_t* ranges = at<int64_t>(base, d.layout_range) + e_local * R;
     int rows = 0;
+    const uint32_t dispatch_tag = static_cast<uint32_t>(ctrl->dispatch_seq[args.dispatch_set]);
     for (int r = 0; r < R; ++r) {
       const int via = path_peer(peers.rank, r, G);
       open[r] = ld_volatile_global(&ctrl->mask[r]) == 0 && ld_volatile_global(&ctrl->mask[via]) == 0;
+      // A mask lifted since the dispatch: none of r's rows are here to send (its count is 0), and r must hear so
+      // (kCombineNoRows, or the relay's cut) instead of reading rows of an earlier call (docs/low-latency.md).
+      lost[r] = ctrl->recv_lost[args.dispatch_set][r] == dispatch_tag;
       row_start[r] = rows;
       row_begin[r] = static_cast<int>(ranges[r] >> 32);
       if (open[r]) rows += static_cast<int>(ranges[r] & 0xffffffff);
@@ -87,7 +92,7 @@ __global__ void __launch_bounds__(kThreads)
   if (r / G == node) {
     if (!open[r]) return;  // as the flat combine: nothing to a masked source
     st_release_sys(at<uint64_t>(peers.bases[r], c.combine_signals) + peers.rank * E_local + e_local,
-                   (tag << kCombineIdBits) | (args.tag_id & kCombineIdMask));
+                   (tag << kCombineIdBits) | (lost[r] ? kCombineNoRows : 0) | (args.tag_id & kCombineIdMask));
     return;
   }
   // NOTE: the forwarder hears from this expert whenever their link is open, also when this rank masked the source
@@ -97,7 +102,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t e_in_node = (peers.rank - node * G) * E_local + e_local;
   st_release_sys(
       at<uint64_t>(relay.bases[f], relay.off.row_signals[args.set]) + slot_of(r / G, node) * G * E_local + e_in_node,
-      (tag << kRelayTagShift) | (open[r] ? 0 : kRelayCut) | (args.tag_id & kCombineIdMask));
+      (tag << kRelayTagShift) | (open[r] && !lost[r] ? 0 : kRelayCut) | (args.tag_id & kCombineIdMask));
 }
 
 // One block row per other node n (slot blockIdx.x): this source's topk_weights, then the trailer's mask word (bit g:
@@ -213,7 +218,7 @@ __global__ void __launch_bounds__(kThreads)
         if (ld_volatile_global(&ctrl->mask[r]) == 0 &&
             wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, kCombineIdBits, r,
                      static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
-          ok = same_dispatch(peers, v, args.tag_id, r, static_cast<int>(e));
+          ok = same_dispatch(peers, v, args.tag_id, r, static_cast<int>(e)) && (v & kCombineNoRows) == 0;
         }
       }
       valid[k] = ok;

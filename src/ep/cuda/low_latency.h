@@ -117,9 +117,14 @@ struct LowLatencyCombineLaunch {
   unsigned long long* wait_cost = nullptr;  // LowLatencyCombineArgs::wait_recv_cost_ns: per expert rank, as dispatch's
 };
 
-// A combine signal is (tag << kCombineIdBits) | the sender's dispatch id (low bits).
+// A combine signal is (tag << kCombineIdBits) | kCombineNoRows or not | the sender's dispatch id (low kCombineIdWidth
+// bits). kCombineNoRows: the expert's rank missed this source's pairs in the dispatch (its receive timed out on the
+// source, or found it masked), wrote none of its rows this call, and the source counts its experts as zero instead of
+// reading rows of an earlier call (reachable when the mask is lifted between the dispatch and the combine).
 inline constexpr int kCombineIdBits = 24;
-inline constexpr uint32_t kCombineIdMask = (1u << kCombineIdBits) - 1;
+inline constexpr int kCombineIdWidth = 23;
+inline constexpr uint32_t kCombineIdMask = (1u << kCombineIdWidth) - 1;
+inline constexpr uint64_t kCombineNoRows = uint64_t{1} << kCombineIdWidth;
 
 // Loads the low-latency kernels into the current device's context; see preload_normal_kernels.
 cudaError_t preload_low_latency_kernels();

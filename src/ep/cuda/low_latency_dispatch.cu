@@ -212,6 +212,8 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
                  static_cast<int>(src * layout.num_local_experts + e_local), kSiteLowLatencyDispatchRecv, &v,
                  args.wait_cost != nullptr ? args.wait_cost + src : nullptr)) {
       c = static_cast<int>(v & 0xffffffffu);
+    } else {
+      ctrl->recv_lost[set][src] = static_cast<uint32_t>(tag);  // the combine then tells src it got no rows
     }
     counts[src] = c;
     lost[src] = false;
@@ -234,7 +236,10 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
       }
     }
     __syncthreads();
-    if (threadIdx.x < R && lost[threadIdx.x]) counts[threadIdx.x] = 0;
+    if (threadIdx.x < R && lost[threadIdx.x]) {
+      counts[threadIdx.x] = 0;
+      ctrl->recv_lost[set][threadIdx.x] = static_cast<uint32_t>(tag);
+    }
     __syncthreads();
   }
   griddepcontrol_launch_dependents();  // the block's last wait is behind it (the NOTE at ll::dispatch)

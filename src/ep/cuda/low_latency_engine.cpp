@@ -152,7 +152,7 @@ void LowLatencyEngine::report_device_events() {
                   "low-latency combine on rank {}: rank {} combined with the handle of another low-latency dispatch "
                   "(dispatch ids {} here, {} there, low {} bits); its rows for expert {} were left out of this rank's "
                   "output: every rank must pass the handle of the same dispatch",
-                  rank_, e.peer, e.expected, e.observed, kCombineIdBits, e.channel);
+                  rank_, e.peer, e.expected, e.observed, kCombineIdWidth, e.channel);
   }
   if (e.code == kErrExpertOverflow) {
     detail::raise(ErrorCode::kInvalidArgument,

@@ -5,8 +5,9 @@
 // combine_weights[this rank] and releases that rank's weights signal; then every block takes units (source r, token t)
 // of r's possible tokens: the dispatch receive's pair_map names the packed rows of r's pairs (t, k) here (stamped with
 // the dispatch's tag); a unit with pairs waits (once per block and source) for r's weights, sums w_k * y_k in fp32 over
-// its pairs in ascending k and stores the bf16 partial row into r's combine_data at [t][this rank]. The last block to
-// finish (a monotonic counter over a power-of-two grid) releases each open rank's combine signal [this rank].
+// its pairs in ascending k and stores the bf16 partial row into r's combine_data at [t][this rank]. Per destination r,
+// the last block done with r (a monotonic counter per destination over a power-of-two grid) releases r's combine signal
+// [this rank]; a block takes the sources whose weights are there first (partial_send_block's NOTE).
 // Receive half (the token's rank): per token slice, wait for the signal of every open rank a token's experts live on,
 // then out = bf16(0 + p_q over those ranks in ascending q) in fp32; the completion rule covers every open rank.
 // The arithmetic is the host backend's (host_low_latency_routing.cpp) bit for bit. Protocol: docs/low-latency.md.
@@ -26,71 +27,64 @@ __host__ __device__ inline int partial_send_blocks(const LowLatencyLayout& layou
   return blocks;
 }
 
-__device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                   const LowLatencyCombineLaunch& args, int block, int num_blocks) {
-  __shared__ bool open[kLowLatencyMaxRanks];          // the mask when the block started (uniform decisions)
-  __shared__ int weights_state[kLowLatencyMaxRanks];  // per source: 0 not yet awaited, 1 there, -1 lost
-  __shared__ int64_t rows[kLowLatencyMaxTopk];        // the unit's packed row per k, -1 without a pair
+// How partial_send_source looks for a source's weights: once (the first pass), once more (the deferred passes: the
+// wait since waited_since counts in wait_recv_cost_ns once they are there), or a last time before it gives up (the
+// timeout since waited_since expired: the source is masked and the timeout recorded, as a bounded wait's expiry).
+enum class WeightsLook { kFirst, kAgain, kLast };
+
+// One source r's units (r, t) among this block's (t = block mod num_blocks and up), from shared resume[r]: sums and
+// stores each unit's partial row into r's combine_data at [t][this rank]. r's weights are looked for at the first unit
+// with pairs (WeightsLook); when they are not there yet, resume[r] keeps the unit and false is returned (the block
+// comes back to r later). True: r is done in this block. Every thread calls it.
+__device__ bool partial_send_source(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                    const LowLatencyCombineLaunch& args, int r, int num_blocks, WeightsLook look,
+                                    uint64_t waited_since, uint64_t tag, uint64_t dispatch_tag, int64_t* resume,
+                                    int* weights_state) {
+  __shared__ int64_t rows[kLowLatencyMaxTopk];  // the unit's packed row per k, -1 without a pair
   __shared__ float weights[kLowLatencyMaxTopk];
-  __shared__ bool any, unit_ok;
-  const int R = peers.num_ranks;
+  __shared__ bool any;
   const int64_t M = layout.max_tokens_per_rank, H = layout.hidden;
   char* base = peers.bases[peers.rank];
   LowLatencyControl* ctrl = control_of(peers, layout);
-  const uint64_t tag = ctrl->combine_seq[set] + 1;
-  const uint64_t dispatch_tag = ctrl->dispatch_seq[args.dispatch_set] & 0xffffffffu;  // the dispatch's stamp
   const LowLatencySet& c = layout.sets[set];
-  const LowLatencySet& d = layout.sets[args.dispatch_set];
-  if (threadIdx.x < R) {
-    open[threadIdx.x] = ld_volatile_global(&ctrl->mask[threadIdx.x]) == 0;
-    weights_state[threadIdx.x] = 0;
-  }
-  __syncthreads();
-  if (block == 0) {
-    const int K = args.num_topk;
-    const int64_t per_rank = args.num_tokens * K;
-    for (int64_t i = threadIdx.x; i < R * per_rank; i += kThreads) {
-      const int q = static_cast<int>(i / per_rank);
-      if (!open[q]) continue;
-      const int64_t j = i - q * per_rank, t = j / K, k = j - t * K;
-      at<float>(peers.bases[q], c.combine_weights)[(peers.rank * M + t) * kLowLatencyMaxTopk + k] =
-          args.topk_weights[j];
-    }
-    __syncthreads();  // every thread's stores before the releases (cumulativity)
-    if (threadIdx.x < R && open[threadIdx.x]) {
-      st_release_sys(at<uint64_t>(peers.bases[threadIdx.x], c.weights_signals) + peers.rank, tag);
-    }
-  }
-  const int64_t* map = at<const int64_t>(base, d.pair_map);
+  const int64_t* map = at<const int64_t>(base, layout.sets[args.dispatch_set].pair_map);
   const auto* x = static_cast<const uint4*>(args.x);
   const int64_t row_vecs = H / 8;
-  for (int64_t u = block; u < R * M; u += num_blocks) {
-    const int r = static_cast<int>(u / M);
+  for (int64_t u = resume[r]; u < (r + 1) * M; u += num_blocks) {
     const int64_t t = u - r * M;
-    __syncthreads();  // rows[] and weights[] of the previous unit are no longer read
+    __syncthreads();  // rows[], weights[] and `any` of the previous unit are no longer read
     if (threadIdx.x == 0) any = false;
     __syncthreads();
     if (threadIdx.x < kLowLatencyMaxTopk) {
       const int64_t entry = map[u * kLowLatencyMaxTopk + threadIdx.x];
-      const bool hit = open[r] && (static_cast<uint64_t>(entry) >> 32) == dispatch_tag;
+      const bool hit = (static_cast<uint64_t>(entry) >> 32) == dispatch_tag;
       rows[threadIdx.x] = hit ? (entry & 0xffffffff) : -1;
       if (hit) any = true;
     }
     __syncthreads();
     if (!any) continue;  // uniform: no pair of (r, t) here
-    if (threadIdx.x == 0) {
-      if (weights_state[r] == 0) {
-        uint64_t v = 0;
-        const bool there =
-            ld_volatile_global(&ctrl->mask[r]) == 0 &&
-            wait_tag(peers, ctrl, at<uint64_t>(base, c.weights_signals) + r, tag, 0, r, r, kSiteLowLatencyCombineRecv,
-                     &v, args.wait_cost != nullptr ? args.wait_cost + r : nullptr);
-        weights_state[r] = there ? 1 : -1;
+    if (threadIdx.x == 0 && weights_state[r] == 0) {
+      const uint64_t v = ld_acquire_sys(at<const uint64_t>(base, c.weights_signals) + r);
+      if (ld_volatile_global(&ctrl->mask[r]) != 0) {
+        weights_state[r] = -1;  // masked meanwhile (another block's give-up, or a receive's timeout)
+      } else if (v == tag) {
+        weights_state[r] = 1;
+      } else if (look == WeightsLook::kLast) {
+        atomicExch(&ctrl->mask[r], 1);
+        record_failure(peers, kErrTimeout, kSiteLowLatencyCombineRecv, r, r, static_cast<int64_t>(tag),
+                       static_cast<int64_t>(v));
+        weights_state[r] = -1;
       }
-      unit_ok = weights_state[r] == 1;
+      if (look != WeightsLook::kFirst && weights_state[r] != 0 && args.wait_cost != nullptr) {
+        atomicAdd(args.wait_cost + r, static_cast<unsigned long long>(global_ns() - waited_since));
+      }
     }
     __syncthreads();
-    if (!unit_ok) continue;  // uniform: r's weights never came (r is masked now)
+    if (weights_state[r] == 0) {  // uniform: not there yet
+      resume[r] = u;
+      return false;
+    }
+    if (weights_state[r] < 0) return true;  // uniform: r's weights never came (r is masked now)
     if (threadIdx.x < kLowLatencyMaxTopk) {
       weights[threadIdx.x] =
           rows[threadIdx.x] >= 0
@@ -117,10 +111,86 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
       dst[v] = pack_bf16x8(acc);
     }
   }
-  if (last_of_parts(&ctrl->partial_sends_done[set], num_blocks) && threadIdx.x < R && open[threadIdx.x] &&
-      ld_volatile_global(&ctrl->mask[threadIdx.x]) == 0) {
-    st_release_sys(at<uint64_t>(peers.bases[threadIdx.x], c.combine_signals) + peers.rank,
-                   (tag << kCombineIdBits) | (args.dispatch_id & kCombineIdMask));
+  return true;
+}
+
+// NOTE: per destination, not per grid: a block finishes every source whose weights are there before it waits, then
+// looks at the late sources in turn until each is there or the timeout since the first look expired, and each
+// destination's signal goes out once every block is done with that destination. So a source that never sends its
+// weights (it masked this rank in the dispatch after this rank had received its pairs) delays only its own units, by
+// one timeout, and not this rank's partials for everyone else (which would make every other rank time out on this one
+// too).
+__device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
+                                   const LowLatencyCombineLaunch& args, int block, int num_blocks) {
+  __shared__ bool open[kLowLatencyMaxRanks];          // the mask when the block started (uniform decisions)
+  __shared__ int weights_state[kLowLatencyMaxRanks];  // per source: 0 not yet there, 1 there, -1 lost
+  __shared__ int64_t resume[kLowLatencyMaxRanks];     // per source: the block's next unit
+  const int R = peers.num_ranks;
+  const int64_t M = layout.max_tokens_per_rank;
+  LowLatencyControl* ctrl = control_of(peers, layout);
+  const uint64_t tag = ctrl->combine_seq[set] + 1;
+  const uint64_t dispatch_tag = ctrl->dispatch_seq[args.dispatch_set] & 0xffffffffu;  // the dispatch's stamp
+  const LowLatencySet& c = layout.sets[set];
+  if (threadIdx.x < R) {
+    const int r = threadIdx.x;
+    open[r] = ld_volatile_global(&ctrl->mask[r]) == 0;
+    weights_state[r] = 0;
+    const int64_t first = r * M;  // the block's first unit of source r: the first u >= r * M with u % num_blocks == block
+    resume[r] = first + ((block - first % num_blocks) % num_blocks + num_blocks) % num_blocks;
+  }
+  __syncthreads();
+  if (block == 0) {
+    const int K = args.num_topk;
+    const int64_t per_rank = args.num_tokens * K;
+    for (int64_t i = threadIdx.x; i < R * per_rank; i += kThreads) {
+      const int q = static_cast<int>(i / per_rank);
+      if (!open[q]) continue;
+      const int64_t j = i - q * per_rank, t = j / K, k = j - t * K;
+      at<float>(peers.bases[q], c.combine_weights)[(peers.rank * M + t) * kLowLatencyMaxTopk + k] =
+          args.topk_weights[j];
+    }
+    __syncthreads();  // every thread's stores before the releases (cumulativity)
+    if (threadIdx.x < R && open[threadIdx.x]) {
+      st_release_sys(at<uint64_t>(peers.bases[threadIdx.x], c.weights_signals) + peers.rank, tag);
+    }
+  }
+  // A source whose pairs this rank's dispatch receive missed (in part or whole) gets no rows: its signal says so.
+  auto no_rows = [&](int r) { return ctrl->recv_lost[args.dispatch_set][r] == static_cast<uint32_t>(dispatch_tag); };
+  auto finish = [&](int r) {  // every thread calls it, once per destination
+    if (last_of_parts(&ctrl->partial_sends_done[set][r], num_blocks) && threadIdx.x == 0 && open[r] &&
+        ld_volatile_global(&ctrl->mask[r]) == 0) {
+      st_release_sys(at<uint64_t>(peers.bases[r], c.combine_signals) + peers.rank,
+                     (tag << kCombineIdBits) | (no_rows(r) ? kCombineNoRows : 0) | (args.dispatch_id & kCombineIdMask));
+    }
+  };
+  // Own rank first (its weights are local), then the others in turn; then the sources whose weights were late.
+  __shared__ bool give_up;
+  unsigned deferred = 0;  // uniform
+  for (int i = 0; i < R; ++i) {
+    const int r = (peers.rank + i) % R;
+    if (!open[r] || no_rows(r) ||
+        partial_send_source(peers, layout, set, args, r, num_blocks, WeightsLook::kFirst, 0, tag, dispatch_tag, resume,
+                            weights_state)) {
+      finish(r);
+    } else {
+      deferred |= 1u << r;
+    }
+  }
+  const uint64_t since = deferred != 0 ? global_ns() : 0;  // read by thread 0 only below
+  while (deferred != 0) {
+    __syncthreads();
+    if (threadIdx.x == 0) give_up = global_ns() - since > peers.timeout_ns;
+    __syncthreads();
+    const WeightsLook look = give_up ? WeightsLook::kLast : WeightsLook::kAgain;
+    for (int i = 0; i < R; ++i) {
+      const int r = (peers.rank + i) % R;
+      if ((deferred >> r & 1) != 0 &&
+          partial_send_source(peers, layout, set, args, r, num_blocks, look, since, tag, dispatch_tag, resume,
+                              weights_state)) {
+        finish(r);
+        deferred &= ~(1u << r);
+      }
+    }
   }
 }
 
@@ -159,7 +229,8 @@ __device__ void partial_recv_blocks(const LowLatencyPeers& peers, const LowLaten
       if (chosen && ld_volatile_global(&ctrl->mask[q]) == 0 &&
           wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + q, tag, kCombineIdBits, q, q,
                    kSiteLowLatencyCombineRecv, &v, args.wait_cost != nullptr ? args.wait_cost + q : nullptr)) {
-        ok = same_dispatch(peers, v, args.dispatch_id, q, q);  // else its partial is left out (reported)
+        // Else its partial is left out (reported); kCombineNoRows: q wrote no row for this rank this call.
+        ok = same_dispatch(peers, v, args.dispatch_id, q, q) && (v & kCombineNoRows) == 0;
       }
       valid[q] = ok;
     }
