@@ -1074,11 +1074,13 @@ TEST_F(LowLatencyKernels, MaskLiftedBeforeCombineLeavesNoStaleRows) {
   }
 }
 
-// Expert-side reduction, a one-sided mask: rank 0 masks rank 1 between its dispatch's halves (after rank 1 received
-// rank 0's pairs), so rank 0 sends rank 1 no weights and rank 1 waits for them until its timeout. Rank 1's partials
-// for rank 2 must not wait with them: rank 2 gets them in time, masks nobody and matches the host backend (before the
-// fix every send block of rank 1 waited for rank 0's weights first, so rank 2 timed out on rank 1 too; review of
-// fd96f8c). Three ranks: on one GPU they share it (the expert-side grids are small there).
+// Expert-side reduction, a one-sided mask: rank 0 masks rank 2 between its dispatch's halves (after rank 2 received
+// rank 0's pairs), so rank 0 sends rank 2 no weights and rank 2 waits for them until its timeout. Rank 2's partials
+// for rank 1 must not wait with them: rank 1 gets them in time, masks nobody and matches the host backend (before the
+// fix every send block of rank 2 could wait for rank 0's weights first, so rank 1 timed out on rank 2 too; review of
+// fd96f8c). Rank 2, the last source, is the one masked, so rank 0's packed rows of rank 1's pairs (and the test's
+// expert outputs at them) are those of the host run with every rank. Three ranks: on one GPU they share it (the
+// expert-side grids are small there).
 TEST_F(LowLatencyKernels, ExpertSideOneSidedMaskStaysOneSided) {
   std::mt19937 rng(93);
   Case c{3, 32, 32, 2048, 6, 24, false, false};
@@ -1101,7 +1103,7 @@ TEST_F(LowLatencyKernels, ExpertSideOneSidedMaskStaysOneSided) {
       DeviceInputs d(in[r]);
       MaskRound round{c, *buffer, stream, Device::cuda(devices[r]), in[r].num_tokens, d.x, d.topk, d.weights, d.y};
       if (r == 0) {
-        first[r] = round.run([&] { buffer->mask_rank(1); }, nullptr);
+        first[r] = round.run([&] { buffer->mask_rank(2); }, nullptr);
       } else {
         try {
           first[r] = round.run(nullptr, nullptr);
@@ -1118,12 +1120,12 @@ TEST_F(LowLatencyKernels, ExpertSideOneSidedMaskStaysOneSided) {
     buffer.reset();
     cudaStreamDestroy(stream);
   });
-  EXPECT_EQ(first[2], expected[2].out) << "rank 2's combine with every partial in time";
-  EXPECT_TRUE(masks[0][1]);
-  EXPECT_TRUE(masks[1][0]) << "rank 1 waited for rank 0's weights until its timeout";
-  EXPECT_FALSE(masks[2][0]);
-  EXPECT_FALSE(masks[2][1]) << "rank 2 timed out on rank 1: rank 1's partials waited for rank 0's weights";
-  EXPECT_FALSE(masks[1][2]);
+  EXPECT_EQ(first[1], expected[1].out) << "rank 1's combine with every partial in time";
+  EXPECT_TRUE(masks[0][2]);
+  EXPECT_TRUE(masks[2][0]) << "rank 2 waited for rank 0's weights until its timeout";
+  EXPECT_FALSE(masks[1][0]);
+  EXPECT_FALSE(masks[1][2]) << "rank 1 timed out on rank 2: rank 2's partials waited for rank 0's weights";
+  EXPECT_FALSE(masks[2][1]);
 }
 
 // Timing of EP2 (or EP1x2 on one GPU), 128 tokens, hidden 7168, top-8 of 256: fp8 dispatch, bf16 combine.

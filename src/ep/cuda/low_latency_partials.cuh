@@ -156,9 +156,18 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
   }
   // A source whose pairs this rank's dispatch receive missed (in part or whole) gets no rows: its signal says so.
   auto no_rows = [&](int r) { return ctrl->recv_lost[args.dispatch_set][r] == static_cast<uint32_t>(dispatch_tag); };
-  auto finish = [&](int r) {  // every thread calls it, once per destination
-    if (last_of_parts(&ctrl->partial_sends_done[set][r], num_blocks) && threadIdx.x == 0 && open[r] &&
-        ld_volatile_global(&ctrl->mask[r]) == 0) {
+  // Every thread calls it, once per destination r, after the block's last store to r. The counter's phase as in
+  // last_of_parts; the system fence only after rows were stored (the rows stored since the last finish are all r's: a
+  // source is deferred only before its first stored unit), so that finishing a destination without rows costs an
+  // atomic, not a fence.
+  auto finish = [&](int r, bool stored) {
+    __syncthreads();  // every thread's stores to r before thread 0's fence (cumulativity)
+    if (threadIdx.x != 0) return;
+    if (stored) __threadfence_system();
+    const unsigned int done = atomicAdd(&ctrl->partial_sends_done[set][r], 1u) + 1;
+    if (done % static_cast<unsigned>(num_blocks) != 0) return;
+    __threadfence();  // acquire: the other blocks' rows for r, fenced before their increments
+    if (open[r] && ld_volatile_global(&ctrl->mask[r]) == 0) {
       st_release_sys(at<uint64_t>(peers.bases[r], c.combine_signals) + peers.rank,
                      (tag << kCombineIdBits) | (no_rows(r) ? kCombineNoRows : 0) | (args.dispatch_id & kCombineIdMask));
     }
@@ -171,7 +180,7 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
     if (!open[r] || no_rows(r) ||
         partial_send_source(peers, layout, set, args, r, num_blocks, WeightsLook::kFirst, 0, tag, dispatch_tag, resume,
                             weights_state)) {
-      finish(r);
+      finish(r, weights_state[r] == 1);
     } else {
       deferred |= 1u << r;
     }
@@ -187,7 +196,7 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
       if ((deferred >> r & 1) != 0 &&
           partial_send_source(peers, layout, set, args, r, num_blocks, look, since, tag, dispatch_tag, resume,
                               weights_state)) {
-        finish(r);
+        finish(r, weights_state[r] == 1);
         deferred &= ~(1u << r);
       }
     }
