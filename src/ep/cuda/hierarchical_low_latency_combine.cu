@@ -202,61 +202,57 @@ __global__ void __launch_bounds__(kThreads)
   const auto* topk = static_cast<const TopkT*>(args.topk);
   auto* out = static_cast<uint4*>(args.out);
   const int64_t row_vecs = H / 8;
-  const int parts = combine_recv_parts(args.num_tokens);
-  const int64_t part_vecs = (row_vecs + parts - 1) / parts;
-  for (int64_t unit = blockIdx.x; unit < args.num_tokens * parts; unit += gridDim.x) {
-    const int64_t t = unit / parts;
-    const int64_t v_begin = (unit % parts) * part_vecs, v_end = min(row_vecs, v_begin + part_vecs);
-    __syncthreads();
-    if (threadIdx.x < K) {
-      const int k = threadIdx.x;
-      const int64_t e = static_cast<int64_t>(topk[t * K + k]);
-      bool ok = false;
-      if (e >= 0 && e < layout.num_experts && e / (G * E_local) == node) {
-        const int r = static_cast<int>(e / E_local);
-        uint64_t v = 0;
-        if (ld_volatile_global(&ctrl->mask[r]) == 0 &&
-            wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, kCombineIdBits, r,
-                     static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
-          ok = same_dispatch(peers, v, args.tag_id, r, static_cast<int>(e)) && (v & kCombineNoRows) == 0;
-        }
-      }
-      valid[k] = ok;
-      weights[k] = ok ? args.topk_weights[t * K + k] : 0.f;
-    }
-    if (threadIdx.x >= 32 && threadIdx.x < 32 + N) {
-      const int n = threadIdx.x - 32;
-      int i = -1;
-      if (n != node) {
-        i = node_slot[t * N + n];
-        if (ld_volatile_global(&ctrl->mask[n * G + relay.local_rank]) != 0) i = -1;
-      }
-      record[n] = i;
-    }
-    __syncthreads();
-    const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
-    for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int n = 0; n < N; ++n) {
-        if (n == node) {
-          float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int k = 0; k < K; ++k) {
-            if (valid[k]) add_weighted(p, __ldcg(rows + k * row_vecs + v), weights[k]);
+  for_each_recv_unit(
+      args.num_tokens, row_vecs, blockIdx.x, gridDim.x,
+      [&](int64_t t) {
+        if (threadIdx.x < K) {
+          const int k = threadIdx.x;
+          const int64_t e = static_cast<int64_t>(topk[t * K + k]);
+          bool ok = false;
+          if (e >= 0 && e < layout.num_experts && e / (G * E_local) == node) {
+            const int r = static_cast<int>(e / E_local);
+            uint64_t v = 0;
+            if (ld_volatile_global(&ctrl->mask[r]) == 0 &&
+                wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, kCombineIdBits, r,
+                         static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
+              ok = same_dispatch(peers, v, args.tag_id, r, static_cast<int>(e)) && (v & kCombineNoRows) == 0;
+            }
           }
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], p[q]);
-        } else if (record[n] >= 0) {
-          const auto* partial =
-              at<const float4>(own, relay.off.partial_recv[args.set] + (slot_of(n, node) * M + record[n]) * H * 4);
-          const float4 lo = partial[2 * v], hi = partial[2 * v + 1];
-          const float p[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], p[q]);
+          valid[k] = ok;
+          weights[k] = ok ? args.topk_weights[t * K + k] : 0.f;
         }
-      }
-      out[t * row_vecs + v] = pack_bf16x8(acc);
-    }
-  }
+        if (threadIdx.x >= 32 && threadIdx.x < 32 + N) {
+          const int n = threadIdx.x - 32;
+          int i = -1;
+          if (n != node) {
+            i = node_slot[t * N + n];
+            if (ld_volatile_global(&ctrl->mask[n * G + relay.local_rank]) != 0) i = -1;
+          }
+          record[n] = i;
+        }
+      },
+      [&](int64_t t, int64_t v) {
+        const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int n = 0; n < N; ++n) {
+          if (n == node) {
+            float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int k = 0; k < K; ++k) {
+              if (valid[k]) add_weighted(p, __ldcg(rows + k * row_vecs + v), weights[k]);
+            }
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], p[q]);
+          } else if (record[n] >= 0) {
+            const auto* partial =
+                at<const float4>(own, relay.off.partial_recv[args.set] + (slot_of(n, node) * M + record[n]) * H * 4);
+            const float4 lo = partial[2 * v], hi = partial[2 * v + 1];
+            const float p[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], p[q]);
+          }
+        }
+        out[t * row_vecs + v] = pack_bf16x8(acc);
+      });
   // The completion rule over this node's experts (the flat combine's; the other nodes' forwarders meet this rank in
   // the NCCL legs).
   const int64_t node_experts = G * E_local;

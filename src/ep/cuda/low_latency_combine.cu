@@ -97,56 +97,38 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
   const auto* topk = static_cast<const TopkT*>(args.topk);
   auto* out = static_cast<uint4*>(args.out);
   const int64_t row_vecs = H / 8;
-  const int parts = combine_recv_parts(args.num_tokens);
-  const int64_t part_vecs = (row_vecs + parts - 1) / parts;
-  for (int64_t unit = first_block; unit < args.num_tokens * parts; unit += num_blocks) {
-    const int64_t t = unit / parts;
-    const int64_t v_begin = (unit % parts) * part_vecs;
-    const int64_t v_end = v_begin + part_vecs < row_vecs ? v_begin + part_vecs : row_vecs;
-    __syncthreads();  // weights[] of the previous token are no longer read
-    if (threadIdx.x < K) {
-      const int k = threadIdx.x;
-      const int64_t e = static_cast<int64_t>(topk[t * K + k]);
-      bool ok = false;
-      // NOTE: an id outside [0, num_experts) was sent to no expert by dispatch: treat it as -1 here too
-      // instead of indexing the mask and the signals out of bounds.
-      if (e >= 0 && e < layout.num_experts) {
-        const int r = static_cast<int>(e / layout.num_local_experts);
-        uint64_t v = 0;
-        if (ld_volatile_global(&ctrl->mask[r]) == 0 &&
-            wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, kCombineIdBits, r,
-                     static_cast<int>(e), kSiteLowLatencyCombineRecv, &v,
-                     args.wait_cost != nullptr ? args.wait_cost + r : nullptr)) {
-          // The expert's rank must reverse the same dispatch; otherwise its rows are left out (reported).
-          // kCombineNoRows: it sent none of this rank's rows this call (its dispatch receive missed them).
-          ok = same_dispatch(peers, v, args.dispatch_id, r, static_cast<int>(e)) && (v & kCombineNoRows) == 0;
+  for_each_recv_unit(
+      args.num_tokens, row_vecs, first_block, num_blocks,
+      [&](int64_t t) {
+        if (threadIdx.x >= K) return;
+        const int k = threadIdx.x;
+        const int64_t e = static_cast<int64_t>(topk[t * K + k]);
+        bool ok = false;
+        // NOTE: an id outside [0, num_experts) was sent to no expert by dispatch: treat it as -1 here too
+        // instead of indexing the mask and the signals out of bounds.
+        if (e >= 0 && e < layout.num_experts) {
+          const int r = static_cast<int>(e / layout.num_local_experts);
+          uint64_t v = 0;
+          if (ld_volatile_global(&ctrl->mask[r]) == 0 &&
+              wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, kCombineIdBits, r,
+                       static_cast<int>(e), kSiteLowLatencyCombineRecv, &v,
+                       args.wait_cost != nullptr ? args.wait_cost + r : nullptr)) {
+            // The expert's rank must reverse the same dispatch; otherwise its rows are left out (reported).
+            // kCombineNoRows: it sent none of this rank's rows this call (its dispatch receive missed them).
+            ok = same_dispatch(peers, v, args.dispatch_id, r, static_cast<int>(e)) && (v & kCombineNoRows) == 0;
+          }
         }
-      }
-      valid[k] = ok;
-      weights[k] = ok ? args.topk_weights[t * K + k] : 0.f;
-    }
-    __syncthreads();
-    const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
-    for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      // The rows of kChunk slots are loaded before any is added (loads in flight), then added in ascending k.
-      constexpr int kChunk = 8;
-      for (int k0 = 0; k0 < K; k0 += kChunk) {
-        uint4 raw[kChunk] = {};
-#pragma unroll
-        for (int u = 0; u < kChunk; ++u) {
-          const int k = k0 + u;
-          if (k < K && valid[k]) raw[u] = rows[k * row_vecs + v];
-        }
-#pragma unroll
-        for (int u = 0; u < kChunk; ++u) {
-          const int k = k0 + u;
-          if (k < K && valid[k]) add_weighted(acc, raw[u], weights[k]);
-        }
-      }
-      out[t * row_vecs + v] = pack_bf16x8(acc);
-    }
-  }
+        valid[k] = ok;
+        weights[k] = ok ? args.topk_weights[t * K + k] : 0.f;
+      },
+      [&](int64_t t, int64_t v) {
+        const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        sum_slots<8>(
+            acc, K, [&](int k) { return valid[k]; }, [&](int k) { return rows[k * row_vecs + v]; },
+            [&](float* a, int k, uint4 raw) { add_weighted(a, raw, weights[k]); });
+        out[t * row_vecs + v] = pack_bf16x8(acc);
+      });
 }
 
 // At least one block, so the set's sequence number advances on an idle rank too.

@@ -140,6 +140,23 @@ __device__ __forceinline__ void add_bf16x8(float acc[8], uint4 raw) {
   }
 }
 
+// acc[0..8) += the 16-byte vectors of the slots i in [0, n) that count (counts(i)), in ascending i: the loads of
+// kChunk slots are issued before any of them is added (loads in flight), add(acc, i, raw) adds one.
+template <int kChunk, typename Counts, typename Load, typename Add>
+__device__ __forceinline__ void sum_slots(float acc[8], int n, Counts&& counts, Load&& load, Add&& add) {
+  for (int i0 = 0; i0 < n; i0 += kChunk) {
+    uint4 raw[kChunk] = {};
+#pragma unroll
+    for (int u = 0; u < kChunk; ++u) {
+      if (i0 + u < n && counts(i0 + u)) raw[u] = load(i0 + u);
+    }
+#pragma unroll
+    for (int u = 0; u < kChunk; ++u) {
+      if (i0 + u < n && counts(i0 + u)) add(acc, i0 + u, raw[u]);
+    }
+  }
+}
+
 // The 8 sums as bf16 (round to nearest even).
 __device__ __forceinline__ uint4 pack_bf16x8(const float acc[8]) {
   return make_uint4(detail::cvt_float2_to_bf16x2(acc[0], acc[1]), detail::cvt_float2_to_bf16x2(acc[2], acc[3]),
@@ -210,6 +227,26 @@ __host__ __device__ inline int combine_recv_parts(int64_t num_tokens) {
          : num_tokens <= kCombineRecvBlocks / 4 ? 4
          : num_tokens <= kCombineRecvBlocks / 2 ? 2
                                                 : 1;
+}
+
+// The combine receive's units: combine_recv_parts(T) slices of each token's hidden vector, one unit per block at a
+// time (blocks first_block, first_block + num_blocks, ...). Per unit: prepare(t) between two barriers (threads fill
+// the block's shared state for token t: which rows count, their weights), then slice(t, v) for each 16-byte vector v of
+// the unit's slice, one per thread. Every thread calls it.
+template <typename Prepare, typename Slice>
+__device__ __forceinline__ void for_each_recv_unit(int64_t num_tokens, int64_t row_vecs, int64_t first_block,
+                                                   int64_t num_blocks, Prepare&& prepare, Slice&& slice) {
+  const int parts = combine_recv_parts(num_tokens);
+  const int64_t part_vecs = (row_vecs + parts - 1) / parts;
+  for (int64_t unit = first_block; unit < num_tokens * parts; unit += num_blocks) {
+    const int64_t t = unit / parts;
+    const int64_t v_begin = (unit % parts) * part_vecs;
+    const int64_t v_end = v_begin + part_vecs < row_vecs ? v_begin + part_vecs : row_vecs;
+    __syncthreads();  // the previous unit's shared state is no longer read
+    prepare(t);
+    __syncthreads();
+    for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) slice(t, v);
+  }
 }
 
 // Quantizes the 16 bf16 channels in (lo, hi) as part of a 128-channel block held by 8 consecutive lanes (the

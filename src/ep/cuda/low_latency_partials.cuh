@@ -28,9 +28,11 @@ __host__ __device__ inline int partial_send_blocks(const LowLatencyLayout& layou
 }
 
 // How partial_send_source looks for a source's weights: once (the first pass), once more (the deferred passes: the
-// wait since waited_since counts in wait_recv_cost_ns once they are there), or a last time before it gives up (the
-// timeout since waited_since expired: the source is masked and the timeout recorded, as a bounded wait's expiry).
-enum class WeightsLook { kFirst, kAgain, kLast };
+// wait since waited_since counts in wait_recv_cost_ns once they are there), by a bounded wait for what is left of the
+// timeout since waited_since (the only late source: nothing else to do meanwhile, and a spin wakes up soonest), or a
+// last time before it gives up (that timeout expired). Expiry masks the source and records the timeout, as any
+// bounded wait's.
+enum class WeightsLook { kFirst, kAgain, kWait, kLast };
 
 // One source r's units (r, t) among this block's (t = block mod num_blocks and up), from shared resume[r]: sums and
 // stores each unit's partial row into r's combine_data at [t][this rank]. r's weights are looked for at the first unit
@@ -64,16 +66,30 @@ __device__ bool partial_send_source(const LowLatencyPeers& peers, const LowLaten
     __syncthreads();
     if (!any) continue;  // uniform: no pair of (r, t) here
     if (threadIdx.x == 0 && weights_state[r] == 0) {
-      const uint64_t v = ld_acquire_sys(at<const uint64_t>(base, c.weights_signals) + r);
-      if (ld_volatile_global(&ctrl->mask[r]) != 0) {
-        weights_state[r] = -1;  // masked meanwhile (another block's give-up, or a receive's timeout)
-      } else if (v == tag) {
-        weights_state[r] = 1;
-      } else if (look == WeightsLook::kLast) {
+      const uint64_t* signal = at<const uint64_t>(base, c.weights_signals) + r;
+      auto expire = [&](uint64_t v) {
         atomicExch(&ctrl->mask[r], 1);
         record_failure(peers, kErrTimeout, kSiteLowLatencyCombineRecv, r, r, static_cast<int64_t>(tag),
                        static_cast<int64_t>(v));
-        weights_state[r] = -1;
+      };
+      if (look == WeightsLook::kWait) {
+        const uint64_t spent = global_ns() - waited_since;
+        weights_state[r] = bounded_wait<1>(
+                               signal, spent < peers.timeout_ns ? peers.timeout_ns - spent : 0,
+                               [&](uint64_t v) { return v == tag; },
+                               [&] { return ld_volatile_global(&ctrl->mask[r]) != 0; }, expire)
+                               ? 1
+                               : -1;
+      } else {
+        const uint64_t v = ld_acquire_sys(signal);
+        if (ld_volatile_global(&ctrl->mask[r]) != 0) {
+          weights_state[r] = -1;  // masked meanwhile (another block's give-up, or a receive's timeout)
+        } else if (v == tag) {
+          weights_state[r] = 1;
+        } else if (look == WeightsLook::kLast) {
+          expire(v);
+          weights_state[r] = -1;
+        }
       }
       if (look != WeightsLook::kFirst && weights_state[r] != 0 && args.wait_cost != nullptr) {
         atomicAdd(args.wait_cost + r, static_cast<unsigned long long>(global_ns() - waited_since));
@@ -95,19 +111,10 @@ __device__ bool partial_send_source(const LowLatencyPeers& peers, const LowLaten
     uint4* dst = at<uint4>(peers.bases[r], c.combine_data + (t * kLowLatencyMaxTopk + peers.rank) * H * 2);
     for (int64_t v = threadIdx.x; v < row_vecs; v += kThreads) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      // The rows of kChunk slots are loaded before any is added (loads in flight), then added in ascending k.
-      constexpr int kChunk = 8;
-      for (int k0 = 0; k0 < kLowLatencyMaxTopk; k0 += kChunk) {
-        uint4 raw[kChunk] = {};
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
-          if (rows[k0 + i] >= 0) raw[i] = __ldg(x + rows[k0 + i] * row_vecs + v);
-        }
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
-          if (rows[k0 + i] >= 0) add_weighted(acc, raw[i], weights[k0 + i]);
-        }
-      }
+      sum_slots<8>(
+          acc, kLowLatencyMaxTopk, [&](int k) { return rows[k] >= 0; },
+          [&](int k) { return __ldg(x + rows[k] * row_vecs + v); },
+          [&](float* a, int k, uint4 raw) { add_weighted(a, raw, weights[k]); });
       dst[v] = pack_bf16x8(acc);
     }
   }
@@ -190,7 +197,9 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
     __syncthreads();
     if (threadIdx.x == 0) give_up = global_ns() - since > peers.timeout_ns;
     __syncthreads();
-    const WeightsLook look = give_up ? WeightsLook::kLast : WeightsLook::kAgain;
+    const WeightsLook look = give_up                ? WeightsLook::kLast
+                             : __popc(deferred) == 1 ? WeightsLook::kWait
+                                                     : WeightsLook::kAgain;
     for (int i = 0; i < R; ++i) {
       const int r = (peers.rank + i) % R;
       if ((deferred >> r & 1) != 0 &&
@@ -218,51 +227,35 @@ __device__ void partial_recv_blocks(const LowLatencyPeers& peers, const LowLaten
   const auto* topk = static_cast<const TopkT*>(args.topk);
   auto* out = static_cast<uint4*>(args.out);
   const int64_t row_vecs = H / 8;
-  const int parts = combine_recv_parts(args.num_tokens);
-  const int64_t part_vecs = (row_vecs + parts - 1) / parts;
-  for (int64_t unit = first_block; unit < args.num_tokens * parts; unit += num_blocks) {
-    const int64_t t = unit / parts;
-    const int64_t v_begin = (unit % parts) * part_vecs;
-    const int64_t v_end = v_begin + part_vecs < row_vecs ? v_begin + part_vecs : row_vecs;
-    __syncthreads();  // valid[] of the previous unit is no longer read
-    if (threadIdx.x < R) {
-      const int q = threadIdx.x;
-      bool chosen = false;
-      for (int k = 0; k < K; ++k) {
-        // NOTE: an id outside [0, num_experts) was sent to no expert by dispatch: as -1.
-        const int64_t e = static_cast<int64_t>(topk[t * K + k]);
-        chosen |= e >= 0 && e < layout.num_experts && e / E_local == q;
-      }
-      bool ok = false;
-      uint64_t v = 0;
-      if (chosen && ld_volatile_global(&ctrl->mask[q]) == 0 &&
-          wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + q, tag, kCombineIdBits, q, q,
-                   kSiteLowLatencyCombineRecv, &v, args.wait_cost != nullptr ? args.wait_cost + q : nullptr)) {
-        // Else its partial is left out (reported); kCombineNoRows: q wrote no row for this rank this call.
-        ok = same_dispatch(peers, v, args.dispatch_id, q, q) && (v & kCombineNoRows) == 0;
-      }
-      valid[q] = ok;
-    }
-    __syncthreads();
-    const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
-    for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      // kChunk ranks' rows are loaded before any is added (loads in flight), then added in ascending q.
-      constexpr int kChunk = 4;
-      for (int q0 = 0; q0 < R; q0 += kChunk) {
-        uint4 raw[kChunk] = {};
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
-          if (q0 + i < R && valid[q0 + i]) raw[i] = __ldcg(rows + (q0 + i) * row_vecs + v);
+  for_each_recv_unit(
+      args.num_tokens, row_vecs, first_block, num_blocks,
+      [&](int64_t t) {
+        if (threadIdx.x >= R) return;
+        const int q = threadIdx.x;
+        bool chosen = false;
+        for (int k = 0; k < K; ++k) {
+          // NOTE: an id outside [0, num_experts) was sent to no expert by dispatch: as -1.
+          const int64_t e = static_cast<int64_t>(topk[t * K + k]);
+          chosen |= e >= 0 && e < layout.num_experts && e / E_local == q;
         }
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
-          if (q0 + i < R && valid[q0 + i]) add_bf16x8(acc, raw[i]);
+        bool ok = false;
+        uint64_t v = 0;
+        if (chosen && ld_volatile_global(&ctrl->mask[q]) == 0 &&
+            wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + q, tag, kCombineIdBits, q, q,
+                     kSiteLowLatencyCombineRecv, &v, args.wait_cost != nullptr ? args.wait_cost + q : nullptr)) {
+          // Else its partial is left out (reported); kCombineNoRows: q wrote no row for this rank this call.
+          ok = same_dispatch(peers, v, args.dispatch_id, q, q) && (v & kCombineNoRows) == 0;
         }
-      }
-      out[t * row_vecs + v] = pack_bf16x8(acc);
-    }
-  }
+        valid[q] = ok;
+      },
+      [&](int64_t t, int64_t v) {
+        const auto* rows = at<const uint4>(base, c.combine_data + t * kLowLatencyMaxTopk * H * 2);
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        sum_slots<4>(
+            acc, R, [&](int q) { return valid[q]; }, [&](int q) { return __ldcg(rows + q * row_vecs + v); },
+            [](float* a, int, uint4 raw) { add_bf16x8(a, raw); });
+        out[t * row_vecs + v] = pack_bf16x8(acc);
+      });
 }
 
 }  // namespace
