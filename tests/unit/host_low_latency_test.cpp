@@ -494,6 +494,57 @@ TEST(HostLowLatency, HookSplitsSendAndReceive) {
   }
 }
 
+// The semantics the cuda backend matches with kCombineNoRows (tests/gpu/low_latency_kernels_test.cpp,
+// MaskLiftedBeforeCombineLeavesNoStaleRows): a rank contributes to a combine only the rows its dispatch received.
+// Rank 1 masks rank 0 between its dispatch's halves (so its receive leaves rank 0's pairs out) and unmasks it before
+// the combine: rank 0's tokens get nothing from rank 1's experts, without a wait or an error, and rank 1's tokens
+// everything from rank 0's. The next round has everyone again.
+TEST(HostLowLatency, MaskLiftedBetweenDispatchAndCombine) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Case c;
+  c.num_ranks = 2;
+  c.num_experts = 8;
+  c.num_topk = 3;
+  auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
+  auto buffers = make_buffers(groups);
+  Step step;
+  step.dispatched.resize(c.num_ranks);
+  step.expert_out.resize(c.num_ranks);
+  step.combined.resize(c.num_ranks);
+  auto in = make_inputs(rng, c);
+  std::barrier sync(c.num_ranks);
+  const auto start = std::chrono::steady_clock::now();
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    auto a = dispatch_args(in[r], c);
+    a.return_recv_hook = true;
+    step.dispatched[r] = buffers[r]->low_latency_dispatch(a);
+    sync.arrive_and_wait();  // both sends are out
+    if (r == 1) buffers[r]->mask_rank(0);
+    step.dispatched[r].recv_hook();
+    if (r == 1) buffers[r]->unmask_rank(0);
+    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)) << "nobody waits for a timeout";
+  check_dispatch(in, c, 0, step.dispatched[0], {true, true});
+  check_dispatch(in, c, 1, step.dispatched[1], {false, true});
+  check_combine(in, c, 0, step.combined[0].x, {true, false});
+  check_combine(in, c, 1, step.combined[1].x, {true, true});
+  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(buffers[r]->rank_mask(), std::vector<bool>(2, false)) << "rank " << r;
+  in = make_inputs(rng, c);
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
+    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
+    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+  });
+  for (int r = 0; r < c.num_ranks; ++r) {
+    check_dispatch(in, c, r, step.dispatched[r], {true, true});
+    check_combine(in, c, r, step.combined[r].x, {true, true});
+  }
+}
+
 TEST(HostLowLatency, TwoResultsStayValid) {
   const unsigned seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

@@ -74,12 +74,12 @@ __device__ bool partial_send_source(const LowLatencyPeers& peers, const LowLaten
       };
       if (look == WeightsLook::kWait) {
         const uint64_t spent = global_ns() - waited_since;
-        weights_state[r] = bounded_wait<1>(
-                               signal, spent < peers.timeout_ns ? peers.timeout_ns - spent : 0,
-                               [&](uint64_t v) { return v == tag; },
-                               [&] { return ld_volatile_global(&ctrl->mask[r]) != 0; }, expire)
-                               ? 1
-                               : -1;
+        weights_state[r] =
+            bounded_wait<1>(
+                signal, spent < peers.timeout_ns ? peers.timeout_ns - spent : 0, [&](uint64_t v) { return v == tag; },
+                [&] { return ld_volatile_global(&ctrl->mask[r]) != 0; }, expire)
+                ? 1
+                : -1;
       } else {
         const uint64_t v = ld_acquire_sys(signal);
         if (ld_volatile_global(&ctrl->mask[r]) != 0) {
@@ -142,7 +142,8 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
     const int r = threadIdx.x;
     open[r] = ld_volatile_global(&ctrl->mask[r]) == 0;
     weights_state[r] = 0;
-    const int64_t first = r * M;  // the block's first unit of source r: the first u >= r * M with u % num_blocks == block
+    // The block's first unit of source r: the first u >= r * M with u % num_blocks == block.
+    const int64_t first = r * M;
     resume[r] = first + ((block - first % num_blocks) % num_blocks + num_blocks) % num_blocks;
   }
   __syncthreads();
@@ -197,14 +198,13 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
     __syncthreads();
     if (threadIdx.x == 0) give_up = global_ns() - since > peers.timeout_ns;
     __syncthreads();
-    const WeightsLook look = give_up                ? WeightsLook::kLast
+    const WeightsLook look = give_up                 ? WeightsLook::kLast
                              : __popc(deferred) == 1 ? WeightsLook::kWait
                                                      : WeightsLook::kAgain;
     for (int i = 0; i < R; ++i) {
       const int r = (peers.rank + i) % R;
-      if ((deferred >> r & 1) != 0 &&
-          partial_send_source(peers, layout, set, args, r, num_blocks, look, since, tag, dispatch_tag, resume,
-                              weights_state)) {
+      if ((deferred >> r & 1) != 0 && partial_send_source(peers, layout, set, args, r, num_blocks, look, since, tag,
+                                                          dispatch_tag, resume, weights_state)) {
         finish(r, weights_state[r] == 1);
         deferred &= ~(1u << r);
       }
