@@ -234,8 +234,11 @@ struct DeviceRank {
 class Rig {
  public:
   Rig(const Case& c, int num_gpus, uint64_t timeout_ns = 2'000'000'000)
-      : c_(c), shared_gpu_blocks_(c.num_ranks > num_gpus ? 16 : 0) {
+      : c_(c) {
     layout_ = LowLatencyLayout::make(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
+    // Ranks sharing a GPU: the combine grids LowLatencyEngine passes them.
+    CUDA_CHECK_THROW(cudaSetDevice(0));
+    shared_gpu_ = shared_gpu_combine_grid((c.num_ranks + num_gpus - 1) / num_gpus);
     ranks_.resize(c.num_ranks);
     for (int r = 0; r < c.num_ranks; ++r) {
       auto& d = ranks_[r];
@@ -342,9 +345,8 @@ class Rig {
             /*dispatch_id=*/0,
             /*programmatic_launch=*/c_.programmatic_launch,
             /*expert_side=*/c_.expert_side,
-            // Ranks sharing a GPU: small expert-side grids, as LowLatencyEngine passes them.
-            /*partial_send_blocks=*/shared_gpu_blocks_,
-            /*partial_recv_blocks=*/shared_gpu_blocks_};
+            /*partial_send_blocks=*/shared_gpu_.send_blocks,
+            /*recv_blocks=*/shared_gpu_.recv_blocks};
   }
 
   // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive
@@ -438,7 +440,7 @@ class Rig {
   std::vector<DeviceRank> ranks_;
   std::vector<LowLatencyPeers> peers_;
   int64_t num_tokens_[kLowLatencyMaxRanks] = {};
-  int shared_gpu_blocks_ = 0;
+  SharedGpuCombineGrid shared_gpu_;
 };
 
 class LowLatencyKernels : public ::testing::Test {

@@ -109,13 +109,24 @@ struct LowLatencyCombineLaunch {
   // weights to every open rank, then one bf16 partial row per (source, token) with pairs here; the receive sums one
   // row per chosen rank (low_latency_partials.cuh).
   bool expert_side = false;
-  // Its grid: send blocks (a power of two; 0: partial_send_blocks(layout), up to 128) and a cap on the receive blocks
-  // (0: none). Ranks sharing a GPU pass small grids: a send block waits for the peers' weights, so two ranks' grids
-  // must fit on the GPU at once (LowLatencyEngine).
+  // Its send blocks (a power of two; 0: partial_send_blocks(layout), up to 128).
   int partial_send_blocks = 0;
-  int partial_recv_blocks = 0;
+  // A cap on the receive blocks of either combine (0: none): ranks sharing a GPU pass shared_gpu_combine_grid's.
+  int recv_blocks = 0;
   unsigned long long* wait_cost = nullptr;  // LowLatencyCombineArgs::wait_recv_cost_ns: per expert rank, as dispatch's
 };
+
+// The combine grids of ranks that share one GPU (`sharing` of them, counted by the GPU's UUID; this device current).
+// Receiving blocks spin until the peers' rows are there, so they must leave room for the peers' sending blocks: with
+// the full grid (up to 264 receive blocks), one rank's receive took nearly every resident slot of an H200 and its peer's
+// sends trickled through the rest (a 128-token combine 165 us against 38.8 on two GPUs). Each rank gets 1/sharing of
+// the GPU's resident blocks of ll::combine, half of it to receive; the expert-side reduction's send blocks (they wait
+// for the peers' weights) take the other half, a power of two. sharing <= 1: {0, 0} (the full grids).
+struct SharedGpuCombineGrid {
+  int send_blocks = 0;  // LowLatencyCombineLaunch::partial_send_blocks
+  int recv_blocks = 0;  // LowLatencyCombineLaunch::recv_blocks
+};
+SharedGpuCombineGrid shared_gpu_combine_grid(int sharing);
 
 // A combine signal is (tag << kCombineIdBits) | kCombineNoRows or not | the sender's dispatch id (low kCombineIdWidth
 // bits). kCombineNoRows: the expert's rank missed this source's pairs in the dispatch (its receive timed out on the

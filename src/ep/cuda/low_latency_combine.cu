@@ -198,8 +198,7 @@ void launch_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout
                             : a.expert_side           ? static_cast<unsigned>(a.partial_send_blocks)
                                                       : static_cast<unsigned>(layout.num_local_experts * parts);
   unsigned num_recv = phase == ll::Phase::kSend ? 0 : combine_recv_blocks_for(args.num_tokens);
-  if (a.expert_side && a.partial_recv_blocks > 0)
-    num_recv = std::min(num_recv, static_cast<unsigned>(a.partial_recv_blocks));
+  if (a.recv_blocks > 0) num_recv = std::min(num_recv, static_cast<unsigned>(a.recv_blocks));
   const dim3 grid(num_send + num_recv);
   launch_for_topk_type(args.topk_int64, what, [&](auto topk_id) {
     check_cuda(launch_kernel(&ll::combine<decltype(topk_id)>, grid, dim3(kThreads), 0, stream, args.programmatic_launch,
@@ -209,6 +208,21 @@ void launch_combine(const LowLatencyPeers& peers, const LowLatencyLayout& layout
 }
 
 }  // namespace
+
+SharedGpuCombineGrid shared_gpu_combine_grid(int sharing) {
+  if (sharing <= 1) return {};
+  int device = 0, per_sm = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, &ll::combine<int64_t>, kThreads, 0),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor (low-latency combine)");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  const int share = std::max(2, per_sm * sms / sharing);  // resident blocks per rank
+  SharedGpuCombineGrid grid;
+  grid.send_blocks = 1;
+  while (grid.send_blocks * 2 <= share / 2 && grid.send_blocks < 128) grid.send_blocks *= 2;
+  grid.recv_blocks = std::max(1, share / 2);
+  return grid;
+}
 
 void launch_low_latency_combine(ll::Phase phase, const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                 const LowLatencyCombineLaunch& args, cudaStream_t stream) {

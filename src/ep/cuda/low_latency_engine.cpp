@@ -86,9 +86,9 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
   {
     // Ranks on this rank's GPU, by the GPU's UUID (ranks of one process or of several), gathered whatever the
     // options (a collective must not depend on them: a rank with other options would otherwise hang here instead of
-    // failing the agreement). The expert-side reduction's send blocks wait for the peers' weights, so with a shared
-    // GPU each rank's grid takes a small share (16 send, 16 receive blocks for two ranks) and every rank's grid fits
-    // on the GPU at once.
+    // failing the agreement). With a shared GPU each rank's combine grid takes its share of the GPU's resident blocks
+    // (shared_gpu_combine_grid: a receive that spins, or the expert-side reduction's send that waits for weights,
+    // must leave room for the peers' blocks).
     cudaDeviceProp prop{};
     check_cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties");
     std::vector<cudaUUID_t> uuids(num_ranks_);
@@ -96,11 +96,7 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
     const int sharing = static_cast<int>(std::count_if(uuids.begin(), uuids.end(), [&](const cudaUUID_t& u) {
       return std::memcmp(&u, &prop.uuid, sizeof(cudaUUID_t)) == 0;
     }));
-    if (config_.expert_side_reduction && relay_group == nullptr && sharing > 1) {
-      int blocks = 8;
-      while (blocks * 2 <= 32 / sharing) blocks *= 2;
-      shared_gpu_blocks_ = blocks;
-    }
+    if (relay_group == nullptr) shared_gpu_ = shared_gpu_combine_grid(sharing);
   }
   group_.barrier();
 }
@@ -265,8 +261,8 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
                                        handle->dispatch_id,
                                        /*programmatic_launch=*/relay_ == nullptr && config_.programmatic_launch,
                                        /*expert_side=*/relay_ == nullptr && config_.expert_side_reduction,
-                                       /*partial_send_blocks=*/shared_gpu_blocks_,
-                                       /*partial_recv_blocks=*/shared_gpu_blocks_,
+                                       /*partial_send_blocks=*/shared_gpu_.send_blocks,
+                                       /*recv_blocks=*/shared_gpu_.recv_blocks,
                                        /*wait_cost=*/wait_cost_of(args.wait_recv_cost_ns, relay_ != nullptr)};
   if (relay_) {
     relay_->send_combine(peers_, layout_, set, launch, stream);

@@ -58,8 +58,8 @@ class LowLatencyEngine {
   std::shared_ptr<Allocator> allocator_;
   LowLatencyConfig config_;
   std::unique_ptr<LowLatencyRelay> relay_;  // hierarchical routing; null when flat
-  // LowLatencyConfig::expert_side_reduction's grid when ranks of this process share this GPU (0: the full grid).
-  int shared_gpu_blocks_ = 0;
+  // The combine grids when ranks share this GPU (shared_gpu_combine_grid; {0, 0}: the full grids).
+  SharedGpuCombineGrid shared_gpu_;
 };
 
 }  // namespace epx::cuda
