@@ -233,8 +233,7 @@ struct DeviceRank {
 
 class Rig {
  public:
-  Rig(const Case& c, int num_gpus, uint64_t timeout_ns = 2'000'000'000)
-      : c_(c) {
+  Rig(const Case& c, int num_gpus, uint64_t timeout_ns = 2'000'000'000) : c_(c) {
     layout_ = LowLatencyLayout::make(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
     // Ranks sharing a GPU: the combine grids LowLatencyEngine passes them.
     CUDA_CHECK_THROW(cudaSetDevice(0));
@@ -340,8 +339,15 @@ class Rig {
             /*pair_map=*/c_.expert_side};
   }
   LowLatencyCombineLaunch combine_args(int r, int dispatch_set) const {
-    return {ranks_[r].y, ranks_[r].topk, true, static_cast<const float*>(ranks_[r].weights), num_tokens_[r],
-            c_.num_topk, ranks_[r].out, dispatch_set, LowLatencyConfig{}.combine_send_parts,
+    return {ranks_[r].y,
+            ranks_[r].topk,
+            true,
+            static_cast<const float*>(ranks_[r].weights),
+            num_tokens_[r],
+            c_.num_topk,
+            ranks_[r].out,
+            dispatch_set,
+            LowLatencyConfig{}.combine_send_parts,
             /*dispatch_id=*/0,
             /*programmatic_launch=*/c_.programmatic_launch,
             /*expert_side=*/c_.expert_side,

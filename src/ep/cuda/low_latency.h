@@ -118,10 +118,11 @@ struct LowLatencyCombineLaunch {
 
 // The combine grids of ranks that share one GPU (`sharing` of them, counted by the GPU's UUID; this device current).
 // Receiving blocks spin until the peers' rows are there, so they must leave room for the peers' sending blocks: with
-// the full grid (up to 264 receive blocks), one rank's receive took nearly every resident slot of an H200 and its peer's
-// sends trickled through the rest (a 128-token combine 165 us against 38.8 on two GPUs). Each rank gets 1/sharing of
-// the GPU's resident blocks of ll::combine, half of it to receive; the expert-side reduction's send blocks (they wait
-// for the peers' weights) take the other half, a power of two. sharing <= 1: {0, 0} (the full grids).
+// the full grid (up to 264 receive blocks), one rank's receive took nearly every resident slot of an H200 and its
+// peer's sends trickled through the rest (a 128-token combine 165 us against 38.8 on two GPUs). Of each rank's
+// 1/sharing of the GPU's resident ll::combine blocks a quarter receives and a quarter (a power of two) runs the
+// expert-side reduction's sends (they wait for the peers' weights, so every rank's must be resident at once); the rest
+// stays free. sharing <= 1: {0, 0} (the full grids).
 struct SharedGpuCombineGrid {
   int send_blocks = 0;  // LowLatencyCombineLaunch::partial_send_blocks
   int recv_blocks = 0;  // LowLatencyCombineLaunch::recv_blocks

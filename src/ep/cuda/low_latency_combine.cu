@@ -216,11 +216,13 @@ SharedGpuCombineGrid shared_gpu_combine_grid(int sharing) {
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, &ll::combine<int64_t>, kThreads, 0),
              "cudaOccupancyMaxActiveBlocksPerMultiprocessor (low-latency combine)");
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  const int share = std::max(2, per_sm * sms / sharing);  // resident blocks per rank
+  // A quarter of each rank's share of resident blocks receives and (expert-side) a quarter sends: half the GPU is left
+  // for the default combine's sends, other kernels beside these and any block that does not leave at once.
+  const int quarter = std::max(1, per_sm * sms / sharing / 4);
   SharedGpuCombineGrid grid;
   grid.send_blocks = 1;
-  while (grid.send_blocks * 2 <= share / 2 && grid.send_blocks < 128) grid.send_blocks *= 2;
-  grid.recv_blocks = std::max(1, share / 2);
+  while (grid.send_blocks * 2 <= quarter && grid.send_blocks < 128) grid.send_blocks *= 2;
+  grid.recv_blocks = quarter;
   return grid;
 }
 
