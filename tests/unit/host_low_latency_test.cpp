@@ -212,7 +212,13 @@ void check_combine(const std::vector<RankInput>& in, const Case& c, int r, const
   }
 }
 
+// One round's results per rank: dispatch, the identity experts' outputs, combine.
 struct Step {
+  explicit Step(int num_ranks) : dispatched(num_ranks), expert_out(num_ranks), combined(num_ranks) {}
+  // Rank r's identity experts on its dispatch result, then its combine (the dispatch already made).
+  void combine_identity(Buffer& buffer, RankInput& in, const Case& c, int r);
+  // Rank r's plain dispatch, then combine_identity.
+  void round(Buffer& buffer, RankInput& in, const Case& c, int r);
   std::vector<LowLatencyDispatchResult> dispatched;
   std::vector<std::vector<uint16_t>> expert_out;
   std::vector<LowLatencyCombineResult> combined;
@@ -227,6 +233,16 @@ LowLatencyCombineArgs combine_args(RankInput& d, const Case& c, const LowLatency
   a.topk_weights = TensorView::of(d.weights.data(), DType::kFloat32, {d.num_tokens, c.num_topk});
   a.handle = res.handle;
   return a;
+}
+
+void Step::combine_identity(Buffer& buffer, RankInput& in, const Case& c, int r) {
+  expert_out[r] = identity_expert(c, dispatched[r]);
+  combined[r] = buffer.low_latency_combine(combine_args(in, c, dispatched[r], expert_out[r]));
+}
+
+void Step::round(Buffer& buffer, RankInput& in, const Case& c, int r) {
+  dispatched[r] = buffer.low_latency_dispatch(dispatch_args(in, c));
+  combine_identity(buffer, in, c, r);
 }
 
 TEST(HostLowLatency, DispatchCombineMatchBruteForce) {
@@ -257,19 +273,14 @@ TEST(HostLowLatency, DispatchCombineMatchBruteForce) {
         for (auto& v : cumulative[r]) v = static_cast<int32_t>(rng() % 100);
         expected_cumulative[r] = cumulative[r];
       }
-      Step step;
-      step.dispatched.resize(num_ranks);
-      step.expert_out.resize(num_ranks);
-      step.combined.resize(num_ranks);
+      Step step(num_ranks);
       testing::on_ranks(num_ranks, [&](int r) {
         for (int round = 0; round < 2; ++round) {  // two dispatches: the counts accumulate twice
           auto a = dispatch_args(in[r], c);
           a.cumulative_recv_counts = TensorView::of(cumulative[r].data(), DType::kInt32, {E_local});
           step.dispatched[r] = buffers[r]->low_latency_dispatch(a);
         }
-        step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-        step.combined[r] =
-            buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+        step.combine_identity(*buffers[r], in[r], c, r);
       });
       const std::vector<bool> all(num_ranks, true);
       for (int r = 0; r < num_ranks; ++r) {
@@ -300,10 +311,7 @@ TEST(HostLowLatency, CleanAllowsNewShapesAndClearsTheMask) {
     c.num_topk = 4;
     c.num_experts = 16;
     auto in = make_inputs(rng, c);
-    Step step;
-    step.dispatched.resize(R);
-    step.expert_out.resize(R);
-    step.combined.resize(R);
+    Step step(R);
     testing::on_ranks(R, [&](int r) {
       if (max_tokens == 32) {
         // Still fixed to 8 before the clean.
@@ -313,10 +321,7 @@ TEST(HostLowLatency, CleanAllowsNewShapesAndClearsTheMask) {
         buffers[r]->clean_low_latency_buffer();
         EXPECT_EQ(buffers[r]->rank_mask(), std::vector<bool>(R, false));
       }
-      step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
-      step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-      step.combined[r] =
-          buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+      step.round(*buffers[r], in[r], c, r);
     });
     const std::vector<bool> all(R, true);
     for (int r = 0; r < R; ++r) {
@@ -341,16 +346,8 @@ TEST(HostLowLatency, Fp8Dispatch) {
     auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
     auto buffers = make_buffers(groups);
     auto in = make_inputs(rng, c);
-    Step step;
-    step.dispatched.resize(c.num_ranks);
-    step.expert_out.resize(c.num_ranks);
-    step.combined.resize(c.num_ranks);
-    testing::on_ranks(c.num_ranks, [&](int r) {
-      step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
-      step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-      step.combined[r] =
-          buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
-    });
+    Step step(c.num_ranks);
+    testing::on_ranks(c.num_ranks, [&](int r) { step.round(*buffers[r], in[r], c, r); });
     const std::vector<bool> all(c.num_ranks, true);
     for (int r = 0; r < c.num_ranks; ++r) {
       check_dispatch(in, c, r, step.dispatched[r], all);
@@ -461,10 +458,7 @@ TEST(HostLowLatency, HookSplitsSendAndReceive) {
   auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
   auto buffers = make_buffers(groups);
   auto in = make_inputs(rng, c);
-  Step step;
-  step.dispatched.resize(c.num_ranks);
-  step.expert_out.resize(c.num_ranks);
-  step.combined.resize(c.num_ranks);
+  Step step(c.num_ranks);
   std::vector<std::vector<uint16_t>> out(c.num_ranks);
   // Every rank's send must return before any rank runs its hook: a send that waited for a peer's
   // receive would deadlock here (and fail by timeout).
@@ -509,10 +503,7 @@ TEST(HostLowLatency, MaskLiftedBetweenDispatchAndCombine) {
   c.num_topk = 3;
   auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
   auto buffers = make_buffers(groups);
-  Step step;
-  step.dispatched.resize(c.num_ranks);
-  step.expert_out.resize(c.num_ranks);
-  step.combined.resize(c.num_ranks);
+  Step step(c.num_ranks);
   auto in = make_inputs(rng, c);
   std::barrier sync(c.num_ranks);
   const auto start = std::chrono::steady_clock::now();
@@ -524,8 +515,7 @@ TEST(HostLowLatency, MaskLiftedBetweenDispatchAndCombine) {
     if (r == 1) buffers[r]->mask_rank(0);
     step.dispatched[r].recv_hook();
     if (r == 1) buffers[r]->unmask_rank(0);
-    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+    step.combine_identity(*buffers[r], in[r], c, r);
   });
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)) << "nobody waits for a timeout";
   check_dispatch(in, c, 0, step.dispatched[0], {true, true});
@@ -534,11 +524,7 @@ TEST(HostLowLatency, MaskLiftedBetweenDispatchAndCombine) {
   check_combine(in, c, 1, step.combined[1].x, {true, true});
   for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(buffers[r]->rank_mask(), std::vector<bool>(2, false)) << "rank " << r;
   in = make_inputs(rng, c);
-  testing::on_ranks(c.num_ranks, [&](int r) {
-    step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
-    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
-  });
+  testing::on_ranks(c.num_ranks, [&](int r) { step.round(*buffers[r], in[r], c, r); });
   for (int r = 0; r < c.num_ranks; ++r) {
     check_dispatch(in, c, r, step.dispatched[r], {true, true});
     check_combine(in, c, r, step.combined[r].x, {true, true});
@@ -557,20 +543,13 @@ TEST(HostLowLatency, TwoResultsStayValid) {
   auto buffers = make_buffers(groups);
   auto in_a = make_inputs(rng, c);
   auto in_b = make_inputs(rng, c);
-  Step a, b;
-  for (Step* s : {&a, &b}) {
-    s->dispatched.resize(c.num_ranks);
-    s->expert_out.resize(c.num_ranks);
-    s->combined.resize(c.num_ranks);
-  }
+  Step a(c.num_ranks), b(c.num_ranks);
   testing::on_ranks(c.num_ranks, [&](int r) {
     a.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in_a[r], c));
     b.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in_b[r], c));
     // Combine B first, then A: A's outputs and handle are still valid after B.
-    b.expert_out[r] = identity_expert(c, b.dispatched[r]);
-    b.combined[r] = buffers[r]->low_latency_combine(combine_args(in_b[r], c, b.dispatched[r], b.expert_out[r]));
-    a.expert_out[r] = identity_expert(c, a.dispatched[r]);
-    a.combined[r] = buffers[r]->low_latency_combine(combine_args(in_a[r], c, a.dispatched[r], a.expert_out[r]));
+    b.combine_identity(*buffers[r], in_b[r], c, r);
+    a.combine_identity(*buffers[r], in_a[r], c, r);
   });
   const std::vector<bool> all(c.num_ranks, true);
   for (int r = 0; r < c.num_ranks; ++r) {
@@ -595,16 +574,11 @@ TEST(HostLowLatency, ExplicitMaskSkipsTheRank) {
   auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
   auto buffers = make_buffers(groups);
   auto in = make_inputs(rng, c);
-  Step step;
-  step.dispatched.resize(c.num_ranks);
-  step.expert_out.resize(c.num_ranks);
-  step.combined.resize(c.num_ranks);
+  Step step(c.num_ranks);
   const auto start = std::chrono::steady_clock::now();
   testing::on_ranks(c.num_ranks, [&](int r) {
     if (r != kMasked) buffers[r]->mask_rank(kMasked);
-    step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
-    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+    step.round(*buffers[r], in[r], c, r);
   });
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
   for (int r = 0; r < c.num_ranks; ++r) {
@@ -621,9 +595,7 @@ TEST(HostLowLatency, ExplicitMaskSkipsTheRank) {
   auto in2 = make_inputs(rng, c);
   testing::on_ranks(c.num_ranks, [&](int r) {
     buffers[r]->clear_rank_mask();
-    step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in2[r], c));
-    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in2[r], c, step.dispatched[r], step.expert_out[r]));
+    step.round(*buffers[r], in2[r], c, r);
   });
   const std::vector<bool> all(c.num_ranks, true);
   for (int r = 0; r < c.num_ranks; ++r) {
@@ -644,15 +616,10 @@ TEST(HostLowLatency, SilentRankIsMaskedAfterTimeout) {
   auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 200});
   auto buffers = make_buffers(groups);
   auto in = make_inputs(rng, c);
-  Step step;
-  step.dispatched.resize(c.num_ranks);
-  step.expert_out.resize(c.num_ranks);
-  step.combined.resize(c.num_ranks);
+  Step step(c.num_ranks);
   testing::on_ranks(c.num_ranks, [&](int r) {
     if (r == kSilent) return;  // never calls
-    step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
-    step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-    step.combined[r] = buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
+    step.round(*buffers[r], in[r], c, r);
   });
   const std::vector<bool> present = {true, true, false};
   for (int r = 0; r < c.num_ranks; ++r) {
@@ -675,17 +642,9 @@ TEST(HostLowLatency, UnmaskRankRestoresOneRank) {
   constexpr int kMasked = 0;  // the first source: every other source's rows shift to begin 0
   auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
   auto buffers = make_buffers(groups);
-  Step step;
-  step.dispatched.resize(c.num_ranks);
-  step.expert_out.resize(c.num_ranks);
-  step.combined.resize(c.num_ranks);
+  Step step(c.num_ranks);
   auto round = [&](std::vector<RankInput>& in) {
-    testing::on_ranks(c.num_ranks, [&](int r) {
-      step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
-      step.expert_out[r] = identity_expert(c, step.dispatched[r]);
-      step.combined[r] =
-          buffers[r]->low_latency_combine(combine_args(in[r], c, step.dispatched[r], step.expert_out[r]));
-    });
+    testing::on_ranks(c.num_ranks, [&](int r) { step.round(*buffers[r], in[r], c, r); });
   };
   for (int r = 1; r < c.num_ranks; ++r) buffers[r]->mask_rank(kMasked);
   auto in = make_inputs(rng, c);
