@@ -35,13 +35,12 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     const int64_t* ranges = at<int64_t>(base, d.layout_range) + e_local * R;
     int rows = 0;
-    const uint32_t dispatch_tag = static_cast<uint32_t>(ctrl->dispatch_seq[args.dispatch_set]);
     for (int r = 0; r < R; ++r) {
       const int via = path_peer(peers.rank, r, G);
       open[r] = ld_volatile_global(&ctrl->mask[r]) == 0 && ld_volatile_global(&ctrl->mask[via]) == 0;
       // A mask lifted since the dispatch: none of r's rows are here to send (its count is 0), and r must hear so
       // (kCombineNoRows, or the relay's cut) instead of reading rows of an earlier call (docs/low-latency.md).
-      lost[r] = ctrl->recv_lost[args.dispatch_set][r] == dispatch_tag;
+      lost[r] = dispatch_missed(ctrl, args.dispatch_set, r);
       row_start[r] = rows;
       row_begin[r] = static_cast<int>(ranges[r] >> 32);
       if (open[r]) rows += static_cast<int>(ranges[r] & 0xffffffff);
@@ -215,7 +214,7 @@ __global__ void __launch_bounds__(kThreads)
             if (ld_volatile_global(&ctrl->mask[r]) == 0 &&
                 wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + e, tag, kCombineIdBits, r,
                          static_cast<int>(e), kSiteLowLatencyCombineRecv, &v)) {
-              ok = same_dispatch(peers, v, args.tag_id, r, static_cast<int>(e)) && (v & kCombineNoRows) == 0;
+              ok = signal_counts(peers, v, args.tag_id, r, static_cast<int>(e));
             }
           }
           valid[k] = ok;

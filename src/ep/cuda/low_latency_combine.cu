@@ -74,8 +74,7 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
     const int r = threadIdx.x;
     // kCombineNoRows: this rank's dispatch receive missed r's pairs (r masked then, or a wait timed out), so none of
     // r's rows was sent above; r counts this expert as zero instead of reading rows of an earlier call.
-    const uint32_t dispatch_tag = static_cast<uint32_t>(ctrl->dispatch_seq[args.dispatch_set]);
-    const uint64_t no_rows = ctrl->recv_lost[args.dispatch_set][r] == dispatch_tag ? kCombineNoRows : 0;
+    const uint64_t no_rows = dispatch_missed(ctrl, args.dispatch_set, r) ? kCombineNoRows : 0;
     st_release_sys(at<uint64_t>(peers.bases[r], c.combine_signals) + peers.rank * layout.num_local_experts + e_local,
                    (tag << kCombineIdBits) | no_rows | (args.dispatch_id & kCombineIdMask));
   }
@@ -115,7 +114,7 @@ __device__ void combine_recv_blocks(const LowLatencyPeers& peers, const LowLaten
                        args.wait_cost != nullptr ? args.wait_cost + r : nullptr)) {
             // The expert's rank must reverse the same dispatch; otherwise its rows are left out (reported).
             // kCombineNoRows: it sent none of this rank's rows this call (its dispatch receive missed them).
-            ok = same_dispatch(peers, v, args.dispatch_id, r, static_cast<int>(e)) && (v & kCombineNoRows) == 0;
+            ok = signal_counts(peers, v, args.dispatch_id, r, static_cast<int>(e));
           }
         }
         valid[k] = ok;

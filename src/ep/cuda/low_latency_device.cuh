@@ -172,6 +172,20 @@ __device__ __forceinline__ bool same_dispatch(const LowLatencyPeers& peers, uint
   return false;
 }
 
+// Whether this rank's receive of the dispatch on `dispatch_set` (completed: its sequence number is the dispatch's tag)
+// missed some or all of source r's pairs (LowLatencyControl::recv_lost): the combine reversing it then sends r no rows
+// and signals kCombineNoRows.
+__device__ __forceinline__ bool dispatch_missed(const LowLatencyControl* ctrl, int dispatch_set, int r) {
+  return ctrl->recv_lost[dispatch_set][r] == static_cast<uint32_t>(ctrl->dispatch_seq[dispatch_set]);
+}
+
+// Whether a combine signal's rows count for this rank: from the same dispatch (a mismatch is recorded) and not
+// kCombineNoRows.
+__device__ __forceinline__ bool signal_counts(const LowLatencyPeers& peers, uint64_t v, uint32_t tag_id, int peer,
+                                              int expert) {
+  return same_dispatch(peers, v, tag_id, peer, expert) && (v & kCombineNoRows) == 0;
+}
+
 // Block-wide exclusive scan of one count per thread (every thread calls it): this thread's offset; *total the sum.
 __device__ __forceinline__ int block_exclusive_scan(int mine, int* total) {
   __shared__ int warp_counts[kWarps];

@@ -163,7 +163,7 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
     }
   }
   // A source whose pairs this rank's dispatch receive missed (in part or whole) gets no rows: its signal says so.
-  auto no_rows = [&](int r) { return ctrl->recv_lost[args.dispatch_set][r] == static_cast<uint32_t>(dispatch_tag); };
+  auto no_rows = [&](int r) { return dispatch_missed(ctrl, args.dispatch_set, r); };
   // Every thread calls it, once per destination r, after the block's last store to r. The counter's phase as in
   // last_of_parts; the system fence only after rows were stored (the rows stored since the last finish are all r's: a
   // source is deferred only before its first stored unit), so that finishing a destination without rows costs an
@@ -244,7 +244,7 @@ __device__ void partial_recv_blocks(const LowLatencyPeers& peers, const LowLaten
             wait_tag(peers, ctrl, at<uint64_t>(base, c.combine_signals) + q, tag, kCombineIdBits, q, q,
                      kSiteLowLatencyCombineRecv, &v, args.wait_cost != nullptr ? args.wait_cost + q : nullptr)) {
           // Else its partial is left out (reported); kCombineNoRows: q wrote no row for this rank this call.
-          ok = same_dispatch(peers, v, args.dispatch_id, q, q) && (v & kCombineNoRows) == 0;
+          ok = signal_counts(peers, v, args.dispatch_id, q, q);
         }
         valid[q] = ok;
       },
