@@ -159,6 +159,9 @@ if want bench; then
     timed "epx bench --ranks $ranks --nodes 2" 200 sh -c "'$BUILD/epx' bench --ranks $ranks --nodes 2 \
       --json '$OUT/bench_nodes_2x$((ranks / 2)).json' >'$OUT/bench_nodes_2x$((ranks / 2)).txt'"
   done
+  # The same 2 x 2 run with bf16 node partials (BufferOptions::node_partials): half the combines' network bytes.
+  timed "epx bench --ranks 4 --nodes 2 --node-partials bf16" 200 sh -c "'$BUILD/epx' bench --ranks 4 --nodes 2 \
+    --node-partials bf16 --json '$OUT/bench_nodes_2x2_bf16.json' >'$OUT/bench_nodes_2x2_bf16.txt'"
   timed "epx bench --eplb" 200 sh -c "'$BUILD/epx' bench --eplb --ranks $((gpus < 2 ? 2 : gpus)) \
     --json '$OUT/bench_eplb.json' >'$OUT/bench_eplb.txt'"
 fi

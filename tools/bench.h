@@ -26,6 +26,7 @@ struct BenchConfig {
   // num_ranks / num_nodes ranks, beside the flat path. 0: not that run.
   int num_nodes = 0;
   bool force_hierarchical = false;  // --routing hierarchical: the hierarchical path also on one node
+  bool bf16_node_partials = false;  // --node-partials bf16: BufferOptions::node_partials = kBFloat16
 };
 
 // Each returns a JSON report: {"backend", "device", "settings", "phases": [{"name", "time_us",

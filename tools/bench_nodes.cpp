@@ -138,11 +138,7 @@ RoutingRun run_host_routing(const BenchConfig& config, const std::vector<RankInp
   auto groups = create_host_groups(num_ranks, group_options);
   std::vector<std::unique_ptr<Buffer>> buffers;
   BufferOptions options;
-  options.normal_routing =
-      flat ? NormalRouting::kFlat : (config.force_hierarchical ? NormalRouting::kHierarchical : NormalRouting::kAuto);
-  options.low_latency_routing =
-      flat ? LowLatencyRouting::kFlat
-           : (config.force_hierarchical ? LowLatencyRouting::kHierarchical : LowLatencyRouting::kAuto);
+  set_nodes_routing(config, flat, options);
   options.num_low_latency_bytes =
       low_latency_buffer_size_hint(config.num_ll_tokens, hidden, num_ranks, config.num_experts);
   for (auto& g : groups) buffers.push_back(Buffer::create(g, options));
@@ -281,6 +277,15 @@ Topology nodes_topology(const BenchConfig& config) {
   return Topology{config.num_nodes, config.num_ranks / config.num_nodes};
 }
 
+void set_nodes_routing(const BenchConfig& config, bool flat, BufferOptions& options) {
+  options.normal_routing =
+      flat ? NormalRouting::kFlat : (config.force_hierarchical ? NormalRouting::kHierarchical : NormalRouting::kAuto);
+  options.low_latency_routing =
+      flat ? LowLatencyRouting::kFlat
+           : (config.force_hierarchical ? LowLatencyRouting::kHierarchical : LowLatencyRouting::kAuto);
+  options.node_partials = config.bf16_node_partials ? NodePartials::kBFloat16 : NodePartials::kFloat32;
+}
+
 nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInputs>& inputs,
                             const std::vector<RankInputs>& ll_inputs, const RoutingRun& flat, const RoutingRun& tested,
                             const std::string& backend, const std::string& device, nlohmann::json extra_settings) {
@@ -288,11 +293,11 @@ nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInp
   const int num_ranks = config.num_ranks;
   const int64_t num_tokens = config.num_tokens, hidden = config.hidden;
   const LegRows rows = count_leg_rows(config, inputs, topo, num_tokens);
-  // Payload bytes per row: bf16 rows, fp8 rows with fp32 scales; the combine's network leg carries fp32
-  // partials (both backends), its node leg bf16 rows.
+  // Payload bytes per row: bf16 rows, fp8 rows with fp32 scales; the combine's network leg carries fp32 partials
+  // (bf16 with --node-partials bf16; both backends), its node leg bf16 rows.
   const double bf16_row = static_cast<double>(hidden) * 2;
   const double fp8_row = static_cast<double>(hidden + hidden / kFp8BlockSize * 4);
-  const double partial_row = static_cast<double>(hidden) * 4;
+  const double partial_row = static_cast<double>(hidden) * (config.bf16_node_partials ? 2 : 4);
   const double network_row[kNumNodesPhases] = {bf16_row, bf16_row, fp8_row, partial_row};
   const double node_row[kNumNodesPhases] = {bf16_row, bf16_row, fp8_row, bf16_row};
   const double flat_row[kNumNodesPhases] = {bf16_row, bf16_row, fp8_row, bf16_row};
@@ -320,7 +325,7 @@ nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInp
   const bool low_latency = flat.has_low_latency && tested.has_low_latency;
   LegRows ll_rows;
   if (low_latency) {
-    // Low-latency: records of fp8 rows over the network and fp32 partial rows back; (token, expert) pairs in the
+    // Low-latency: records of fp8 rows over the network and partial rows back; (token, expert) pairs in the
     // node, fp8 one way and bf16 back, as the flat path's pairs.
     ll_rows = count_leg_rows(config, ll_inputs, topo, config.num_ll_tokens);
     const double network_ll_row[kNumLowLatencyPhases] = {fp8_row, partial_row};
@@ -409,6 +414,7 @@ nlohmann::json nodes_report(const BenchConfig& config, const std::vector<RankInp
       {"gpus_per_node", topo.gpus_per_node},
       {"routing", config.force_hierarchical ? "hierarchical (forced)" : "hierarchical (auto)"},
       {"reference", "flat routing on one-node groups, the same inputs"},
+      {"node_partials", config.bf16_node_partials ? "bf16" : "fp32"},
       {"num_tokens", num_tokens},
       {"hidden", hidden},
       {"num_topk", config.num_topk},
@@ -445,8 +451,11 @@ void print_nodes_report(const nlohmann::json& report) {
   const auto& s = report["settings"];
   std::printf("epx bench --nodes — %s backend, %s\n", report["backend"].get<std::string>().c_str(),
               report["device"].get<std::string>().c_str());
-  std::printf("%d nodes x %d ranks, %s; beside the flat routing on one node; leg bytes per call, all ranks\n",
-              s["num_nodes"].get<int>(), s["gpus_per_node"].get<int>(), s["routing"].get<std::string>().c_str());
+  std::printf(
+      "%d nodes x %d ranks, %s, %s node partials; beside the flat routing on one node; leg bytes per call, all "
+      "ranks\n",
+      s["num_nodes"].get<int>(), s["gpus_per_node"].get<int>(), s["routing"].get<std::string>().c_str(),
+      s.value("node_partials", std::string("fp32")).c_str());
   std::printf("%-22s %14s %14s %10s %14s %14s %14s\n", "phase", "hier. (us)", "flat (us)", "flat/hier", "network MB",
               "node MB", "flat peer MB");
   const auto& phases = report["phases"];

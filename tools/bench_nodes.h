@@ -18,12 +18,16 @@
 namespace epx::cli {
 
 // Each rank's inputs (bench_inputs.h), drawn from config.seed. x holds small integers and the weights are eighths,
-// so every sum the combine makes is exact in fp32 and bf16: the hierarchical combine must then equal the flat one
-// bit for bit (docs/internode.md).
+// so every sum the combine makes is exact in fp32 and bf16 (a node's partial too: at most 8 significant bits): the
+// hierarchical combine must then equal the flat one bit for bit (docs/internode.md), with either NodePartials.
 std::vector<RankInputs> make_nodes_inputs(const BenchConfig& config);
 
 // The nodes run's topology: config.num_nodes nodes of config.num_ranks / config.num_nodes ranks.
 Topology nodes_topology(const BenchConfig& config);
+
+// Sets the routings of one run in `options` (flat: both paths kFlat; else the topology's, or kHierarchical when
+// config.force_hierarchical) and its NodePartials.
+void set_nodes_routing(const BenchConfig& config, bool flat, BufferOptions& options);
 
 // Host copies of one rank's DispatchResult (undefined tensors: empty).
 struct DispatchSnapshot {

@@ -293,6 +293,12 @@ void add_bench(CLI::App& app) {
                                       "(forced, also on one node: --routing hierarchical alone runs it on one node "
                                       "of --ranks ranks)")
                           ->check(one_of({"auto", "hierarchical"}));
+  auto node_partials = std::make_shared<std::string>("fp32");
+  auto* node_partials_opt =
+      cmd->add_option("--node-partials", *node_partials,
+                      "With --nodes / --routing: fp32 (default) or bf16, the combines' per-node partial sums over the "
+                      "network leg (BufferOptions::node_partials; bf16 halves those bytes, docs/internode.md)")
+          ->check(one_of({"fp32", "bf16"}));
   auto* net_gbps = cmd->add_option("--net-gbps", model_config->links.network_gbps,
                                    "--model: network GB/s per GPU, each way (default 50: 400 Gb/s)")
                        ->check(number_in(0.1, 1e5));
@@ -338,6 +344,9 @@ void add_bench(CLI::App& app) {
     if (model->count() == 0 && !nodes_run && gpus_per_node->count() > 0) {
       throw BadInput("--gpus-per-node applies only to --nodes or --model");
     }
+    if (!nodes_run && node_partials_opt->count() > 0) {
+      throw BadInput("--node-partials applies only to --nodes / --routing (the hierarchical combine)");
+    }
     if (model->count() == 0) {
       for (const auto& [opt, name] : model_only) {
         if (opt->count() > 0) throw BadInput(fmt::format("{} applies only to --model", name));
@@ -376,6 +385,7 @@ void add_bench(CLI::App& app) {
       f.nodes = *nodes;
       f.gpus_per_node = gpus_per_node->count() > 0 ? model_config->gpus_per_node : 0;
       f.force_hierarchical = *routing == "hierarchical";
+      c.bf16_node_partials = *node_partials == "bf16";
       f.ranks_given = ranks->count() > 0;
       for (const auto& [opt, name] :
            std::vector<std::pair<CLI::Option*, const char*>>{{dp, "--dp"}, {tbo, "--tbo"}, {eplb, "--eplb"}}) {

@@ -82,6 +82,13 @@ enum class LowLatencyRouting : uint8_t {
   kHierarchical,
 };
 
+// How the hierarchical routings' combine (normal and low-latency) carries a node's partial sum of a token over the
+// network leg (docs/internode.md, "Combine partials"). The same on every rank.
+enum class NodePartials : uint8_t {
+  kFloat32,   // fp32 partials: the only rounding is the final one (the default)
+  kBFloat16,  // each node's partial rounded to bf16 first: half the combine's network bytes (DeepEP's internode choice)
+};
+
 struct BufferOptions {
   // Bytes of peer-visible memory for the normal kernels (0: a size that fits the default workloads;
   // see normal_buffer_size_hint).
@@ -96,6 +103,7 @@ struct BufferOptions {
   LowLatencyConfig low_latency;
   NormalRouting normal_routing = NormalRouting::kAuto;
   LowLatencyRouting low_latency_routing = LowLatencyRouting::kAuto;
+  NodePartials node_partials = NodePartials::kFloat32;  // the hierarchical routings only; kFlat ignores it
 };
 
 // Peer memory the low-latency path needs for two buffer sets with these limits.
@@ -204,7 +212,9 @@ struct CombineResult {
   // It equals the order above bit for bit with one node or one rank per node, and whenever the fp32 sums are
   // exact; otherwise only by fp32 reassociation (the rounding errors of the fp32 adds, bounded as between
   // backends), which can move the bf16 result where the sum lies near a rounding boundary. Weights still come
-  // back exactly.
+  // back exactly. NodePartials::kBFloat16: each p_n is rounded to bf16 before it is added (acc = 0 + bf16(p_0) +
+  // bf16(p_1) + ..., then the biases, one more rounding); the weights' partials stay fp32, so they still come back
+  // exactly. With one node and no biases that equals the fp32 result bit for bit.
   Tensor x;             // [T, H] bf16
   Tensor topk_weights;  // [T, K] fp32, the same sum of topk_weights rows; only if given
 };
@@ -296,7 +306,8 @@ struct LowLatencyCombineResult {
   // source adds out[t] = bf16(0 + p_0 + p_1 + ...) by node ascending. It equals the order above bit for bit with one
   // node, when all of t's contributing experts sit on one node, and whenever the fp32 sums are exact; otherwise only
   // by fp32 reassociation (as CombineResult's hierarchical order). A pair whose path is cut (Buffer::mask_rank)
-  // contributes zero, like a masked rank's.
+  // contributes zero, like a masked rank's. NodePartials::kBFloat16: out[t] = bf16(0 + bf16(p_0) + bf16(p_1) + ...),
+  // this rank's own node included (with one node: the fp32 result bit for bit).
   Tensor x;                         // [T, H] bf16
   std::function<void()> recv_hook;  // set iff return_recv_hook
 };

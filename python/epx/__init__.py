@@ -28,6 +28,7 @@ from ._epx import (  # noqa: F401
     LowLatencyConfig,
     LowLatencyRouting,
     NcclError,
+    NodePartials,
     NormalConfig,
     NormalRouting,
     OutOfMemoryError,

@@ -84,7 +84,9 @@ class Buffer:
     "hierarchical" (or an epx.NormalRouting); see docs/internode.md. low_latency_routing: the same choice for
     low_latency_dispatch/combine (or an epx.LowLatencyRouting): "hierarchical" sends a token over the network once
     per destination node and reduces the combine inside each node first (both backends; on the cuda backend with
-    ranks as threads of one process such calls cannot be captured in a CUDA graph). On the cuda backend the byte
+    ranks as threads of one process such calls cannot be captured in a CUDA graph). node_partials: "fp32" (default) or
+    "bf16" (or an epx.NodePartials), how both hierarchical combines carry a node's partial sum over the network leg:
+    bf16 rounds each node's partial first and halves those bytes (include/epx/buffer.h). On the cuda backend the byte
     counts, num_sms, both routings and the configs must be the same on every rank: creation checks that collectively
     and raises on every rank, naming the field, when they differ.
     """
@@ -93,9 +95,11 @@ class Buffer:
                  num_sms: int = 24, normal: Optional[_epx.NormalConfig] = None,
                  low_latency: Optional[_epx.LowLatencyConfig] = None,
                  normal_routing: Union[str, _epx.NormalRouting] = "auto",
-                 low_latency_routing: Union[str, _epx.LowLatencyRouting] = "auto"):
+                 low_latency_routing: Union[str, _epx.LowLatencyRouting] = "auto",
+                 node_partials: Union[str, _epx.NodePartials] = "fp32"):
         routing = enum_arg(_epx.NormalRouting, normal_routing, "normal_routing")
         ll_routing = enum_arg(_epx.LowLatencyRouting, low_latency_routing, "low_latency_routing")
+        partials = enum_arg(_epx.NodePartials, node_partials, "node_partials")
         self._allocations = Allocations()
         self._native = _epx.Buffer.create(group, num_normal_bytes=num_normal_bytes,
                                           num_low_latency_bytes=num_low_latency_bytes, num_sms=num_sms,
@@ -103,10 +107,11 @@ class Buffer:
                                           normal=normal if normal is not None else _epx.NormalConfig(),
                                           low_latency=low_latency if low_latency is not None
                                           else _epx.LowLatencyConfig(), normal_routing=routing,
-                                          low_latency_routing=ll_routing)
+                                          low_latency_routing=ll_routing, node_partials=partials)
         self.group = group
         self.normal_routing = routing
         self.low_latency_routing = ll_routing
+        self.node_partials = partials
 
     @property
     def rank(self) -> int:

@@ -207,12 +207,19 @@ void register_buffer(nb::module_& m) {
       .value("auto", LowLatencyRouting::kAuto)
       .value("flat", LowLatencyRouting::kFlat)
       .value("hierarchical", LowLatencyRouting::kHierarchical);
+  nb::enum_<NodePartials>(m, "NodePartials",
+                          "How the hierarchical routings' combine carries a node's partial sum over the network leg "
+                          "(BufferOptions::node_partials, docs/internode.md): fp32 (the default; one rounding) or "
+                          "bf16 (each node's partial rounded first: half the bytes, DeepEP's internode choice). The "
+                          "same on every rank.")
+      .value("fp32", NodePartials::kFloat32)
+      .value("bf16", NodePartials::kBFloat16);
   nb::class_<Buffer>(m, "Buffer", "One rank's expert-parallel communication buffer (see include/epx/buffer.h).")
       .def_static(
           "create",
           [](std::shared_ptr<Group> group, int64_t num_normal_bytes, int64_t num_low_latency_bytes, int num_sms,
              nb::object allocator, const NormalConfig& normal, const LowLatencyConfig& low_latency,
-             NormalRouting normal_routing, LowLatencyRouting low_latency_routing) {
+             NormalRouting normal_routing, LowLatencyRouting low_latency_routing, NodePartials node_partials) {
             BufferOptions options;
             options.num_normal_bytes = num_normal_bytes;
             options.num_low_latency_bytes = num_low_latency_bytes;
@@ -221,6 +228,7 @@ void register_buffer(nb::module_& m) {
             options.low_latency = low_latency;
             options.normal_routing = normal_routing;
             options.low_latency_routing = low_latency_routing;
+            options.node_partials = node_partials;
             options.allocator = python_allocator(std::move(allocator));
             nb::gil_scoped_release release;
             return Buffer::create(std::move(group), options);
@@ -228,7 +236,7 @@ void register_buffer(nb::module_& m) {
           nb::arg("group"), nb::arg("num_normal_bytes") = 0, nb::arg("num_low_latency_bytes") = 0,
           nb::arg("num_sms") = 24, nb::arg("allocator") = nb::none(), nb::arg("normal") = NormalConfig(),
           nb::arg("low_latency") = LowLatencyConfig(), nb::arg("normal_routing") = NormalRouting::kAuto,
-          nb::arg("low_latency_routing") = LowLatencyRouting::kAuto)
+          nb::arg("low_latency_routing") = LowLatencyRouting::kAuto, nb::arg("node_partials") = NodePartials::kFloat32)
       .def_prop_ro("rank", &Buffer::rank)
       .def_prop_ro("num_ranks", &Buffer::num_ranks)
       .def(

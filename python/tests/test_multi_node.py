@@ -174,18 +174,21 @@ def test_hierarchical_equals_flat(gpus_per_node, idle):
             [int(destinations(inputs[s][1])[:, rank].sum()) for s in range(R)]).tolist()
 
 
-@pytest.mark.parametrize("gpus_per_node, routing, expected", [
-    (2, "flat", 1.0), (2, "hierarchical", 1.0078125), (2, "auto", 1.0078125), (1, "hierarchical", 1.0),
+@pytest.mark.parametrize("gpus_per_node, routing, partials, expected", [
+    (2, "flat", "fp32", 1.0), (2, "hierarchical", "fp32", 1.0078125), (2, "auto", "fp32", 1.0078125),
+    (1, "hierarchical", "fp32", 1.0), (2, "hierarchical", "bf16", 1.0), (2, "flat", "bf16", 1.0),
 ])
-def test_combine_order_shows_the_routing(gpus_per_node, routing, expected):
+def test_combine_order_shows_the_routing(gpus_per_node, routing, partials, expected):
     """One token of rank 0 goes to all four ranks, which return 1, 2^-8, 2^-24 and 2^-24. Flat order (and one rank
     per node): ((1 + 2^-8) + 2^-24) + 2^-24 = 1 + 2^-8 in fp32 (each 2^-24 is a tie, kept even), which rounds to
     bf16 1.0 (a tie again). 2 x 2 hierarchical: (1 + 2^-8) + (2^-24 + 2^-24) = 1 + 2^-8 + 2^-23, above the tie: bf16
-    1 + 2^-7. So the result tells which path ran."""
+    1 + 2^-7. With bf16 node partials node 0's 1 + 2^-8 rounds (a tie) to 1 first, so 1 + 2^-23 rounds to 1.0; the
+    flat routing ignores node_partials. So the result tells which path ran."""
     values = [1.0, 2.0 ** -8, 2.0 ** -24, 2.0 ** -24]
 
     def fn(rank, group):
-        buffer = epx.Buffer(group, normal_routing=routing)
+        buffer = epx.Buffer(group, normal_routing=routing, node_partials=partials)
+        assert buffer.node_partials == epx.NodePartials[partials]
         num_tokens = 1 if rank == 0 else 0
         x = bf16_bits(np.ones((num_tokens, H)))
         idx = np.array([[0, 4, 8, 12]] * num_tokens, np.int64).reshape(num_tokens, 4)
@@ -196,6 +199,14 @@ def test_combine_order_shows_the_routing(gpus_per_node, routing, expected):
 
     results = run(gpus_per_node, fn)
     assert results[0].shape == (1, H) and (results[0] == expected).all()
+
+
+def test_node_partials_argument():
+    group = epx.host_groups(1)[0]
+    assert epx.Buffer(group).node_partials == epx.NodePartials.fp32
+    assert epx.Buffer(group, node_partials=epx.NodePartials.bf16).node_partials == epx.NodePartials.bf16
+    with pytest.raises(epx.InvalidArgumentError, match="node_partials: 'fp16' is not one of fp32, bf16"):
+        epx.Buffer(group, node_partials="fp16")
 
 
 def test_low_latency_routing_argument():

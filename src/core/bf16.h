@@ -41,6 +41,9 @@ EPX_BF16_FN uint16_t float_to_bf16(float value) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// value rounded to the nearest bf16 (as float_to_bf16), as an fp32 again.
+EPX_BF16_FN float round_to_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
+
 // Two bf16 packed in 32 bits: element 0 in the low half (the memory order of a bf16 pair).
 EPX_BF16_FN float bf16x2_lo(uint32_t pair) { return bits_as<float>(pair << 16); }
 EPX_BF16_FN float bf16x2_hi(uint32_t pair) { return bits_as<float>(pair & 0xffff0000u); }

@@ -213,6 +213,10 @@ void validate_options(const BufferOptions& options) {
   EPX_CHECK_ARG(ll_routing >= static_cast<int>(LowLatencyRouting::kAuto) &&
                     ll_routing <= static_cast<int>(LowLatencyRouting::kHierarchical),
                 "low_latency_routing must be kAuto, kFlat or kHierarchical, got {}", ll_routing);
+  const auto partials = static_cast<int>(options.node_partials);
+  EPX_CHECK_ARG(
+      partials == static_cast<int>(NodePartials::kFloat32) || partials == static_cast<int>(NodePartials::kBFloat16),
+      "node_partials must be kFloat32 or kBFloat16, got {}", partials);
   const int parts = options.low_latency.combine_send_parts;
   EPX_CHECK_ARG(parts == 1 || parts == 2 || parts == 4 || parts == 8,
                 "low_latency.combine_send_parts must be 1, 2, 4 or 8, got {}", parts);
@@ -246,6 +250,7 @@ constexpr AgreedOption kAgreed[] = {
      [](const BufferOptions& o) { return int64_t{o.low_latency.expert_side_reduction}; }},
     {"normal_routing", [](const BufferOptions& o) { return static_cast<int64_t>(o.normal_routing); }},
     {"low_latency_routing", [](const BufferOptions& o) { return static_cast<int64_t>(o.low_latency_routing); }},
+    {"node_partials", [](const BufferOptions& o) { return static_cast<int64_t>(o.node_partials); }},
 };
 constexpr size_t kWords = 1 + std::size(kAgreed);  // word 0: this rank's options are valid
 

@@ -41,7 +41,8 @@ struct Case {
   bool pass_layout = false;  // DispatchArgs::layout from get_dispatch_layout (and compare num_tokens_per_node)
   int expert_alignment = 1;
   int64_t num_worst_tokens = 0;
-  bool cached = false;  // a cached dispatch of new data follows, and the combine reverses it
+  bool cached = false;         // a cached dispatch of new data follows, and the combine reverses it
+  bool bf16_partials = false;  // NodePartials::kBFloat16 (on both backends)
 };
 
 struct RankInput {
@@ -134,6 +135,7 @@ inline RankOutput run_rank(const Case& c, const RankInput& in, const std::shared
     BufferOptions options;
     options.allocator = std::make_shared<PoisonAllocator>();
     options.normal_routing = NormalRouting::kHierarchical;
+    options.node_partials = c.bf16_partials ? NodePartials::kBFloat16 : NodePartials::kFloat32;
     auto buffer = Buffer::create(group, options);
     const int64_t T = static_cast<int64_t>(in.topk.size()) / c.num_topk, H = c.hidden, K = c.num_topk;
     const DType xt = c.fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;

@@ -41,6 +41,7 @@ struct Case {
   bool topk_int32 = false;
   std::vector<std::pair<int, int>> masked;  // rank pairs that mask each other before the first call
   int rounds = 3;
+  bool bf16_partials = false;  // NodePartials::kBFloat16 (on both backends)
   // [round][rank] tokens per rank; empty: drawn per round (T in [0, M], one rank idle). The graph test fixes them: a
   // captured call keeps its shapes.
   std::vector<std::vector<int64_t>> tokens;
@@ -196,6 +197,7 @@ inline RankOutput run_rank(const Case& c, const std::vector<RoundInput>& in, con
     options.allocator = host ? nullptr : std::make_shared<testing::PoisonAllocator>();
     options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
     options.low_latency_routing = c.gpus_per_node == 0 ? LowLatencyRouting::kHierarchical : LowLatencyRouting::kAuto;
+    options.node_partials = c.bf16_partials ? NodePartials::kBFloat16 : NodePartials::kFloat32;
     auto buffer = Buffer::create(group, options);
     const int rank = group->rank();
     for (const auto& [a, b] : c.masked) {

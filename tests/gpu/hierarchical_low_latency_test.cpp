@@ -71,6 +71,17 @@ TEST_F(HierarchicalLowLatencyGpuTest, TwoNodesTwoGpusBf16) {
   run_and_compare(c);
 }
 
+// NodePartials::kBFloat16: each node's partial (this node's too) rounded to bf16, as on the host backend.
+TEST_F(HierarchicalLowLatencyGpuTest, Bf16NodePartials) {
+  for (const int gpus_per_node : {1, 2}) {
+    SCOPED_TRACE("gpus_per_node " + std::to_string(gpus_per_node));
+    Case c = make_case(4, gpus_per_node);
+    c.bf16_partials = true;
+    c.hooks = gpus_per_node == 2;
+    run_and_compare(c);
+  }
+}
+
 TEST_F(HierarchicalLowLatencyGpuTest, FourNodesOneGpuHooksInt32) {
   Case c = make_case(4, 1);
   c.hooks = true;

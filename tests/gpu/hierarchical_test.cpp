@@ -58,6 +58,17 @@ TEST_F(HierarchicalGpuTest, FourNodesOneGpu) {
   run_and_compare(c);
 }
 
+// NodePartials::kBFloat16: two ranks per node, so a node's partial sums two rows and its bf16 rounding shows.
+TEST_F(HierarchicalGpuTest, Bf16NodePartials) {
+  for (const bool cached : {false, true}) {
+    SCOPED_TRACE(cached ? "cached" : "fresh");
+    Case c = make_case(4, 2, {300, 128, 0, 257});
+    c.bf16_partials = true;
+    c.cached = cached;
+    run_and_compare(c);
+  }
+}
+
 TEST_F(HierarchicalGpuTest, Fp8Scales) {
   for (const int gpn : {1, 2}) {
     for (const ScaleFormat f : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {

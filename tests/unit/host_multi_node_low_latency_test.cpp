@@ -46,16 +46,18 @@ struct Case {
   bool round_scale = false;
   ScaleLayout scale_layout = ScaleLayout::kRowMajor;
   bool hooks = false;
+  bool bf16_partials = false;  // NodePartials::kBFloat16 on the hierarchical buffer
   int num_ranks() const { return num_nodes * gpus_per_node; }
   int64_t num_experts() const { return kLocalExperts * num_ranks(); }
   int node_of(int rank) const { return rank / gpus_per_node; }
 };
 
 std::string describe(const Case& c) {
-  return fmt::format("{} nodes x {} GPUs, hidden {}, top-{} of {}{}{}{}{}{}", c.num_nodes, c.gpus_per_node, c.hidden,
+  return fmt::format("{} nodes x {} GPUs, hidden {}, top-{} of {}{}{}{}{}{}{}", c.num_nodes, c.gpus_per_node, c.hidden,
                      c.num_topk, c.num_experts(), c.use_fp8 ? ", fp8" : "",
                      c.scale_format == ScaleFormat::kUE8M0 ? " ue8m0" : "", c.round_scale ? " round_scale" : "",
-                     c.scale_layout == ScaleLayout::kColumnMajor ? " column-major" : "", c.hooks ? ", hooks" : "");
+                     c.scale_layout == ScaleLayout::kColumnMajor ? " column-major" : "", c.hooks ? ", hooks" : "",
+                     c.bf16_partials ? ", bf16 partials" : "");
 }
 
 struct RankInput {
@@ -109,10 +111,12 @@ LowLatencyCombineArgs combine_args(RankInput& d, const Case& c, const LowLatency
   return a;
 }
 
-std::unique_ptr<Buffer> make_buffer(const std::shared_ptr<Group>& group, LowLatencyRouting routing) {
+std::unique_ptr<Buffer> make_buffer(const std::shared_ptr<Group>& group, LowLatencyRouting routing,
+                                    NodePartials partials = NodePartials::kFloat32) {
   BufferOptions options;
   options.num_low_latency_bytes = 1;  // the host backend sizes its own slots
   options.low_latency_routing = routing;
+  options.node_partials = partials;
   return Buffer::create(group, options);
 }
 
@@ -146,8 +150,10 @@ std::vector<uint16_t> expert_outputs(const Case& c, int r, const LowLatencyDispa
 
 using Reaches = std::function<bool(int src, int dst)>;
 
-// Source r's combine output by the order of its routing (see the top); `nodes` = 1 for the flat order.
-std::vector<uint16_t> combine_reference(const Case& c, const RankInput& d, int r, int nodes, const Reaches& reaches) {
+// Source r's combine output by the order of its routing (see the top); `nodes` = 1 for the flat order. bf16_partials:
+// each node's partial rounded to bf16 before it is added (NodePartials::kBFloat16).
+std::vector<uint16_t> combine_reference(const Case& c, const RankInput& d, int r, int nodes, const Reaches& reaches,
+                                        bool bf16_partials = false) {
   const int64_t H = c.hidden, K = c.num_topk;
   const int64_t experts_per_node = c.num_experts() / nodes;
   std::vector<uint16_t> out(d.num_tokens * H);
@@ -162,7 +168,7 @@ std::vector<uint16_t> combine_reference(const Case& c, const RankInput& d, int r
           const float product = d.weights[t * K + k] * bf16_to_float(pair_value(e, r, t, h));
           partial += product;
         }
-        acc += partial;
+        acc += bf16_partials ? bf16_to_float(float_to_bf16(partial)) : partial;
       }
       out[t * H + h] = float_to_bf16(acc);
     }
@@ -171,8 +177,8 @@ std::vector<uint16_t> combine_reference(const Case& c, const RankInput& d, int r
 }
 
 void expect_combine(const Case& c, const RankInput& d, int r, int nodes, const Reaches& reaches, const Tensor& got,
-                    const char* what) {
-  const auto expected = combine_reference(c, d, r, nodes, reaches);
+                    const char* what, bool bf16_partials = false) {
+  const auto expected = combine_reference(c, d, r, nodes, reaches, bf16_partials);
   ASSERT_EQ(got.sizes(), (std::vector<int64_t>{d.num_tokens, c.hidden})) << what;
   for (size_t i = 0; i < expected.size(); ++i) {
     ASSERT_EQ(got.data_as<uint16_t>()[i], expected[i])
@@ -297,7 +303,8 @@ void run_case(const Case& c, std::mt19937& rng) {
   std::barrier sync(R);
   testing::on_ranks(R, [&](int r) {
     auto flat_buffer = make_buffer(groups[r], LowLatencyRouting::kFlat);
-    auto hier_buffer = make_buffer(groups[r], routing);
+    auto hier_buffer =
+        make_buffer(groups[r], routing, c.bf16_partials ? NodePartials::kBFloat16 : NodePartials::kFloat32);
     for (Tensor* t : {&flat_counts[r], &hier_counts[r]}) {
       *t = Tensor::empty(DType::kInt32, {kLocalExperts}, Device::cpu());
       std::fill(t->data_as<int32_t>(), t->data_as<int32_t>() + kLocalExperts, 5);
@@ -327,7 +334,7 @@ void run_case(const Case& c, std::mt19937& rng) {
               std::vector<int32_t>(flat_counts[r].data_as<int32_t>(), flat_counts[r].data_as<int32_t>() + 2));
     EXPECT_EQ(hier_counts[r].data_as<int32_t>()[0], 5 + flat[r].recv_count.data_as<int32_t>()[0]);
     expect_combine(c, in[r], r, 1, all, flat_out[r].x, "flat");
-    expect_combine(c, in[r], r, c.num_nodes, all, hier_out[r].x, "hierarchical");
+    expect_combine(c, in[r], r, c.num_nodes, all, hier_out[r].x, "hierarchical", c.bf16_partials);
     if (c.num_nodes == 1) {
       ASSERT_EQ(std::memcmp(hier_out[r].x.data(), flat_out[r].x.data(), in[r].num_tokens * c.hidden * 2), 0);
     }
@@ -377,6 +384,21 @@ TEST_F(HostMultiNodeLowLatency, HierarchicalEqualsFlatOnEveryTopology) {
         if (::testing::Test::HasFatalFailure()) return;
       }
     }
+  }
+}
+
+// NodePartials::kBFloat16: each node's partial rounded to bf16 (the reference's order; with one node equal to flat).
+TEST_F(HostMultiNodeLowLatency, Bf16NodePartialsRoundEachNodesSum) {
+  for (const auto& [nodes, gpus] : std::vector<std::pair<int, int>>{{1, 4}, {2, 1}, {2, 2}, {4, 2}, {9, 1}}) {
+    Case c;
+    c.num_nodes = nodes;
+    c.gpus_per_node = gpus;
+    c.num_topk = static_cast<int>(std::min<int64_t>(8, c.num_experts()));
+    c.use_fp8 = nodes % 2 == 0;
+    c.hooks = gpus == 2;
+    c.bf16_partials = true;
+    run_case(c, rng_);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 

@@ -128,13 +128,15 @@ DispatchArgs fresh_args(RankInput& d, const Shape& s) {
 }
 
 // The same ranks, flat on one node or hierarchical on s.num_nodes nodes (forced when that is one node).
-std::vector<std::unique_ptr<Buffer>> make_buffers(const Shape& s, bool hierarchical) {
+std::vector<std::unique_ptr<Buffer>> make_buffers(const Shape& s, bool hierarchical,
+                                                  NodePartials partials = NodePartials::kFloat32) {
   HostGroupOptions group_options;
   group_options.timeout_ms = 60'000;
   group_options.gpus_per_node = hierarchical ? s.gpus_per_node : 0;
   BufferOptions options;
   options.normal_routing = hierarchical ? NormalRouting::kHierarchical : NormalRouting::kFlat;
   if (hierarchical && s.num_nodes > 1 && s.gpus_per_node % 2 == 0) options.normal_routing = NormalRouting::kAuto;
+  options.node_partials = partials;
   std::vector<std::unique_ptr<Buffer>> buffers;
   for (const auto& g : create_host_groups(s.num_ranks(), group_options)) buffers.push_back(Buffer::create(g, options));
   return buffers;
@@ -242,6 +244,43 @@ void check_case(std::mt19937& rng, const Shape& s) {
   }
 }
 
+// Source rank s's combine output under NodePartials::kBFloat16, from the flat dispatch's routing (rank prefix matrix
+// and source indices): per node n ascending p_n = 0 + the rows of n's ranks ascending (fp32), rounded to bf16; then
+// acc = 0 + p_0 + p_1 + ..., bias_0, one rounding (CombineResult).
+std::vector<uint16_t> bf16_partials_reference(const Shape& s, const std::vector<RankInput>& in,
+                                              const std::vector<DispatchResult>& flat,
+                                              const std::vector<CombineInput>& expert_out, int src) {
+  const int R = s.num_ranks();
+  const int64_t H = s.hidden, T = in[src].num_tokens;
+  // row_of[r][t]: the row of (src, t) on rank r, -1 if t was not sent there.
+  std::vector<std::vector<int64_t>> row_of(R, std::vector<int64_t>(T, -1));
+  for (int r = 0; r < R; ++r) {
+    const auto* prefix = flat[r].rank_prefix_matrix.data_as<int32_t>();  // [R, R]: rows from sources <= s on r
+    const int64_t begin = src == 0 ? 0 : prefix[(src - 1) * R + r], end = prefix[src * R + r];
+    for (int64_t i = begin; i < end; ++i) row_of[r][flat[r].recv_src_idx.data_as<int32_t>()[i]] = i;
+  }
+  std::vector<uint16_t> out(T * H);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      float acc = 0.f;
+      for (int n = 0; n < s.num_nodes; ++n) {
+        float partial = 0.f;
+        bool any = false;
+        for (int g = 0; g < s.gpus_per_node; ++g) {
+          const int r = n * s.gpus_per_node + g;
+          if (row_of[r][t] < 0) continue;
+          any = true;
+          partial += bf16_to_float(expert_out[r].x[row_of[r][t] * H + h]);
+        }
+        if (any) acc += bf16_to_float(float_to_bf16(partial));
+      }
+      acc += bf16_to_float(in[src].bias_0[t * H + h]);
+      out[t * H + h] = float_to_bf16(acc);
+    }
+  }
+  return out;
+}
+
 unsigned fresh_seed() {
   std::random_device source;
   return source();
@@ -289,6 +328,20 @@ TEST(HostTopology, BufferRejectsUnknownRouting) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(std::string(e.what()).find("normal_routing"), std::string::npos) << e.what();
+  }
+}
+
+TEST(HostTopology, BufferRejectsUnknownNodePartials) {
+  const auto groups = create_host_groups(2, {.timeout_ms = 1000, .gpus_per_node = 1});
+  BufferOptions options;
+  options.node_partials = static_cast<NodePartials>(2);
+  try {
+    Buffer::create(groups[0], options);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("node_partials must be kFloat32 or kBFloat16, got 2"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -360,6 +413,52 @@ TEST(HostHierarchical, MatchesFlatAcrossTopologies) {
     s.with_weights = rng() % 4 != 0;
     s.expert_alignment = std::vector<int>{1, 4, 128}[rng() % 3];
     check_case(rng, s);
+  }
+}
+
+// NodePartials::kBFloat16: random rows give the reference above bit for bit (the default fp32 partials would not:
+// the reference rounds each node's sum), small-integer rows (exact partials) the flat result; weights come back
+// exactly.
+TEST(HostHierarchical, Bf16NodePartialsRoundEachNodesSum) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE(fmt::format("seed {}", seed));
+  std::mt19937 rng(seed);
+  for (const auto& [num_nodes, gpus_per_node] :
+       std::vector<std::pair<int, int>>{{1, 4}, {2, 1}, {2, 2}, {2, 4}, {4, 2}, {9, 1}, {4, 8}}) {
+    Shape s{.num_nodes = num_nodes, .gpus_per_node = gpus_per_node, .hidden = 128};
+    s.num_topk = 1 + static_cast<int>(rng() % 8);
+    SCOPED_TRACE(describe(s));
+    const int R = s.num_ranks();
+    auto in = make_inputs(rng, s);
+    auto flat_buffers = make_buffers(s, false);
+    auto hier_buffers = make_buffers(s, true, NodePartials::kBFloat16);
+    const auto flat = run_dispatch(flat_buffers, [&](int r) { return fresh_args(in[r], s); });
+    const auto hier = run_dispatch(hier_buffers, [&](int r) { return fresh_args(in[r], s); });
+    expect_same_dispatch(flat, hier);
+    for (const bool integers : {true, false}) {
+      std::vector<CombineInput> expert_out(R);
+      for (int r = 0; r < R; ++r) {
+        const int64_t rows = flat[r].recv_x.size(0);
+        expert_out[r].x = integers ? small_int_bf16(rng, rows * s.hidden) : testing::random_bf16(rng, rows * s.hidden);
+        const float* w = flat[r].recv_topk_weights.data_as<float>();
+        expert_out[r].weights.assign(w, w + rows * s.num_topk);
+      }
+      const auto flat_out = run_combine(flat_buffers, in, s, flat, expert_out, true);
+      const auto hier_out = run_combine(hier_buffers, in, s, hier, expert_out, true);
+      if (integers) {
+        expect_same_combine(flat_out, hier_out, true);
+        continue;
+      }
+      for (int r = 0; r < R; ++r) {
+        SCOPED_TRACE(fmt::format("token rank {}", r));
+        EXPECT_TRUE(same_bytes(flat_out[r].topk_weights, hier_out[r].topk_weights));
+        const auto expected = bf16_partials_reference(s, in, flat, expert_out, r);
+        ASSERT_EQ(hier_out[r].x.numel(), static_cast<int64_t>(expected.size()));
+        for (size_t i = 0; i < expected.size(); ++i) {
+          ASSERT_EQ(hier_out[r].x.data_as<uint16_t>()[i], expected[i]) << "element " << i;
+        }
+      }
+    }
   }
 }
 

@@ -90,11 +90,7 @@ RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInp
     BufferOptions options;
     options.num_sms = num_sms;
     options.num_normal_bytes = normal_buffer_size_hint(H, num_ranks, num_sms, T);
-    options.normal_routing =
-        flat ? NormalRouting::kFlat : (config.force_hierarchical ? NormalRouting::kHierarchical : NormalRouting::kAuto);
-    options.low_latency_routing =
-        flat ? LowLatencyRouting::kFlat
-             : (config.force_hierarchical ? LowLatencyRouting::kHierarchical : LowLatencyRouting::kAuto);
+    set_nodes_routing(config, flat, options);
     options.num_low_latency_bytes = low_latency_buffer_size_hint(T_ll, H, num_ranks, E);
     auto buffer = Buffer::create(groups[r], tuned_from_env(options));
     const RankInputs& in = inputs[r];

@@ -281,13 +281,22 @@ class LowLatencyRouting(enum.Enum):
 
     hierarchical = 2
 
+class NodePartials(enum.Enum):
+    """
+    How the hierarchical routings' combine carries a node's partial sum over the network leg (BufferOptions::node_partials, docs/internode.md): fp32 (the default; one rounding) or bf16 (each node's partial rounded first: half the bytes, DeepEP's internode choice). The same on every rank.
+    """
+
+    fp32 = 0
+
+    bf16 = 1
+
 class Buffer:
     """
     One rank's expert-parallel communication buffer (see include/epx/buffer.h).
     """
 
     @staticmethod
-    def create(group: Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0, num_sms: int = 24, allocator: object | None = None, normal: NormalConfig = ..., low_latency: LowLatencyConfig = ..., normal_routing: NormalRouting = NormalRouting.auto, low_latency_routing: LowLatencyRouting = LowLatencyRouting.auto) -> Buffer: ...
+    def create(group: Group, num_normal_bytes: int = 0, num_low_latency_bytes: int = 0, num_sms: int = 24, allocator: object | None = None, normal: NormalConfig = ..., low_latency: LowLatencyConfig = ..., normal_routing: NormalRouting = NormalRouting.auto, low_latency_routing: LowLatencyRouting = LowLatencyRouting.auto, node_partials: NodePartials = NodePartials.fp32) -> Buffer: ...
 
     @property
     def rank(self) -> int: ...

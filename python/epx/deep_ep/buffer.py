@@ -88,7 +88,9 @@ class Buffer:
     ranks per node of a ProcessGroup (0 or None: from the host names; ignored for an epx.Group);
     epx_low_latency, an epx.LowLatencyConfig for the low-latency kernels (None: epx's defaults), e.g. with
     expert_side_reduction = True (one partial row per token and expert rank; another summation order than
-    DeepEP's, docs/low-latency.md). The same on every rank.
+    DeepEP's, docs/low-latency.md); epx_node_partials (default "bf16", as DeepEP's internode combine, whose RDMA leg
+    carries bf16 rows), how the combine across nodes carries a node's partial sum (epx.Buffer's node_partials;
+    "fp32" keeps a single rounding). The same on every rank.
     """
 
     #: SMs of the normal kernels when no Config is given (DeepEP's class attribute; see set_num_sms).
@@ -100,7 +102,8 @@ class Buffer:
                  enable_shrink: bool = False, comm: Any = None, *, epx_num_sms: Optional[int] = None,
                  epx_timeout_ms: int = 60_000, epx_column_major_scales: bool = True,
                  epx_gpus_per_node: Optional[int] = None,
-                 epx_low_latency: Optional[_epx.LowLatencyConfig] = None) -> None:
+                 epx_low_latency: Optional[_epx.LowLatencyConfig] = None,
+                 epx_node_partials: str = "bf16") -> None:
         if group is None:
             if comm is not None:
                 raise NotImplementedError("epx.deep_ep: an mpi4py communicator (comm=) is not supported; "
@@ -142,7 +145,7 @@ class Buffer:
         self.runtime: Optional[epx.Buffer] = epx.Buffer(epx_group, num_normal_bytes=normal_bytes,
                                                         num_low_latency_bytes=self._low_latency_bytes,
                                                         num_sms=self._max_sms, low_latency=epx_low_latency,
-                                                        low_latency_routing="flat")
+                                                        low_latency_routing="flat", node_partials=epx_node_partials)
         self._native = self.runtime._native
         self._call_num_sms = _accepts(self.runtime.dispatch, "num_sms") and _accepts(self.runtime.combine, "num_sms")
         self._column_major_scales = epx_column_major_scales

@@ -43,7 +43,8 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
         std::make_unique<NormalEngine>(*group_, options.num_sms, options.num_normal_bytes, allocator_, options.normal);
     if (options.normal_routing == NormalRouting::kHierarchical ||
         (options.normal_routing == NormalRouting::kAuto && group_->topology().num_nodes > 1)) {
-      hierarchical_ = std::make_unique<HierarchicalEngine>(*cgroup_, allocator_, options.num_sms);
+      hierarchical_ =
+          std::make_unique<HierarchicalEngine>(*cgroup_, allocator_, options.num_sms, options.node_partials);
     }
 
     DeviceGuard guard(device_);
@@ -64,9 +65,9 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     if (world_ != nullptr) seen_generation_ = world_->reset_generation.load();
     group_->barrier();
     if (options.num_low_latency_bytes > 0) {
-      low_latency_ = std::make_unique<LowLatencyEngine>(*group_, cgroup_->single_process(), device_,
-                                                        options.num_low_latency_bytes, allocator_, options.low_latency,
-                                                        low_latency_hierarchical_ ? cgroup_ : nullptr);
+      low_latency_ = std::make_unique<LowLatencyEngine>(
+          *group_, cgroup_->single_process(), device_, options.num_low_latency_bytes, allocator_, options.low_latency,
+          low_latency_hierarchical_ ? cgroup_ : nullptr, options.node_partials);
     }
   }
 

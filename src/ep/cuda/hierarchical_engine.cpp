@@ -33,14 +33,16 @@ class HierarchicalHandle final : public DispatchHandle {
 
 }  // namespace
 
-HierarchicalEngine::HierarchicalEngine(CudaGroup& group, std::shared_ptr<Allocator> allocator, int num_sms)
+HierarchicalEngine::HierarchicalEngine(CudaGroup& group, std::shared_ptr<Allocator> allocator, int num_sms,
+                                       NodePartials node_partials)
     : group_(group),
       allocator_(std::move(allocator)),
       topology_(group.topology()),
       rank_(group.rank()),
       num_ranks_(group.num_ranks()),
       device_(group.device().index),
-      num_sms_(std::max(1, num_sms)) {
+      num_sms_(std::max(1, num_sms)),
+      bf16_partials_(node_partials == NodePartials::kBFloat16) {
   EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kNormalMaxRanks, "the cuda backend supports up to {} ranks, got {}",
             kNormalMaxRanks, num_ranks_);
   DeviceGuard guard(device_);
@@ -367,7 +369,8 @@ CombineResult HierarchicalEngine::combine(const CombineArgs& args) {
   const Legs legs(routes, topology_, rank_);
   const int64_t H = mine.hidden, T = routes.num_tokens;
   const int K = mine.num_topk;
-  const int64_t node_bytes = hier::node_record_bytes(H, K), partial_bytes = hier::partial_record_bytes(H, K);
+  const int64_t node_bytes = hier::node_record_bytes(H, K),
+                partial_bytes = hier::partial_record_bytes(H, K, bf16_partials_);
 
   // Node leg, reversed: the rows go back to the forwarders they came from, in the order they came.
   const Tensor node_send = empty(DType::kUInt8, {routes.num_recv * node_bytes}, stream);
@@ -385,7 +388,8 @@ CombineResult HierarchicalEngine::combine(const CombineArgs& args) {
   exchange_->run(legs.node_peers, node_send.data(), Legs::bytes(legs.fwd_recv, node_bytes), node_recv.data(),
                  Legs::bytes(legs.fwd_send, node_bytes), stream, "combine node leg");
 
-  // Forwarder: fp32 partials per forwarded record (local rank ascending), back over the network leg.
+  // Forwarder: fp32 partials per forwarded record (local rank ascending; x rounded to bf16 with
+  // NodePartials::kBFloat16), back over the network leg.
   const Tensor partials = empty(DType::kUInt8, {legs.num_relay * partial_bytes}, stream);
   hier::CombineReduceArgs reduce{};
   reduce.in = node_recv.data_as<const char>();
@@ -395,6 +399,7 @@ CombineResult HierarchicalEngine::combine(const CombineArgs& args) {
   reduce.gpus_per_node = G;
   reduce.hidden = H;
   reduce.num_topk = K;
+  reduce.bf16 = bf16_partials_;
   reduce.out = partials.data_as<char>();
   hier::launch_combine_reduce_node(reduce, stream);
   check_cuda(cudaGetLastError(), "combine reduce launch");
@@ -414,6 +419,7 @@ CombineResult HierarchicalEngine::combine(const CombineArgs& args) {
   fin.num_nodes = N;
   fin.hidden = H;
   fin.num_topk = K;
+  fin.bf16 = bf16_partials_;
   fin.bias_0 = args.bias_0.defined() ? args.bias_0.data_as<const uint16_t>() : nullptr;
   fin.bias_1 = args.bias_1.defined() ? args.bias_1.data_as<const uint16_t>() : nullptr;
   fin.out = result.x.data_as<uint16_t>();

@@ -29,8 +29,8 @@ struct HierarchicalRoutes;
 class HierarchicalEngine {
  public:
   // Not collective. Loads the kernels (see preload_normal_kernels), allocates a mapped error record and pinned
-  // staging for the counts.
-  HierarchicalEngine(CudaGroup& group, std::shared_ptr<Allocator> allocator, int num_sms);
+  // staging for the counts. node_partials: BufferOptions::node_partials (the combine's network leg).
+  HierarchicalEngine(CudaGroup& group, std::shared_ptr<Allocator> allocator, int num_sms, NodePartials node_partials);
   ~HierarchicalEngine();
   HierarchicalEngine(const HierarchicalEngine&) = delete;
   HierarchicalEngine& operator=(const HierarchicalEngine&) = delete;
@@ -58,7 +58,8 @@ class HierarchicalEngine {
   int num_ranks_ = 0;
   int device_ = 0;
   int num_sms_ = 1;
-  uint64_t call_seq_ = 0;  // collective calls so far: the same on every rank
+  bool bf16_partials_ = false;  // NodePartials::kBFloat16
+  uint64_t call_seq_ = 0;       // collective calls so far: the same on every rank
   std::unique_ptr<ByteExchange> exchange_;
   ErrorRecord* error_ = nullptr;         // mapped host memory: an invalid topk_idx entry the layout kernel found
   ErrorRecord* error_device_ = nullptr;  // its device alias

@@ -193,7 +193,8 @@ __global__ void __launch_bounds__(kThreads) combine_pack_kernel(CombinePackArgs 
 __global__ void __launch_bounds__(kThreads) combine_reduce_node_kernel(CombineReduceArgs a) {
   const int lane = threadIdx.x % 32;
   const int64_t in_bytes = node_record_bytes(a.hidden, a.num_topk);
-  const int64_t out_bytes = partial_record_bytes(a.hidden, a.num_topk);
+  const int64_t out_bytes = partial_record_bytes(a.hidden, a.num_topk, a.bf16);
+  const int64_t out_weights = partial_weights_offset(a.hidden, a.bf16);
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32; i < a.num_records;
        i += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     const char* rows[kMaxParts];
@@ -203,43 +204,51 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_node_kernel(CombineRe
       if (pos < 0 || a.messages.start[g] + pos >= a.messages.start[g + 1]) continue;
       rows[num_rows++] = a.in + (a.messages.start[g] + pos) * in_bytes;
     }
-    float* out = reinterpret_cast<float*>(a.out + i * out_bytes);
+    char* out = a.out + i * out_bytes;
     for (int64_t h = lane; h < a.hidden; h += 32) {
       float acc = 0.f;
       for (int r = 0; r < num_rows; ++r) acc += detail::bf16_to_float(reinterpret_cast<const uint16_t*>(rows[r])[h]);
-      out[h] = acc;
+      if (a.bf16) {
+        reinterpret_cast<uint16_t*>(out)[h] = detail::float_to_bf16(acc);
+      } else {
+        reinterpret_cast<float*>(out)[h] = acc;
+      }
     }
     if (lane < a.num_topk) {
       float acc = 0.f;
       for (int r = 0; r < num_rows; ++r)
         acc += reinterpret_cast<const float*>(rows[r] + node_weights_offset(a.hidden))[lane];
-      out[a.hidden + lane] = acc;
+      reinterpret_cast<float*>(out + out_weights)[lane] = acc;
     }
   }
 }
 
 __global__ void __launch_bounds__(kThreads) combine_final_kernel(CombineFinalArgs a) {
   const int lane = threadIdx.x % 32;
-  const int64_t in_bytes = partial_record_bytes(a.hidden, a.num_topk);
+  const int64_t in_bytes = partial_record_bytes(a.hidden, a.num_topk, a.bf16);
+  const int64_t in_weights = partial_weights_offset(a.hidden, a.bf16);
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32; t < a.num_tokens;
        t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    const float* parts[kMaxParts];
+    const char* parts[kMaxParts];
     int num_parts = 0;
     for (int n = 0; n < a.num_nodes; ++n) {  // NOTE: nodes ascending, as the host reference
       const int32_t slot = a.node_slot[t * a.num_nodes + n];
       if (slot < 0 || a.messages.start[n] + slot >= a.messages.start[n + 1]) continue;
-      parts[num_parts++] = reinterpret_cast<const float*>(a.in + (a.messages.start[n] + slot) * in_bytes);
+      parts[num_parts++] = a.in + (a.messages.start[n] + slot) * in_bytes;
     }
     for (int64_t h = lane; h < a.hidden; h += 32) {
       float acc = 0.f;
-      for (int p = 0; p < num_parts; ++p) acc += parts[p][h];
+      for (int p = 0; p < num_parts; ++p) {
+        acc += a.bf16 ? detail::bf16_to_float(reinterpret_cast<const uint16_t*>(parts[p])[h])
+                      : reinterpret_cast<const float*>(parts[p])[h];
+      }
       if (a.bias_0 != nullptr) acc += detail::bf16_to_float(a.bias_0[t * a.hidden + h]);
       if (a.bias_1 != nullptr) acc += detail::bf16_to_float(a.bias_1[t * a.hidden + h]);
       a.out[t * a.hidden + h] = detail::float_to_bf16(acc);
     }
     if (lane < a.num_topk && a.out_weights != nullptr) {
       float acc = 0.f;
-      for (int p = 0; p < num_parts; ++p) acc += parts[p][a.hidden + lane];
+      for (int p = 0; p < num_parts; ++p) acc += reinterpret_cast<const float*>(parts[p] + in_weights)[lane];
       a.out_weights[t * a.num_topk + lane] = acc;
     }
   }

@@ -106,13 +106,17 @@ void launch_unpack(const UnpackArgs& args, cudaStream_t stream);
 // ---- combine ----------------------------------------------------------------------------------
 
 // Combine node-leg record: [bf16 x row [H] | fp32 weights [K] from node_weights_offset], 16-byte aligned. Partial
-// record (network leg): [fp32 x [H] | fp32 weights [K]], 16-byte aligned.
+// record (network leg): [x [H], fp32 or bf16 (NodePartials) | fp32 weights [K] from partial_weights_offset],
+// 16-byte aligned.
 __host__ __device__ inline int64_t node_weights_offset(int64_t hidden) { return (2 * hidden + 15) / 16 * 16; }
 __host__ __device__ inline int64_t node_record_bytes(int64_t hidden, int num_topk) {
   return (node_weights_offset(hidden) + 4 * num_topk + 15) / 16 * 16;
 }
-__host__ __device__ inline int64_t partial_record_bytes(int64_t hidden, int num_topk) {
-  return (4 * hidden + 4 * num_topk + 15) / 16 * 16;
+__host__ __device__ inline int64_t partial_weights_offset(int64_t hidden, bool bf16) {
+  return ((bf16 ? 2 : 4) * hidden + 15) / 16 * 16;
+}
+__host__ __device__ inline int64_t partial_record_bytes(int64_t hidden, int num_topk, bool bf16) {
+  return (partial_weights_offset(hidden, bf16) + 4 * num_topk + 15) / 16 * 16;
 }
 
 struct CombinePackArgs {
@@ -135,6 +139,7 @@ struct CombineReduceArgs {
   int gpus_per_node;
   int64_t hidden;
   int num_topk;
+  bool bf16;  // NodePartials::kBFloat16: the x partial rounded to bf16
   char* out;  // [M] partial records
 };
 // Forwarder: per forwarded record, the fp32 sum of its rows over the flagged local ranks g ascending (0 + ...).
@@ -148,6 +153,7 @@ struct CombineFinalArgs {
   int num_nodes;
   int64_t hidden;
   int num_topk;
+  bool bf16;               // the partials' x is bf16 (NodePartials::kBFloat16)
   const uint16_t* bias_0;  // [T, H] or null
   const uint16_t* bias_1;
   uint16_t* out;       // [T, H]

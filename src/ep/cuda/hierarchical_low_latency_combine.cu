@@ -168,22 +168,27 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
     const auto* rows = at<const uint4>(own, relay.off.rows[args.set] + (j * M + t) * K * H * 2);
-    auto* out = at<float4>(own, relay.off.partial_send + (j * M + i) * H * 4);
+    char* out = at<char>(own, relay.off.partial_send + (j * M + i) * H * relay.partial_bytes());
     const int64_t v_begin = (unit % parts) * part_vecs, v_end = min(row_vecs, v_begin + part_vecs);
     for (int64_t v = v_begin + threadIdx.x; v < v_end; v += kThreads) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int k = 0; k < K; ++k) {
         if (valid[k]) add_weighted(acc, __ldcg(rows + k * row_vecs + v), weights[k]);
       }
-      out[2 * v] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      out[2 * v + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      if (relay.bf16_partials) {
+        reinterpret_cast<uint4*>(out)[v] = pack_bf16x8(acc);
+      } else {
+        reinterpret_cast<float4*>(out)[2 * v] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        reinterpret_cast<float4*>(out)[2 * v + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      }
     }
   }
 }
 
 // The source's receive: per (token, slice of H), acc = 0 + p_0 + p_1 + ... by node ascending, p_n the partial of
 // forwarder (n, local rank) received over the network, or for this node its own pairs reduced here the same way
-// (flat combine rows and signals); one rounding. The last block advances the combine set's sequence number.
+// (flat combine rows and signals); one rounding. RelayView::bf16_partials: every p_n arrives (or, for this node, is
+// rounded) as bf16 first. The last block advances the combine set's sequence number.
 template <typename TopkT>
 __global__ void __launch_bounds__(kThreads)
     combine(LowLatencyPeers peers, LowLatencyLayout layout, RelayView relay, RelaySumArgs args) {
@@ -240,14 +245,21 @@ __global__ void __launch_bounds__(kThreads)
               if (valid[k]) add_weighted(p, __ldcg(rows + k * row_vecs + v), weights[k]);
             }
 #pragma unroll
-            for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], p[q]);
+            for (int q = 0; q < 8; ++q) {
+              acc[q] = __fadd_rn(acc[q], relay.bf16_partials ? detail::round_to_bf16(p[q]) : p[q]);
+            }
           } else if (record[n] >= 0) {
-            const auto* partial =
-                at<const float4>(own, relay.off.partial_recv[args.set] + (slot_of(n, node) * M + record[n]) * H * 4);
-            const float4 lo = partial[2 * v], hi = partial[2 * v + 1];
-            const float p[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            const char* partial = at<const char>(
+                own, relay.off.partial_recv[args.set] + (slot_of(n, node) * M + record[n]) * H * relay.partial_bytes());
+            if (relay.bf16_partials) {
+              add_bf16x8(acc, reinterpret_cast<const uint4*>(partial)[v]);
+            } else {
+              const float4 lo = reinterpret_cast<const float4*>(partial)[2 * v];
+              const float4 hi = reinterpret_cast<const float4*>(partial)[2 * v + 1];
+              const float p[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-            for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], p[q]);
+              for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], p[q]);
+            }
           }
         }
         out[t * row_vecs + v] = pack_bf16x8(acc);

@@ -26,7 +26,7 @@ bool is_capturing(cudaStream_t stream) {
 }  // namespace
 
 RelayOffsets make_relay_offsets(int num_nodes, int gpus_per_node, int64_t max_tokens, int64_t hidden,
-                                int64_t num_local_experts) {
+                                int64_t num_local_experts, int partial_bytes) {
   const int64_t S = num_nodes - 1, M = max_tokens, H = hidden, K = kLowLatencyMaxTopk;
   // The largest message: bf16 rows, K = 16.
   const int64_t message = RelayRecord::make(H, false, false, kLowLatencyMaxTopk).message_bytes(M);
@@ -42,18 +42,19 @@ RelayOffsets make_relay_offsets(int num_nodes, int gpus_per_node, int64_t max_to
     o.row_signals[set] = take(S * gpus_per_node * num_local_experts * 8);
     o.relay[set] = take(S * message);
     o.node_slot[set] = take(M * num_nodes * 4);
-    o.partial_recv[set] = take(S * M * H * 4);
+    o.partial_recv[set] = take(S * M * H * partial_bytes);
   }
   o.pack = take(num_nodes * message);
   o.weights_send = take(S * relay_weights_bytes(M, kLowLatencyMaxTopk));
   o.weights_recv = take(S * relay_weights_bytes(M, kLowLatencyMaxTopk));
-  o.partial_send = take(S * M * H * 4);
+  o.partial_send = take(S * M * H * partial_bytes);
   o.total_bytes = offset;
   return o;
 }
 
-LowLatencyRelay::LowLatencyRelay(CudaGroup& group, int device)
+LowLatencyRelay::LowLatencyRelay(CudaGroup& group, int device, NodePartials node_partials)
     : group_(group), device_(device), topology_(group.topology()), rank_(group.rank()) {
+  view_.bf16_partials = node_partials == NodePartials::kBFloat16;
   DeviceGuard guard(device_);
   check_cuda(preload_relay_kernels(), "cudaFuncGetAttributes (preload low-latency relay kernels)");
   check_cuda(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking), "cudaStreamCreate (low-latency relay)");
@@ -102,7 +103,7 @@ void LowLatencyRelay::ensure(const LowLatencyLayout& layout) {
     region_ = nullptr;
   }
   view_.off = make_relay_offsets(topology_.num_nodes, topology_.gpus_per_node, layout.max_tokens_per_rank,
-                                 layout.hidden, layout.num_local_experts);
+                                 layout.hidden, layout.num_local_experts, view_.partial_bytes());
   const cudaError_t allocated = cudaMalloc(&region_, view_.off.total_bytes);
   if (allocated == cudaErrorStreamCaptureUnsupported || allocated == cudaErrorStreamCaptureInvalidated) {
     region_ = nullptr;
@@ -188,8 +189,8 @@ void LowLatencyRelay::send_combine(const LowLatencyPeers& peers, const LowLatenc
     const RelayReduceArgs reduce{rec_[launch.dispatch_set], launch.dispatch_set, set, launch.dispatch_id};
     launch_relay_reduce(peers, layout, view_, reduce, comm_);
   }
-  exchange(region_ + view_.off.partial_send, region_ + view_.off.partial_recv[set], M * layout.hidden * 4,
-           "low-latency combine network leg");
+  exchange(region_ + view_.off.partial_send, region_ + view_.off.partial_recv[set],
+           M * layout.hidden * view_.partial_bytes(), "low-latency combine network leg");
   check_cuda(cudaEventRecord(combine_done_[set], comm_), "cudaEventRecord (low-latency relay)");
 }
 

@@ -36,18 +36,20 @@
 #include "comm/cuda/peer_memory.h"
 #include "ep/cuda/hierarchical_low_latency_kernels.h"
 #include "ep/cuda/low_latency.h"
+#include "epx/buffer.h"
 
 namespace epx::cuda {
 
-// The relay region's layout for N nodes of G ranks, M tokens per rank, hidden H, E_local experts per rank.
+// The relay region's layout for N nodes of G ranks, M tokens per rank, hidden H, E_local experts per rank, partials of
+// partial_bytes (4: fp32, 2: bf16) per element.
 RelayOffsets make_relay_offsets(int num_nodes, int gpus_per_node, int64_t max_tokens, int64_t hidden,
-                                int64_t num_local_experts);
+                                int64_t num_local_experts, int partial_bytes);
 
 class LowLatencyRelay {
  public:
   // Collective over `group` (an all-gather of the ranks' devices): loads the kernels, makes the stream, the events and
-  // the exchange. The relay region comes at the first dispatch (ensure).
-  LowLatencyRelay(CudaGroup& group, int device);
+  // the exchange. The relay region comes at the first dispatch (ensure). node_partials: BufferOptions::node_partials.
+  LowLatencyRelay(CudaGroup& group, int device, NodePartials node_partials);
   ~LowLatencyRelay();
   LowLatencyRelay(const LowLatencyRelay&) = delete;
   LowLatencyRelay& operator=(const LowLatencyRelay&) = delete;

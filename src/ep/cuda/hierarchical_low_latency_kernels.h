@@ -92,8 +92,8 @@ struct RelayOffsets {
   int64_t node_slot[2];     // [M][N] int32: the token's record in each node message, -1 if none (per dispatch set)
   int64_t weights_send;     // [S][relay_weights_bytes(M, K)]
   int64_t weights_recv;     // [S][relay_weights_bytes(M, K)]
-  int64_t partial_send;     // [S][M][H] fp32
-  int64_t partial_recv[2];  // [S][M][H] fp32, per combine set
+  int64_t partial_send;     // [S][M][H] fp32, or bf16 (RelayView::bf16_partials)
+  int64_t partial_recv[2];  // [S][M][H] as partial_send, per combine set
   int64_t total_bytes;
 };
 
@@ -105,7 +105,9 @@ struct RelayView {
   int gpus_per_node = 1;
   int node = 0;
   int local_rank = 0;
-  int spin_blocks = 1;  // grid cap of the kernels that wait on peers (reduce, llh::combine)
+  int spin_blocks = 1;         // grid cap of the kernels that wait on peers (reduce, llh::combine)
+  bool bf16_partials = false;  // NodePartials::kBFloat16: the partials are rounded to bf16 (this node's too)
+  __host__ __device__ int partial_bytes() const { return bf16_partials ? 2 : 4; }
 };
 
 struct RelayPackArgs {

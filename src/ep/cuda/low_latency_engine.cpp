@@ -48,7 +48,7 @@ std::function<void()> once(std::function<void()> fn) {
 
 LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device, int64_t bytes,
                                    std::shared_ptr<Allocator> allocator, const LowLatencyConfig& config,
-                                   CudaGroup* relay_group)
+                                   CudaGroup* relay_group, NodePartials node_partials)
     : group_(group),
       device_(device),
       rank_(group.rank()),
@@ -82,7 +82,8 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
   check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device), error_, 0), "cudaHostGetDevicePointer");
   peers_.error = error_device;
   peers_.timeout_ns = static_cast<uint64_t>(detail::timeout_ns(group_.timeout_ms()));
-  if (relay_group != nullptr) relay_ = std::make_unique<LowLatencyRelay>(*relay_group, device_);  // collective
+  if (relay_group != nullptr)
+    relay_ = std::make_unique<LowLatencyRelay>(*relay_group, device_, node_partials);  // collective
   {
     // Ranks on this rank's GPU, by the GPU's UUID (ranks of one process or of several), gathered whatever the
     // options (a collective must not depend on them: a rank with other options would otherwise hang here instead of

@@ -19,9 +19,10 @@ class LowLatencyEngine {
   // Collective over `group`: allocates `bytes` on `device`, zeroes it and maps every rank's region.
   // config: the same on every rank (Buffer::create checked it). relay_group: the hierarchical routing
   // (LowLatencyRouting) on that group's topology, through a LowLatencyRelay; only the regions of this rank's node are
-  // mapped then. Null: the flat routing.
+  // mapped then; node_partials is BufferOptions::node_partials for its combine. Null: the flat routing.
   LowLatencyEngine(Group& group, bool single_process, int device, int64_t bytes, std::shared_ptr<Allocator> allocator,
-                   const LowLatencyConfig& config, CudaGroup* relay_group = nullptr);
+                   const LowLatencyConfig& config, CudaGroup* relay_group = nullptr,
+                   NodePartials node_partials = NodePartials::kFloat32);
   ~LowLatencyEngine();
   LowLatencyEngine(const LowLatencyEngine&) = delete;
   LowLatencyEngine& operator=(const LowLatencyEngine&) = delete;

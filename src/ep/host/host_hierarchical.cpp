@@ -212,7 +212,9 @@ CombineResult HostBuffer::combine_hierarchical(const CombineArgs& args, const Ho
   const int64_t hidden = mine.hidden;
   const int64_t num_topk = mine.num_topk;
 
-  // Node leg: as forwarder, reduce each forwarded record over the node's ranks (fp32, local rank ascending).
+  // Node leg: as forwarder, reduce each forwarded record over the node's ranks (fp32, local rank ascending); with
+  // NodePartials::kBFloat16 the x partial is then rounded to bf16 (the bytes that would cross), the weights not.
+  const bool bf16_partials = options_.node_partials == NodePartials::kBFloat16;
   std::vector<std::vector<float>> partial_x(num_nodes), partial_w(num_nodes);
   std::exception_ptr error;
   const auto posts = host_group_->exchange(&mine);  // a throw here ends the call on every rank (see dispatch)
@@ -240,6 +242,7 @@ CombineResult HostBuffer::combine_hierarchical(const CombineArgs& args, const Ho
               partial_w[m][i * num_topk + k] += p.topk_weights[static_cast<int64_t>(row) * num_topk + k];
             }
           }
+          for (int64_t h = 0; h < hidden && bf16_partials; ++h) acc[h] = detail::round_to_bf16(acc[h]);
         }
       }
     });

@@ -216,17 +216,19 @@ void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& 
           }
         }
         if (!any) continue;
-        for (int64_t h = 0; h < hidden; ++h) acc[h] += detail::bf16_to_float(float_to_bf16(partial[h]));
+        for (int64_t h = 0; h < hidden; ++h) acc[h] += detail::round_to_bf16(partial[h]);
       }
       for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
     }
     state->received = true;
     return;
   }
+  const bool bf16_partials = options_.node_partials == NodePartials::kBFloat16;
   for (int64_t t = 0; t < num_tokens; ++t) {
     // NOTE: fixed fp32 order: per node n ascending, the forwarder's partial p_n = 0 + w * x over k ascending (a
     // product, then a sum; no fused multiply-add); then acc = 0 + p_0 + p_1 + ...; one rounding. One node: the
-    // flat order (k ascending) bit for bit.
+    // flat order (k ascending) bit for bit. NodePartials::kBFloat16: each p_n (this node's too) rounded to bf16
+    // before it is added, which changes nothing with one node.
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int n = 0; n < num_nodes; ++n) {
       const int32_t record = dispatch.node_slot[t * num_nodes + n];
@@ -245,7 +247,7 @@ void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& 
           partial[h] += product;
         }
       }
-      for (int64_t h = 0; h < hidden; ++h) acc[h] += partial[h];
+      for (int64_t h = 0; h < hidden; ++h) acc[h] += bf16_partials ? detail::round_to_bf16(partial[h]) : partial[h];
     }
     for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
   }
