@@ -34,10 +34,12 @@ nlohmann::json stats_json(const RoutingStats& s) {
           {"ll_nvlink_pairs_per_token", leg_json(s.ll_nvlink_pairs)}};
 }
 
-nlohmann::json phase_json(const std::string& name, int64_t num_tokens, double row_bytes, const PhaseTime& t) {
+nlohmann::json phase_json(const std::string& name, int64_t num_tokens, double row_bytes, const PhaseTime& t,
+                          double network_row_bytes = 0) {
   return {{"name", name},
           {"num_tokens", num_tokens},
           {"row_bytes", row_bytes},
+          {"network_row_bytes", network_row_bytes > 0 ? network_row_bytes : row_bytes},
           {"network_bytes", t.network_bytes},
           {"nvlink_bytes", t.nvlink_bytes},
           {"network_us", t.network_us},
@@ -57,8 +59,9 @@ nlohmann::json model_one(const std::string& name, const Shape& shape, const Mode
       phase_json("dispatch_bf16", c.num_tokens, bf16, scale_model::normal_time(exact, N, c.num_tokens, bf16, c.links)));
   phases.push_back(
       phase_json("dispatch_fp8", c.num_tokens, fp8, scale_model::normal_time(exact, N, c.num_tokens, fp8, c.links)));
-  phases.push_back(
-      phase_json("combine_bf16", c.num_tokens, bf16, scale_model::normal_time(exact, N, c.num_tokens, bf16, c.links)));
+  const double partial = c.fp32_node_partials ? static_cast<double>(c.hidden) * 4 : bf16;  // the combine's network row
+  phases.push_back(phase_json("combine_bf16", c.num_tokens, bf16,
+                              scale_model::normal_time(exact, N, c.num_tokens, bf16, c.links, partial), partial));
   phases.push_back(phase_json("ll_dispatch_fp8", c.num_ll_tokens, fp8,
                               scale_model::low_latency_time(exact, N, c.num_ll_tokens, fp8, c.links)));
   phases.push_back(phase_json("ll_combine_bf16", c.num_ll_tokens, bf16,
@@ -143,6 +146,7 @@ nlohmann::json run_model(const ModelConfig& c) {
             {"nvlink_gbps", c.links.nvlink_gbps},
             {"latency_us", c.links.latency_us},
             {"chunk_tokens", c.links.chunk_tokens},
+            {"node_partials", c.fp32_node_partials ? "fp32" : "bf16"},
             {"monte_carlo_tokens", c.num_samples},
             {"seed", c.seed}}},
           {"configs", configs},
@@ -154,10 +158,11 @@ void print_model_report(const nlohmann::json& r) {
   std::printf("epx bench --model: predicted time per call of the busiest rank (docs/internode.md \"Scale model\")\n");
   std::printf(
       "hidden %lld, top-%d experts in the top-%d of %d groups; network %g GB/s + %g us, NVLink %g GB/s per "
-      "GPU; prefill %lld tokens/rank, decode %lld\n",
+      "GPU; prefill %lld tokens/rank, decode %lld; %s combine partials on the network\n",
       m["hidden"].get<long long>(), m["num_topk"].get<int>(), m["num_topk_groups"].get<int>(),
       m["num_groups"].get<int>(), m["network_gbps"].get<double>(), m["latency_us"].get<double>(),
-      m["nvlink_gbps"].get<double>(), m["num_tokens"].get<long long>(), m["num_ll_tokens"].get<long long>());
+      m["nvlink_gbps"].get<double>(), m["num_tokens"].get<long long>(), m["num_ll_tokens"].get<long long>(),
+      m["node_partials"].get<std::string>().c_str());
   std::printf("%-7s %-6s %7s %-13s %-13s %8s %8s | %9s %9s %9s | %9s %9s\n", "config", "nodes", "experts",
               "nodes/token", "GPUs/token", "net", "NVLink", "prefill", "prefill", "prefill", "decode", "decode");
   std::printf("%-7s %-6s %7s %-13s %-13s %8s %8s | %9s %9s %9s | %9s %9s\n", "", "", "", "exact (MC)", "exact (MC)",

@@ -23,6 +23,9 @@ struct ModelConfig {
   scale_model::Links links;
   uint64_t seed = 1;
   int64_t num_samples = int64_t{1} << 16;  // Monte-Carlo tokens per configuration
+  // --node-partials fp32: the normal combine's network leg carries fp32 partials (NodePartials::kFloat32, hidden x 4
+  // per row); default bf16 partials (NodePartials::kBFloat16, DeepEP's internode choice; hidden x 2).
+  bool fp32_node_partials = false;
 };
 
 // Each configuration's expert count (ModelConfig::num_experts or its default). Throws BadInput naming the flag

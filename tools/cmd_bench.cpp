@@ -296,8 +296,10 @@ void add_bench(CLI::App& app) {
   auto node_partials = std::make_shared<std::string>("fp32");
   auto* node_partials_opt =
       cmd->add_option("--node-partials", *node_partials,
-                      "With --nodes / --routing: fp32 (default) or bf16, the combines' per-node partial sums over the "
-                      "network leg (BufferOptions::node_partials; bf16 halves those bytes, docs/internode.md)")
+                      "fp32 or bf16: the hierarchical combines' per-node partial sums over the network leg "
+                      "(BufferOptions::node_partials; bf16 halves those bytes, docs/internode.md). With --nodes / "
+                      "--routing: the run's option (default fp32, the library's); with --model: the predicted "
+                      "combine's network rows (default bf16, DeepEP's internode choice)")
           ->check(one_of({"fp32", "bf16"}));
   auto* net_gbps = cmd->add_option("--net-gbps", model_config->links.network_gbps,
                                    "--model: network GB/s per GPU, each way (default 50: 400 Gb/s)")
@@ -344,9 +346,10 @@ void add_bench(CLI::App& app) {
     if (model->count() == 0 && !nodes_run && gpus_per_node->count() > 0) {
       throw BadInput("--gpus-per-node applies only to --nodes or --model");
     }
-    if (!nodes_run && node_partials_opt->count() > 0) {
-      throw BadInput("--node-partials applies only to --nodes / --routing (the hierarchical combine)");
+    if (!nodes_run && model->count() == 0 && node_partials_opt->count() > 0) {
+      throw BadInput("--node-partials applies only to --nodes / --routing or --model (the hierarchical combine)");
     }
+    model_config->fp32_node_partials = node_partials_opt->count() > 0 && *node_partials == "fp32";
     if (model->count() == 0) {
       for (const auto& [opt, name] : model_only) {
         if (opt->count() > 0) throw BadInput(fmt::format("{} applies only to --model", name));

@@ -247,10 +247,10 @@ RoutingStats routing_stats_monte_carlo(const Shape& s, int64_t num_tokens, uint6
 }
 
 PhaseTime normal_time(const RoutingStats& stats, int num_nodes, int64_t num_tokens, double row_bytes,
-                      const Links& links) {
+                      const Links& links, double network_row_bytes) {
   const double T = static_cast<double>(num_tokens);
   PhaseTime out;
-  out.network_bytes = T * stats.network_rows.busiest * row_bytes;
+  out.network_bytes = T * stats.network_rows.busiest * (network_row_bytes > 0 ? network_row_bytes : row_bytes);
   out.nvlink_bytes = T * stats.nvlink_rows.busiest * row_bytes;
   out.network_us = out.network_bytes / (links.network_gbps * 1e3);  // GB/s = 1e3 bytes/us
   out.nvlink_us = out.nvlink_bytes / (links.nvlink_gbps * 1e3);

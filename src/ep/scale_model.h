@@ -89,8 +89,9 @@ struct PhaseTime {
 //   time = latency + max(t_net, t_nvl) + min(t_net, t_nvl) / C          (N > 1)
 //   time = t_nvl                                                         (N = 1: no network leg)
 // a two-stage pipeline of C equal chunks: the slower leg runs throughout, the faster one adds one chunk.
+// network_row_bytes: the network leg's row when it differs (the combine's fp32 node partials, hidden * 4); 0: row_bytes.
 PhaseTime normal_time(const RoutingStats& stats, int num_nodes, int64_t num_tokens, double row_bytes,
-                      const Links& links);
+                      const Links& links, double network_row_bytes = 0);
 
 // Low-latency dispatch or combine: no forwarding, both legs leave the source at once:
 //   time = max(latency + t_net, t_nvl)   (the latency only when there is a network leg)

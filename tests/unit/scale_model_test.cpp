@@ -177,6 +177,11 @@ TEST(ScaleModel, PipelineFormula) {
   st.ll_nvlink_pairs.busiest = 20;
   const auto ll = scale_model::low_latency_time(st, 2, 100, 1000, links);
   EXPECT_NEAR(ll.time_us, std::max(5 + 100 * 1000 / 50e3, 100 * 20 * 1000 / 400e3), 1e-9);
+  // A network row of its own (fp32 combine partials): twice the network bytes, NVLink unchanged.
+  const auto fp32 = scale_model::normal_time(st, 2, 1024, 1000, links, 2000);
+  EXPECT_NEAR(fp32.network_us, 2 * 30.72, 1e-9);
+  EXPECT_NEAR(fp32.nvlink_us, 10.24, 1e-9);
+  EXPECT_NEAR(fp32.time_us, 5 + 2 * 30.72 + 10.24 / 12, 1e-9);
 }
 
 TEST(ScaleModel, BadShapesAreRejected) {
@@ -244,6 +249,19 @@ TEST(ScaleModelCli, PrintsTheTableAndWritesJson) {
   // The EP2 check: 4096 tokens, the other rank reached with p = 1 - C(128, 8) / C(256, 8), at 385 GB/s.
   const double p = 1 - choose_ratio(128, 256, 8);
   EXPECT_NEAR(j["check"]["phases"][0]["time_us"].get<double>(), 4096 * p * 14336 / 385e3, 1e-6);
+  EXPECT_EQ(j["model"]["node_partials"], "bf16");
+  const auto& combine = j["configs"][1]["phases"][2];  // EP16
+  EXPECT_EQ(combine["name"], "combine_bf16");
+  EXPECT_EQ(combine["network_row_bytes"], 7168.0 * 2);
+  // --node-partials fp32: the combine's network bytes double, dispatch unchanged.
+  const auto r32 = testing::run_cli("bench --model --node-partials fp32 --json " + json_path);
+  ASSERT_EQ(r32.exit_code, 0) << r32.err;
+  EXPECT_NE(r32.out.find("fp32 combine partials"), std::string::npos) << r32.out;
+  const nlohmann::json j32 = nlohmann::json::parse(std::ifstream(json_path));
+  EXPECT_EQ(j32["model"]["node_partials"], "fp32");
+  EXPECT_EQ(j32["configs"][1]["phases"][2]["network_bytes"].get<double>(),
+            2 * combine["network_bytes"].get<double>());
+  EXPECT_EQ(j32["configs"][1]["phases"][0]["network_bytes"], j["configs"][1]["phases"][0]["network_bytes"]);
   std::filesystem::remove_all(dir);
 }
 
