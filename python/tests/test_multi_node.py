@@ -254,3 +254,44 @@ def test_low_latency_across_nodes(gpus_per_node):
         return True
 
     assert all(run(gpus_per_node, fn))
+
+
+def round_bf16(f32):
+    """float32 values rounded to the nearest bf16 (ties to even), as float32 (no NaNs here)."""
+    u = np.asarray(f32, np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+    return (r << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("gpus_per_node", [2, 1])
+def test_low_latency_bf16_node_partials(gpus_per_node):
+    """node_partials="bf16" on the hierarchical low-latency routing: out = bf16(sum over nodes ascending of
+    bf16(p_n)), p_n = 0 + w * x over the node's top-k slots ascending in fp32 (include/epx/buffer.h,
+    LowLatencyCombineResult), computed here in numpy; the fp32 partials of the same call differ from it somewhere."""
+    M, LL_H = 64, 2 * H
+    rng = np.random.default_rng(4242)
+    inputs = [(np.concatenate([x, x], axis=1), idx, rng.random(w.shape).astype(np.float32))
+              for x, idx, w in inputs_for(idle=True)]
+    nbytes = epx.low_latency_buffer_size_hint(M, LL_H, R, E)
+    experts_per_node = NUM_LOCAL * gpus_per_node
+
+    def fn(rank, group):
+        x, idx, w = inputs[rank]
+        out = {}
+        for partials in ("fp32", "bf16"):
+            buffer = epx.Buffer(group, num_low_latency_bytes=nbytes, low_latency_routing="hierarchical",
+                                node_partials=partials)
+            d = buffer.low_latency_dispatch(epx.bf16(x), idx, M, E)
+            out[partials] = bits(buffer.low_latency_combine(epx.bf16(bits(d.recv_x)), idx, w, d.handle).x).copy()
+        xf = to_f32(x)
+        acc = np.zeros_like(xf)
+        for n in range(R // gpus_per_node):
+            partial = np.zeros_like(xf)
+            for k in range(K):
+                on_node = ((idx[:, k] >= 0) & (idx[:, k] // experts_per_node == n))[:, None]
+                partial = np.where(on_node, (partial + w[:, k:k + 1] * xf).astype(np.float32), partial)
+            acc = (acc + round_bf16(partial)).astype(np.float32)
+        np.testing.assert_array_equal(to_f32(out["bf16"]), round_bf16(acc))
+        return len(x) == 0 or not np.array_equal(out["fp32"], out["bf16"])
+
+    assert all(run(gpus_per_node, fn))
