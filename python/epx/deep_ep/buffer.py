@@ -90,7 +90,9 @@ class Buffer:
     expert_side_reduction = True (one partial row per token and expert rank; another summation order than
     DeepEP's, docs/low-latency.md); epx_node_partials (default "bf16", as DeepEP's internode combine, whose RDMA leg
     carries bf16 rows), how the combine across nodes carries a node's partial sum (epx.Buffer's node_partials;
-    "fp32" keeps a single rounding). The same on every rank.
+    "fp32" keeps a single rounding); epx_low_latency_routing (default "flat", DeepEP's semantics below;
+    "hierarchical" for ranks on several hosts, which flat low-latency calls cannot reach on the cuda backend: its
+    peer memory maps GPUs of one host only). The same on every rank.
     """
 
     #: SMs of the normal kernels when no Config is given (DeepEP's class attribute; see set_num_sms).
@@ -103,7 +105,7 @@ class Buffer:
                  epx_timeout_ms: int = 60_000, epx_column_major_scales: bool = True,
                  epx_gpus_per_node: Optional[int] = None,
                  epx_low_latency: Optional[_epx.LowLatencyConfig] = None,
-                 epx_node_partials: str = "bf16") -> None:
+                 epx_node_partials: str = "bf16", epx_low_latency_routing: str = "flat") -> None:
         if group is None:
             if comm is not None:
                 raise NotImplementedError("epx.deep_ep: an mpi4py communicator (comm=) is not supported; "
@@ -141,11 +143,13 @@ class Buffer:
         self._low_latency_bytes = num_rdma_bytes if low_latency_mode else 0
         # NOTE: DeepEP's low-latency kernels send every (token, expert) pair straight to its rank, across nodes too,
         # and its combine adds the pairs in top-k order: epx's flat low-latency routing, not the hierarchical one
-        # that `auto` picks on more than one node (docs/internode.md, "Low-latency across nodes").
+        # that `auto` picks on more than one node (docs/internode.md, "Low-latency across nodes"), unless
+        # epx_low_latency_routing asks for it (ranks on several hosts).
         self.runtime: Optional[epx.Buffer] = epx.Buffer(epx_group, num_normal_bytes=normal_bytes,
                                                         num_low_latency_bytes=self._low_latency_bytes,
                                                         num_sms=self._max_sms, low_latency=epx_low_latency,
-                                                        low_latency_routing="flat", node_partials=epx_node_partials)
+                                                        low_latency_routing=epx_low_latency_routing,
+                                                        node_partials=epx_node_partials)
         self._native = self.runtime._native
         self._call_num_sms = _accepts(self.runtime.dispatch, "num_sms") and _accepts(self.runtime.combine, "num_sms")
         self._column_major_scales = epx_column_major_scales

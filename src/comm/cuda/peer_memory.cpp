@@ -6,7 +6,9 @@
 #include <set>
 #include <utility>
 
+#include "core/check.h"
 #include "core/cuda/cuda_util.h"
+#include "core/host_id.h"
 
 namespace epx::cuda {
 namespace {
@@ -57,10 +59,31 @@ PeerRegions open_peer_regions(Group& group, bool single_process, void* mine, int
     }
     return out;
   }
-  cudaIpcMemHandle_t handle;
-  check_cuda(cudaIpcGetMemHandle(&handle, mine), "cudaIpcGetMemHandle");
-  std::vector<cudaIpcMemHandle_t> all(num_ranks);
-  group.all_gather_bytes(&handle, all.data(), sizeof(handle));
+  struct Entry {
+    cudaIpcMemHandle_t handle;
+    detail::HostId host;
+  };
+  Entry entry{};
+  check_cuda(cudaIpcGetMemHandle(&entry.handle, mine), "cudaIpcGetMemHandle");
+  entry.host = detail::this_host();
+  std::vector<Entry> all(num_ranks);
+  group.all_gather_bytes(&entry, all.data(), sizeof(Entry));
+  // NOTE: decided collectively, so that every rank raises alike instead of some waiting for the others in their next
+  // collective: the first (rank, peer) pair, by rank, where the rank would have to map a peer on another host.
+  std::vector<detail::HostId> hosts(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) hosts[r] = all[r].host;
+  const int32_t remote = detail::first_peer_on_other_host(hosts, rank, mapped);
+  std::vector<int32_t> remotes(num_ranks);
+  group.all_gather_bytes(&remote, remotes.data(), sizeof(int32_t));
+  for (int r = 0; r < num_ranks; ++r) {
+    if (remotes[r] < 0) continue;
+    detail::raise(ErrorCode::kUnsupported,
+                  "rank {} (host {}) would map the memory of rank {} (host {}), but peer memory (CUDA IPC) reaches "
+                  "only the GPUs of one host: ranks on several hosts need the hierarchical routings with "
+                  "gpus_per_node = the ranks of one host (BufferOptions::normal_routing and low_latency_routing, "
+                  "docs/internode.md)",
+                  r, all[r].host.text, remotes[r], all[remotes[r]].host.text);
+  }
   for (int r = 0; r < num_ranks; ++r) {
     if (r == rank) {
       out.ptrs[r] = static_cast<char*>(mine);
@@ -68,7 +91,7 @@ PeerRegions open_peer_regions(Group& group, bool single_process, void* mine, int
     }
     if (!mapped(r)) continue;
     void* ptr = nullptr;
-    const cudaError_t err = cudaIpcOpenMemHandle(&ptr, all[r], cudaIpcMemLazyEnablePeerAccess);
+    const cudaError_t err = cudaIpcOpenMemHandle(&ptr, all[r].handle, cudaIpcMemLazyEnablePeerAccess);
     if (err == cudaErrorPeerAccessUnsupported || err == cudaErrorInvalidDevice) {
       cudaGetLastError();
       detail::raise(ErrorCode::kUnsupported, "rank {} (cuda:{}) cannot map rank {}'s memory: no peer access ({})", rank,

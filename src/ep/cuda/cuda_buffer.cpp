@@ -61,7 +61,9 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
                                        "this buffer must be destroyed and made again on every rank",
                                        rank_));
     }
-    normal_->open_peers(cgroup_->single_process());  // collective
+    // NOTE: with the hierarchical routing the flat normal kernels never run: only this node's regions are mapped, so
+    // that ranks on several hosts (reached over the network leg only) can make a buffer.
+    normal_->open_peers(cgroup_->single_process(), hierarchical_ ? group_->topology().gpus_per_node : 0);  // collective
     if (world_ != nullptr) seen_generation_ = world_->reset_generation.load();
     group_->barrier();
     if (options.num_low_latency_bytes > 0) {
@@ -293,7 +295,7 @@ void CudaBuffer::abort_call() noexcept {
   // Peers' kernels of this call poll their abort word with their timeout checks; it is zeroed by the reset.
   const uint8_t who = static_cast<uint8_t>(rank_ + 1);  // little-endian: the word reads rank + 1
   for (int r = 0; r < num_ranks_; ++r) {
-    if (r != rank_) cudaMemsetAsync(normal_->abort_word(r), who, 1, abort_stream_);
+    if (r != rank_ && normal_->abort_word(r) != nullptr) cudaMemsetAsync(normal_->abort_word(r), who, 1, abort_stream_);
   }
   CudaWorld* world = world_.get();
   if (world != nullptr) {

@@ -1,3 +1,5 @@
+#include "ep/cuda/normal_engine.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -5,10 +7,9 @@
 #include <utility>
 
 #include "core/check.h"
+#include "core/cuda/cuda_util.h"
 #include "core/limits.h"
 #include "core/timeout.h"
-#include "core/cuda/cuda_util.h"
-#include "ep/cuda/normal_engine.h"
 #include "ep/validate.h"
 
 namespace epx::cuda {
@@ -112,8 +113,8 @@ NormalEngine::~NormalEngine() {
   cudaFreeHost(meta_host_);
 }
 
-void NormalEngine::open_peers(bool single_process) {
-  peer_regions_ = open_peer_regions(group_, single_process, region_, device_);
+void NormalEngine::open_peers(bool single_process, int gpus_per_node) {
+  peer_regions_ = open_peer_regions(group_, single_process, region_, device_, gpus_per_node);
   for (int r = 0; r < num_ranks_; ++r) comm_.peers[r] = peer_regions_.ptrs[r];
 }
 

@@ -12,11 +12,11 @@
 #include <memory>
 #include <vector>
 
+#include "comm/cuda/peer_memory.h"
 #include "ep/cuda/copy_engine_host.h"
 #include "ep/cuda/normal_copy_engines.h"
 #include "ep/cuda/normal_kernels.h"
 #include "ep/cuda/normal_plan.h"
-#include "comm/cuda/peer_memory.h"
 #include "ep/validate.h"
 #include "epx/buffer.h"
 
@@ -63,8 +63,9 @@ class NormalEngine {
   NormalEngine(const NormalEngine&) = delete;
   NormalEngine& operator=(const NormalEngine&) = delete;
 
-  // Collective over the group: maps every rank's region.
-  void open_peers(bool single_process);
+  // Collective over the group: maps every rank's region, or with gpus_per_node > 0 only those of this rank's node
+  // (the hierarchical routing, which never runs the flat kernels; the others' entries stay null).
+  void open_peers(bool single_process, int gpus_per_node = 0);
 
   Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream, NormalCallHooks& hooks);
   DispatchResult dispatch(const DispatchArgs& args, NormalCallHooks& hooks);
@@ -72,8 +73,8 @@ class NormalEngine {
 
   // The error records in mapped host memory [2]: [0] timeouts and aborts, [1] bad values (ErrorRecord).
   ErrorRecord* error_records() const { return errors_; }
-  // Rank r's abort word (its region, as mapped here).
-  char* abort_word(int r) const { return comm_.peers[r] + comm_.off_abort; }
+  // Rank r's abort word (its region, as mapped here; null where open_peers did not map it).
+  char* abort_word(int r) const { return comm_.peers[r] != nullptr ? comm_.peers[r] + comm_.off_abort : nullptr; }
   // The buffer's reset: zeroes this rank's signal area (on `stream`, then synchronizes it), restarts the
   // copy-engine tags and clears the error records.
   void reset_signals(Stream stream);

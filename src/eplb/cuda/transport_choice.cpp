@@ -1,15 +1,14 @@
 // choose_transport for cuda groups: copy engines where every pair of GPUs has peer access, NCCL otherwise.
 #include <cuda_runtime.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 #include <vector>
 
 #include "comm/cuda/cuda_group.h"
 #include "core/check.h"
 #include "core/cuda/cuda_util.h"
+#include "core/host_id.h"
 #include "eplb/cuda/transport.h"
 
 namespace epx::eplb {
@@ -18,21 +17,9 @@ namespace {
 
 // What a rank tells the others: where it runs. Fixed size, zero-padded, so ranks compare bytes.
 struct Whereabouts {
-  char host[112] = {};   // hostname, then the kernel's boot id (two containers or hosts may share a hostname)
+  detail::HostId host;   // core/host_id.h
   char bus_id[32] = {};  // the GPU's PCI bus id, e.g. "0000:19:00.0"
 };
-
-void fill_host(char* out, size_t size) {
-  char name[64] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0) name[0] = '?';
-  char boot[40] = {};
-  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
-    if (std::fgets(boot, sizeof(boot), f) == nullptr) boot[0] = '\0';
-    std::fclose(f);
-  }
-  boot[std::strcspn(boot, "\n")] = '\0';
-  std::snprintf(out, size, "%s/%s", name, boot);
-}
 
 }  // namespace
 
@@ -44,7 +31,7 @@ TransportKind choose_cuda_transport(Group& group) {
   const int device = group.device().index;
   cuda::DeviceGuard guard(device);
   Whereabouts mine;
-  fill_host(mine.host, sizeof(mine.host));
+  mine.host = detail::this_host();
   if (cudaDeviceGetPCIBusId(mine.bus_id, sizeof(mine.bus_id) - 1, device) != cudaSuccess) {
     cudaGetLastError();
     mine.bus_id[0] = '\0';  // unknown: no peer access claimed
@@ -56,7 +43,7 @@ TransportKind choose_cuda_transport(Group& group) {
   uint8_t reachable = mine.bus_id[0] != '\0';
   for (int r = 0; r < R && reachable; ++r) {
     if (r == group.rank()) continue;
-    reachable = std::memcmp(all[r].host, mine.host, sizeof(mine.host)) == 0 && all[r].bus_id[0] != '\0';
+    reachable = detail::same_host(all[r].host, mine.host) && all[r].bus_id[0] != '\0';
     int peer = -1, can = 0;
     if (reachable && cudaDeviceGetByPCIBusId(&peer, all[r].bus_id) != cudaSuccess) {
       cudaGetLastError();
