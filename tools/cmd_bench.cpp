@@ -174,8 +174,8 @@ void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const 
   }
   if (use_cuda && num_ranks > 8) {
     throw BadInput(
-        fmt::format("--nodes on GPUs: {} ranks{} exceed 8, the most the cuda backend runs as threads of "
-                    "one process (--host runs up to 1024)",
+        fmt::format("--nodes on GPUs: {} ranks{} exceed 8, the most the flat run beside the hierarchical one takes "
+                    "on the cuda backend (--host runs up to 1024)",
                     num_ranks, ranks_from));
   }
   if (c.num_sms.size() > 1) {

@@ -35,8 +35,9 @@ struct CudaGroupOptions {
   int gpus_per_node = 0;
 };
 
-// One group per entry of `devices` (CUDA ordinals, repeats allowed; 1 to 8 entries). Hand groups[r] to
-// the thread that plays rank r; that thread's CUDA calls go to devices[r] (epx sets the device itself).
+// One group per entry of `devices` (CUDA ordinals, repeats allowed; 1 to 64 entries). Hand groups[r] to
+// the thread that plays rank r; that thread's CUDA calls go to devices[r] (epx sets the device itself). A Buffer
+// on more than 8 ranks needs the hierarchical normal routing (BufferOptions::normal_routing, docs/internode.md).
 // Throws kInvalidArgument for a bad ordinal or count, kUnsupported when there is no CUDA driver or GPU.
 std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& devices,
                                                        const CudaGroupOptions& options = {});

@@ -36,6 +36,12 @@ inline constexpr int kLowLatencyMaxExperts = 1024;  // LowLatencyControl keeps o
 // CommArgs carries one peer pointer per rank by value; 8 is the GPUs of one NVLink host. It is lower than
 // kLowLatencyMaxRanks because the low-latency kernels split work by expert, not by peer.
 inline constexpr int kNormalMaxRanks = 8;
+// Ranks of the hierarchical normal routing on the cuda backend (src/ep/cuda/hierarchical_*): nodes x GPUs per node,
+// at most kNormalMaxRanks GPUs per node (one NVLink host). Bounded by the layout kernel's 64-bit destination mask,
+// the call header's per-rank counts and hier::kMaxParts (the (local rank, node) receive blocks). Above
+// kNormalMaxRanks a cuda buffer has no flat normal engine: it needs NormalRouting::kHierarchical (or kAuto on more
+// than one node).
+inline constexpr int kHierarchicalMaxRanks = 64;
 // Channels (num_sms / 2): each notify slot carries one prefix per channel; num_sms <= 128 fits an H200 (132 SMs).
 inline constexpr int kNormalMaxChannels = 64;
 // Local experts: each notify slot carries one count per local expert.

@@ -58,6 +58,41 @@ TEST_F(HierarchicalGpuTest, FourNodesOneGpu) {
   run_and_compare(c);
 }
 
+// More ranks than the flat engine takes (kNormalMaxRanks = 8): the buffer has no flat engine, the hierarchical one does
+// the layout too. 2 x 8 and 4 x 8 rank threads on device 0 (the hierarchical path has no device-side waits on peers).
+TEST_F(HierarchicalGpuTest, SixteenAndThirtyTwoRanks) {
+  for (const int nodes : {2, 4}) {
+    SCOPED_TRACE(std::to_string(nodes) + " nodes x 8");
+    std::vector<int64_t> tokens(nodes * 8);
+    for (size_t r = 0; r < tokens.size(); ++r) tokens[r] = r == 3 ? 0 : static_cast<int64_t>(17 + 13 * r % 61);
+    Case c = make_case(nodes * 8, 8, tokens);
+    c.hidden = 512;
+    c.pass_layout = true;
+    c.cached = nodes == 2;
+    c.bf16_partials = nodes == 4;
+    run_and_compare(c);
+  }
+}
+
+// ... and such a buffer with the flat routing is refused on every rank, naming the routing and both caps.
+TEST_F(HierarchicalGpuTest, FlatRoutingAboveEightRanksIsRefused) {
+  auto groups = create_cuda_groups(std::vector<int>(16, 0), {.timeout_ms = 20'000, .gpus_per_node = 8});
+  std::vector<std::string> errors(groups.size());
+  run_host_ranks(groups, [&](int r, Group&) {
+    BufferOptions options;
+    options.normal_routing = NormalRouting::kFlat;
+    try {
+      Buffer::create(groups[r], options);
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::kUnsupported) errors[r] = e.what();
+    }
+  });
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_NE(errors[r].find("flat normal routing supports up to 8 ranks, got 16"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
 // NodePartials::kBFloat16: two ranks per node, so a node's partial sums two rows and its bf16 rounding shows.
 TEST_F(HierarchicalGpuTest, Bf16NodePartials) {
   for (const bool cached : {false, true}) {

@@ -39,23 +39,35 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     num_ranks_ = group_->num_ranks();
     low_latency_hierarchical_ = ep::low_latency_hierarchical(options, group_->topology());
     device_ = group_->device().index;
-    normal_ =
-        std::make_unique<NormalEngine>(*group_, options.num_sms, options.num_normal_bytes, allocator_, options.normal);
-    if (options.normal_routing == NormalRouting::kHierarchical ||
-        (options.normal_routing == NormalRouting::kAuto && group_->topology().num_nodes > 1)) {
+    const bool hierarchical = options.normal_routing == NormalRouting::kHierarchical ||
+                              (options.normal_routing == NormalRouting::kAuto && group_->topology().num_nodes > 1);
+    // NOTE: above kNormalMaxRanks there is no flat normal engine (its region and kernels split work per peer): the
+    // hierarchical engine does every normal call, the layout included (core/limits.h, kHierarchicalMaxRanks).
+    EPX_CHECK(
+        ErrorCode::kUnsupported, num_ranks_ <= kNormalMaxRanks || hierarchical,
+        "the cuda backend's flat normal routing supports up to {} ranks, got {}: use normal_routing kHierarchical "
+        "(or kAuto with gpus_per_node < num_ranks), up to {} ranks",
+        kNormalMaxRanks, num_ranks_, kHierarchicalMaxRanks);
+    if (num_ranks_ <= kNormalMaxRanks) {
+      normal_ = std::make_unique<NormalEngine>(*group_, options.num_sms, options.num_normal_bytes, allocator_,
+                                               options.normal);
+    }
+    if (hierarchical) {
       hierarchical_ =
           std::make_unique<HierarchicalEngine>(*cgroup_, allocator_, options.num_sms, options.node_partials);
     }
 
     DeviceGuard guard(device_);
+    if (!normal_) check_cuda(preload_normal_kernels(), "cudaFuncGetAttributes (preload normal kernels)");  // layout
     check_cuda(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking), "cudaStreamCreate (abort)");
     // NOTE: load the low-latency kernels too (NormalEngine loaded the normal ones) before the barrier below:
     // with lazy loading a kernel's first launch waits for the device to drain, which deadlocks against a peer's
     // spinning kernel when ranks share a process and a GPU (see preload_normal_kernels).
     check_cuda(preload_low_latency_kernels(), "cudaFuncGetAttributes (preload low-latency kernels)");
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    world_ = share_world(*cgroup_);  // collective
-    if (world_ == nullptr) {
+    // The flat engine's reset after a timeout meets in the world (shared memory); without it there is none to reset.
+    if (normal_) world_ = share_world(*cgroup_);  // collective (alike on every rank: num_ranks decides)
+    if (normal_ && world_ == nullptr) {
       log(LogLevel::kWarn, fmt::format("epx cuda rank {}: no shared memory with the other ranks' processes (ranks "
                                        "on several hosts, or no /dev/shm): after a timeout of the normal path "
                                        "this buffer must be destroyed and made again on every rank",
@@ -63,7 +75,9 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     }
     // NOTE: with the hierarchical routing the flat normal kernels never run: only this node's regions are mapped, so
     // that ranks on several hosts (reached over the network leg only) can make a buffer.
-    normal_->open_peers(cgroup_->single_process(), hierarchical_ ? group_->topology().gpus_per_node : 0);  // collective
+    if (normal_) {  // collective
+      normal_->open_peers(cgroup_->single_process(), hierarchical_ ? group_->topology().gpus_per_node : 0);
+    }
     if (world_ != nullptr) seen_generation_ = world_->reset_generation.load();
     group_->barrier();
     if (options.num_low_latency_bytes > 0) {
@@ -93,6 +107,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   Group& group() override { return *group_; }
 
   Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) override {
+    if (!normal_) return hierarchical_->get_dispatch_layout(topk_idx, num_experts, stream);
     Layout layout = normal_->get_dispatch_layout(topk_idx, num_experts, stream, *this);
     if (hierarchical_) hierarchical_->add_tokens_per_node(layout, stream);
     return layout;
@@ -212,6 +227,7 @@ void CudaBuffer::request_reset() {
 }
 
 void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
+  if (!normal_) return;  // the hierarchical engine raises its own errors
   ErrorRecord* errors = normal_->error_records();
   ErrorRecord rec[2];
   std::memcpy(rec, errors, sizeof(rec));
@@ -295,7 +311,9 @@ void CudaBuffer::abort_call() noexcept {
   // Peers' kernels of this call poll their abort word with their timeout checks; it is zeroed by the reset.
   const uint8_t who = static_cast<uint8_t>(rank_ + 1);  // little-endian: the word reads rank + 1
   for (int r = 0; r < num_ranks_; ++r) {
-    if (r != rank_ && normal_->abort_word(r) != nullptr) cudaMemsetAsync(normal_->abort_word(r), who, 1, abort_stream_);
+    if (r != rank_ && normal_ && normal_->abort_word(r) != nullptr) {
+      cudaMemsetAsync(normal_->abort_word(r), who, 1, abort_stream_);
+    }
   }
   CudaWorld* world = world_.get();
   if (world != nullptr) {

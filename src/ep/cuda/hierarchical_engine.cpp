@@ -43,8 +43,12 @@ HierarchicalEngine::HierarchicalEngine(CudaGroup& group, std::shared_ptr<Allocat
       device_(group.device().index),
       num_sms_(std::max(1, num_sms)),
       bf16_partials_(node_partials == NodePartials::kBFloat16) {
-  EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kNormalMaxRanks, "the cuda backend supports up to {} ranks, got {}",
-            kNormalMaxRanks, num_ranks_);
+  EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kHierarchicalMaxRanks,
+            "the cuda backend's hierarchical routing supports up to {} ranks, got {}", kHierarchicalMaxRanks,
+            num_ranks_);
+  EPX_CHECK(ErrorCode::kUnsupported, topology_.gpus_per_node <= hier::kMaxGpusPerNode,
+            "the cuda backend's hierarchical routing supports up to {} GPUs per node, got {}", hier::kMaxGpusPerNode,
+            topology_.gpus_per_node);
   DeviceGuard guard(device_);
   check_cuda(hier::preload_hierarchical_kernels(), "cudaFuncGetAttributes (preload hierarchical kernels)");
   check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_), sizeof(ErrorRecord),
@@ -52,8 +56,9 @@ HierarchicalEngine::HierarchicalEngine(CudaGroup& group, std::shared_ptr<Allocat
              "cudaHostAlloc (error record)");
   std::memset(error_, 0, sizeof(ErrorRecord));
   check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device_), error_, 0), "cudaHostGetDevicePointer");
-  check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&counts_host_), sizeof(int32_t) * (kNormalMaxExperts + 64),
-                           cudaHostAllocPortable),
+  // [R] per rank, [E] per expert, [N] per node, then the caller's [N] per node (route_locally).
+  check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&counts_host_),
+                           sizeof(int32_t) * (kNormalMaxExperts + 3 * kHierarchicalMaxRanks), cudaHostAllocPortable),
              "cudaHostAlloc (counts)");
   exchange_ = make_byte_exchange(group_);
 }
@@ -78,27 +83,59 @@ void HierarchicalEngine::add_tokens_per_node(Layout& layout, Stream stream) {
   check_cuda(cudaGetLastError(), "node scan launch");
 }
 
+HierarchicalEngine::LayoutOutput HierarchicalEngine::run_layout(const TensorView& topk_idx, int64_t E,
+                                                                cudaStream_t stream) {
+  const int R = num_ranks_, N = topology_.num_nodes;
+  const int64_t T = topk_idx.shape[0];
+  const int64_t count_bytes = (4 * (R + E + N) + 255) / 256 * 256;
+  LayoutOutput out;
+  out.storage = empty(DType::kUInt8, {count_bytes + T * R}, stream);
+  out.counts = out.storage.data_as<int32_t>();
+  out.in_rank = out.storage.data_as<uint8_t>() + count_bytes;
+  if (T * topk_idx.shape[1] > kLayoutClusterEntries) {
+    check_cuda(cudaMemsetAsync(out.counts, 0, 4 * (R + E), stream), "cudaMemsetAsync (layout counts)");
+  }
+  launch_layout(topk_idx.data, topk_idx.dtype == DType::kInt64, T, static_cast<int>(topk_idx.shape[1]), E, R,
+                out.counts, out.counts + R, out.in_rank, error_device_, rank_, stream);
+  check_cuda(cudaGetLastError(), "layout launch");
+  return out;
+}
+
+Layout HierarchicalEngine::get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) {
+  ep::validate_layout_args(topk_idx, num_experts, num_ranks_, group_.device());
+  EPX_CHECK_ARG(num_experts <= kNormalMaxExperts, "num_experts must be <= {} on the cuda backend, got {}",
+                kNormalMaxExperts, num_experts);
+  EPX_CHECK_ARG(topk_idx.shape[1] <= kNormalMaxTopk, "topk_idx has {} columns; the cuda backend allows <= {}",
+                topk_idx.shape[1], kNormalMaxTopk);
+  DeviceGuard guard(device_);
+  const int R = num_ranks_;
+  const LayoutOutput out = run_layout(topk_idx, num_experts, static_cast<cudaStream_t>(stream));
+  auto storage = std::make_shared<Tensor>(out.storage);
+  const Device dev = group_.device();
+  Layout layout;
+  layout.num_tokens_per_rank = Tensor::wrap(TensorView::of(out.counts, DType::kInt32, {R}, dev), storage);
+  layout.num_tokens_per_expert =
+      Tensor::wrap(TensorView::of(out.counts + R, DType::kInt32, {num_experts}, dev), storage);
+  layout.is_token_in_rank =
+      Tensor::wrap(TensorView::of(out.in_rank, DType::kBool, {topk_idx.shape[0], R}, dev), storage);
+  add_tokens_per_node(layout, stream);
+  return layout;
+}
+
 void HierarchicalEngine::route_locally(const DispatchArgs& args, int64_t T, HierarchicalRoutes& routes) {
   const int R = num_ranks_, N = topology_.num_nodes;
   const int64_t E = args.num_experts;
   cudaStream_t stream = static_cast<cudaStream_t>(args.stream);
-  const int64_t count_bytes = (4 * (R + E + N) + 255) / 256 * 256;
-  const Tensor layout = empty(DType::kUInt8, {count_bytes + T * R}, stream);
-  auto* counts = layout.data_as<int32_t>();  // [R] per rank, [E] per expert, [N] per node
-  auto* in_rank = layout.data_as<uint8_t>() + count_bytes;
-  routes.is_token_in_rank =
-      Tensor::wrap(TensorView::of(in_rank, DType::kBool, {T, R}, group_.device()), std::make_shared<Tensor>(layout));
   std::memset(error_, 0, sizeof(ErrorRecord));  // the previous dispatch's kernels finished (its sync)
-  if (T * args.topk_idx.shape[1] > kLayoutClusterEntries) {
-    check_cuda(cudaMemsetAsync(counts, 0, 4 * (R + E), stream), "cudaMemsetAsync (layout counts)");
-  }
-  launch_layout(args.topk_idx.data, args.topk_idx.dtype == DType::kInt64, T, static_cast<int>(args.topk_idx.shape[1]),
-                E, R, counts, counts + R, in_rank, error_device_, rank_, stream);
+  const LayoutOutput layout = run_layout(args.topk_idx, E, stream);
+  int32_t* counts = layout.counts;  // [R] per rank, [E] per expert, [N] per node
+  routes.is_token_in_rank = Tensor::wrap(TensorView::of(layout.in_rank, DType::kBool, {T, R}, group_.device()),
+                                         std::make_shared<Tensor>(layout.storage));
   routes.node_slot = empty(DType::kInt32, {T, N}, stream);
   routes.node_tok = empty(DType::kInt32, {N, T}, stream);
-  hier::launch_node_scan(in_rank, T, N, topology_.gpus_per_node, routes.node_slot.data_as<int32_t>(),
+  hier::launch_node_scan(layout.in_rank, T, N, topology_.gpus_per_node, routes.node_slot.data_as<int32_t>(),
                          routes.node_tok.data_as<int32_t>(), counts + R + E, stream);
-  check_cuda(cudaGetLastError(), "layout launch");
+  check_cuda(cudaGetLastError(), "node scan launch");
   const Tensor* given = args.layout != nullptr && args.layout->num_tokens_per_node.defined()
                             ? &args.layout->num_tokens_per_node
                             : nullptr;

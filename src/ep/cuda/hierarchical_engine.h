@@ -37,6 +37,10 @@ class HierarchicalEngine {
 
   // Fills layout.num_tokens_per_node (int32 [num_nodes]) from layout.is_token_in_rank, on `stream`.
   void add_tokens_per_node(Layout& layout, Stream stream);
+  // Buffer::get_dispatch_layout where the buffer has no flat engine (more than kNormalMaxRanks ranks): the layout
+  // kernel's counts and is_token_in_rank, then num_tokens_per_node. No host sync; an invalid topk_idx entry is
+  // raised by the dispatch (which runs the layout again).
+  Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream);
   // Collective, as Buffer::dispatch / Buffer::combine.
   DispatchResult dispatch(const DispatchArgs& args);
   CombineResult combine(const CombineArgs& args);
@@ -47,6 +51,14 @@ class HierarchicalEngine {
 
  private:
   Tensor empty(DType dtype, const std::vector<int64_t>& shape, Stream stream) const;
+  // The layout kernel on topk_idx into one allocation: int32 counts [R] per rank, [E] per expert, [N] per node (the
+  // latter filled by the caller), 256-byte aligned, then bool is_token_in_rank [T, R].
+  struct LayoutOutput {
+    Tensor storage;
+    int32_t* counts = nullptr;
+    uint8_t* in_rank = nullptr;
+  };
+  LayoutOutput run_layout(const TensorView& topk_idx, int64_t num_experts, cudaStream_t stream);
   // The fresh dispatch's routing: layout, per-node scan, the counts to the host (the one sync), checked against
   // args.layout. Fills `routes` with this rank's tensors and counts.
   void route_locally(const DispatchArgs& args, int64_t num_tokens, HierarchicalRoutes& routes);

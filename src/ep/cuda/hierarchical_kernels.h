@@ -14,7 +14,10 @@
 
 namespace epx::cuda::hier {
 
-inline constexpr int kMaxParts = kNormalMaxRanks;  // nodes, local ranks, or (local rank, node) receive blocks
+// Nodes, local ranks, or (local rank, node) receive blocks: G x N = R of those, so up to kHierarchicalMaxRanks.
+inline constexpr int kMaxParts = kHierarchicalMaxRanks;
+// GPUs per node: a record's local-rank mask is 32 bits.
+inline constexpr int kMaxGpusPerNode = 32;
 
 // One dispatch record: [x row | scales | src_idx int32 | local-rank mask uint32 | top-k int64 [K] | weights [K]],
 // 16-byte aligned. num_topk = 0 in cached mode (no top-k, no weights).

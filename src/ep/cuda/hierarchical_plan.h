@@ -41,8 +41,8 @@ struct Header {
   int32_t invalid_topk = 0;  // fresh: the layout kernel found an entry outside [-1, num_experts)
   int64_t hidden = 0, num_experts = 0;
   uint64_t handle_id = 0;
-  int32_t per_rank[kNormalMaxRanks] = {};  // fresh: num_tokens_per_rank
-  int32_t per_node[kNormalMaxRanks] = {};  // fresh: num_tokens_per_node
+  int32_t per_rank[kHierarchicalMaxRanks] = {};  // fresh: num_tokens_per_rank
+  int32_t per_node[kHierarchicalMaxRanks] = {};  // fresh: num_tokens_per_node
 };
 
 // The sizes of both legs, from the routes (the same numbers on every rank). Record counts.

@@ -21,10 +21,10 @@ template <bool kCluster>
 __device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk,
                                             int64_t num_experts, int num_ranks, int32_t* per_rank, int32_t* per_expert,
                                             uint8_t* in_rank, ErrorRecord* error, int rank) {
-  extern __shared__ int32_t s_expert[];  // [num_experts]
-  __shared__ int32_t s_rank[kNormalMaxRanks];
+  extern __shared__ int32_t s_expert[];              // [num_experts]
+  __shared__ int32_t s_rank[kHierarchicalMaxRanks];  // the flat routing's kNormalMaxRanks, or the hierarchical's
   for (int64_t i = threadIdx.x; i < num_experts; i += blockDim.x) s_expert[i] = 0;
-  if (threadIdx.x < kNormalMaxRanks) s_rank[threadIdx.x] = 0;
+  for (int i = threadIdx.x; i < kHierarchicalMaxRanks; i += blockDim.x) s_rank[i] = 0;
   __syncthreads();
   const int per = static_cast<int>(num_experts / num_ranks);  // experts <= kNormalMaxExperts: 32-bit division
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < num_tokens;
@@ -39,7 +39,7 @@ __device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64,
                         : static_cast<int64_t>(static_cast<const int32_t*>(topk_idx)[i]);
       }
     }
-    uint32_t mask = 0;
+    uint64_t mask = 0;
 #pragma unroll
     for (int k = 0; k < kNormalMaxTopk; ++k) {
       if (e[k] < -1 || e[k] >= num_experts) {
@@ -48,14 +48,14 @@ __device__ __forceinline__ void layout_body(const void* topk_idx, bool is_int64,
       }
       if (e[k] < 0) continue;
       atomicAdd(&s_expert[e[k]], 1);
-      mask |= 1u << (static_cast<int>(e[k]) / per);
+      mask |= uint64_t{1} << (static_cast<int>(e[k]) / per);
     }
     // Most tokens go to every rank at small R: one atomic per warp and rank, not one per token (all the warp's
     // lanes on one shared address serialize).
     const unsigned active = __activemask();
     const int leader = __ffs(active) - 1;
     for (int r = 0; r < num_ranks; ++r) {
-      const bool in = (mask >> r) & 1u;
+      const bool in = (mask >> r) & 1u;  // r < num_ranks <= kHierarchicalMaxRanks = 64
       in_rank[t * num_ranks + r] = in;
       const int count = __popc(__ballot_sync(active, in));
       if ((threadIdx.x & 31) == leader && count != 0) atomicAdd(&s_rank[r], count);
