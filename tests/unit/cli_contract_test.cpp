@@ -121,6 +121,10 @@ TEST(CliContract, BenchNodesFlagsChecked) {
                   "--dp does not apply to --nodes / --routing (a run of dispatch/combine only)");
   expect_rejected("bench --host --quiet --nodes 2 --sms 8,24", "--sms takes one value with --nodes / --routing, got 2");
   expect_rejected("bench --model --routing hierarchical", "--routing does not apply to --model");
+  expect_rejected("bench --host --quiet --nodes 2 --node-partials fp16",
+                  "--node-partials: 'fp16' is not one of fp32 | bf16");
+  expect_rejected("bench --host --quiet --node-partials bf16",
+                  "--node-partials applies only to --nodes / --routing or --model (the hierarchical combine)");
   expect_rejected("bench --backend gpu", "--backend: 'gpu' is not one of auto | host | cuda");
   expect_rejected("bench --model --backend host", "--backend does not apply to --model");
   expect_rejected("bench --host --quiet --ranks 1024 --experts 1024 --nodes 2 --tokens 1048576 --hidden 65536",
@@ -293,7 +297,8 @@ TEST(CliContract, HelpTellsTheBounds) {
   r = run_cli("bench --help");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("in [1, 1024]"), std::string::npos) << r.out;  // --ranks: 0 is no longer accepted
-  for (const char* text : {"--routing", "dividing --ranks", "auto | hierarchical", "auto | host | cuda"}) {
+  for (const char* text : {"--routing", "dividing --ranks", "auto | hierarchical", "auto | host | cuda",
+                           "--node-partials", "fp32 | bf16"}) {
     EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << r.out;
   }
   r = run_cli("eplb simulate --help");
