@@ -92,9 +92,6 @@ HierarchicalEngine::LayoutOutput HierarchicalEngine::run_layout(const TensorView
   out.storage = empty(DType::kUInt8, {count_bytes + T * R}, stream);
   out.counts = out.storage.data_as<int32_t>();
   out.in_rank = out.storage.data_as<uint8_t>() + count_bytes;
-  if (T * topk_idx.shape[1] > kLayoutClusterEntries) {
-    check_cuda(cudaMemsetAsync(out.counts, 0, 4 * (R + E), stream), "cudaMemsetAsync (layout counts)");
-  }
   launch_layout(topk_idx.data, topk_idx.dtype == DType::kInt64, T, static_cast<int>(topk_idx.shape[1]), E, R,
                 out.counts, out.counts + R, out.in_rank, error_device_, rank_, stream);
   check_cuda(cudaGetLastError(), "layout launch");

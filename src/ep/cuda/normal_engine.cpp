@@ -147,13 +147,9 @@ Layout NormalEngine::get_dispatch_layout(const TensorView& topk_idx, int64_t num
 Layout NormalEngine::compute_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) {
   const int64_t T = topk_idx.shape[0];
   Layout layout;
-  // One allocation for all three outputs; the one-cluster kernel (small T * K) stores the counts itself,
-  // the many-block one adds into counts zeroed here.
+  // One allocation for all three outputs (launch_layout zeroes the counts where its kernel needs it).
   const int64_t count_bytes = align_up(4 * (num_ranks_ + num_experts), 256);
   const Tensor all = empty(DType::kUInt8, {count_bytes + T * num_ranks_}, stream);
-  if (T * topk_idx.shape[1] > kLayoutClusterEntries) {
-    check_cuda(cudaMemsetAsync(all.data(), 0, count_bytes, stream), "cudaMemsetAsync (layout counts)");
-  }
   auto storage = std::make_shared<Tensor>(all);
   auto* counts = all.data_as<int32_t>();
   layout.num_tokens_per_rank =

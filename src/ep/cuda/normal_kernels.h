@@ -168,8 +168,8 @@ struct CombineKernelArgs {
 // Layout: counts and is_token_in_rank; an entry outside [-1, num_experts) is recorded in `error` and
 // treated as -1.
 // With num_tokens * num_topk <= kLayoutClusterEntries one thread-block cluster does it all and stores
-// the counts (no zeroing needed); otherwise the counts must be zeroed first. cluster_threads: the threads per
-// block of the cluster kernel; 0 sizes them to the tokens (one token per thread, at least 128), which
+// the counts; otherwise many blocks add into counts this call zeroes on the stream first. cluster_threads: the threads
+// per block of the cluster kernel; 0 sizes them to the tokens (one token per thread, at least 128), which
 // bench/micro/layout_cost.cu compares with a fixed 1024.
 void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int num_topk, int64_t num_experts,
                    int num_ranks, int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,

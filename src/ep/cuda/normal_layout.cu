@@ -211,6 +211,14 @@ void launch_layout(const void* topk_idx, bool is_int64, int64_t num_tokens, int 
         is_token_in_rank, value_error, rank);
     return;
   }
+  // Many blocks add their counts into zeroed outputs (one memset where the two arrays are back to back).
+  if (num_tokens_per_expert == num_tokens_per_rank + num_ranks) {
+    check_cuda(cudaMemsetAsync(num_tokens_per_rank, 0, 4 * (num_ranks + num_experts), stream),
+               "cudaMemsetAsync (layout)");
+  } else {
+    check_cuda(cudaMemsetAsync(num_tokens_per_rank, 0, 4 * num_ranks, stream), "cudaMemsetAsync (layout)");
+    check_cuda(cudaMemsetAsync(num_tokens_per_expert, 0, 4 * num_experts, stream), "cudaMemsetAsync (layout)");
+  }
   const int64_t blocks = (num_tokens + kLayoutThreads - 1) / kLayoutThreads;
   layout_kernel<<<static_cast<unsigned>(blocks), kLayoutThreads, num_experts * sizeof(int32_t), stream>>>(
       topk_idx, is_int64, num_tokens, num_topk, num_experts, num_ranks, num_tokens_per_rank, num_tokens_per_expert,
