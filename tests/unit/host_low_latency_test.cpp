@@ -49,11 +49,6 @@ struct RankInput {
   std::vector<uint8_t> scales;  // [T, H / 128] scale bytes, when use_fp8
 };
 
-unsigned fresh_seed() {
-  std::random_device source;
-  return source();
-}
-
 DType scale_dtype(const Case& c) { return c.scale_format == ScaleFormat::kUE8M0 ? DType::kUInt8 : DType::kFloat32; }
 
 std::vector<RankInput> make_inputs(std::mt19937& rng, const Case& c) {
@@ -246,9 +241,7 @@ void Step::round(Buffer& buffer, RankInput& in, const Case& c, int r) {
 }
 
 TEST(HostLowLatency, DispatchCombineMatchBruteForce) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   for (int num_ranks : {1, 2, 3, 4, 8}) {
     auto groups = create_host_groups(num_ranks, {.timeout_ms = 20'000});
     auto buffers = make_buffers(groups);
@@ -298,9 +291,7 @@ TEST(HostLowLatency, DispatchCombineMatchBruteForce) {
 
 // clean_low_latency_buffer: collective; afterwards another max_tokens_per_rank is accepted and the mask is clear.
 TEST(HostLowLatency, CleanAllowsNewShapesAndClearsTheMask) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   const int R = 2;
   auto groups = create_host_groups(R, {.timeout_ms = 20'000});
   auto buffers = make_buffers(groups);
@@ -332,9 +323,7 @@ TEST(HostLowLatency, CleanAllowsNewShapesAndClearsTheMask) {
 }
 
 TEST(HostLowLatency, Fp8Dispatch) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   for (const ScaleFormat format : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {
     Case c;
     c.num_ranks = 4;
@@ -361,9 +350,7 @@ using epx::testing::expect_invalid;
 // DeepEP/DeepGEMM scale options: round_scale gives the UE8M0 quantization with fp32 powers of two; column-major
 // is the transpose of the row-major scales; column-major UE8M0 packs four exponents per int32.
 TEST(HostLowLatency, ScaleOptionsGiveTheSameScalesInTheirLayout) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   Case c;
   c.num_ranks = 2;
   c.num_experts = 8;
@@ -448,9 +435,7 @@ TEST(HostLowLatency, ScaleOptionsGiveTheSameScalesInTheirLayout) {
 }
 
 TEST(HostLowLatency, HookSplitsSendAndReceive) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   Case c;
   c.num_ranks = 4;
   c.num_experts = 16;
@@ -494,9 +479,7 @@ TEST(HostLowLatency, HookSplitsSendAndReceive) {
 // the combine: rank 0's tokens get nothing from rank 1's experts, without a wait or an error, and rank 1's tokens
 // everything from rank 0's. The next round has everyone again.
 TEST(HostLowLatency, MaskLiftedBetweenDispatchAndCombine) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   Case c;
   c.num_ranks = 2;
   c.num_experts = 8;
@@ -532,9 +515,7 @@ TEST(HostLowLatency, MaskLiftedBetweenDispatchAndCombine) {
 }
 
 TEST(HostLowLatency, TwoResultsStayValid) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   Case c;
   c.num_ranks = 3;
   c.num_experts = 24;
@@ -562,9 +543,7 @@ TEST(HostLowLatency, TwoResultsStayValid) {
 }
 
 TEST(HostLowLatency, ExplicitMaskSkipsTheRank) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   Case c;
   c.num_ranks = 4;
   c.num_experts = 32;
@@ -605,9 +584,7 @@ TEST(HostLowLatency, ExplicitMaskSkipsTheRank) {
 }
 
 TEST(HostLowLatency, SilentRankIsMaskedAfterTimeout) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   Case c;
   c.num_ranks = 3;
   c.num_experts = 12;
@@ -632,9 +609,7 @@ TEST(HostLowLatency, SilentRankIsMaskedAfterTimeout) {
 
 // unmask_rank clears one bit, locally: traffic resumes once both sides have unmasked each other.
 TEST(HostLowLatency, UnmaskRankRestoresOneRank) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   Case c;
   c.num_ranks = 3;
   c.num_experts = 12;
@@ -832,9 +807,7 @@ TEST(HostLowLatency, BufferDestroyedRightAfterLastCombine) {
 // and partials for each other contribute zero); the default (one rounding, ascending k) on the same data differs
 // somewhere.
 TEST(HostLowLatency, ExpertSideReductionSumsPerRankFirst) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   for (const auto& [case_ranks, case_masked] : {std::pair{1, false}, std::pair{2, false}, std::pair{3, false},
                                                 std::pair{4, false}, std::pair{3, true}, std::pair{4, true}}) {
     const int num_ranks = case_ranks;

@@ -281,11 +281,6 @@ std::vector<uint16_t> bf16_partials_reference(const Shape& s, const std::vector<
   return out;
 }
 
-unsigned fresh_seed() {
-  std::random_device source;
-  return source();
-}
-
 TEST(HostTopology, GroupsReportNodesAndLocalRanks) {
   for (const auto& [num_ranks, gpus_per_node] : std::vector<std::pair<int, int>>{{1, 0}, {8, 0}, {8, 2}, {72, 8}}) {
     const auto groups = create_host_groups(num_ranks, {.timeout_ms = 1000, .gpus_per_node = gpus_per_node});
@@ -318,37 +313,25 @@ TEST(HostTopology, RejectsBadGpusPerNode) {
   expect_invalid(0, 0, {"num_ranks"});
 }
 
-TEST(HostTopology, BufferRejectsUnknownRouting) {
+// Buffer::create on host groups with one option set by `set`: kInvalidArgument whose message holds `text`.
+void expect_option_rejected(const std::function<void(BufferOptions&)>& set, const std::string& text) {
   const auto groups = create_host_groups(2, {.timeout_ms = 1000, .gpus_per_node = 1});
   BufferOptions options;
-  options.normal_routing = static_cast<NormalRouting>(7);
-  try {
-    Buffer::create(groups[0], options);
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("normal_routing"), std::string::npos) << e.what();
-  }
+  set(options);
+  testing::expect_invalid([&] { Buffer::create(groups[0], options); }, text);
+}
+
+TEST(HostTopology, BufferRejectsUnknownRouting) {
+  expect_option_rejected([](BufferOptions& o) { o.normal_routing = static_cast<NormalRouting>(7); }, "normal_routing");
 }
 
 TEST(HostTopology, BufferRejectsUnknownNodePartials) {
-  const auto groups = create_host_groups(2, {.timeout_ms = 1000, .gpus_per_node = 1});
-  BufferOptions options;
-  options.node_partials = static_cast<NodePartials>(2);
-  try {
-    Buffer::create(groups[0], options);
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("node_partials must be kFloat32 or kBFloat16, got 2"), std::string::npos)
-        << e.what();
-  }
+  expect_option_rejected([](BufferOptions& o) { o.node_partials = static_cast<NodePartials>(2); },
+                         "node_partials must be kFloat32 or kBFloat16, got 2");
 }
 
 TEST(HostTopology, LayoutCountsTokensPerNode) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(fmt::format("seed {}", seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   Shape s{.num_nodes = 4, .gpus_per_node = 2};
   auto in = make_inputs(rng, s);
   auto buffers = make_buffers(s, true);
@@ -400,9 +383,7 @@ TEST(HostTopology, LayoutCountsTokensPerNode) {
 }
 
 TEST(HostHierarchical, MatchesFlatAcrossTopologies) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(fmt::format("seed {}", seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   const std::vector<std::pair<int, int>> topologies = {{1, 4}, {2, 1}, {2, 2}, {2, 4}, {4, 1}, {4, 2},
                                                        {2, 8}, {4, 4}, {9, 1}, {9, 2}, {4, 8}, {9, 8}};
   for (const auto& [num_nodes, gpus_per_node] : topologies) {
@@ -420,9 +401,7 @@ TEST(HostHierarchical, MatchesFlatAcrossTopologies) {
 // the reference rounds each node's sum), small-integer rows (exact partials) the flat result; weights come back
 // exactly.
 TEST(HostHierarchical, Bf16NodePartialsRoundEachNodesSum) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(fmt::format("seed {}", seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   for (const auto& [num_nodes, gpus_per_node] :
        std::vector<std::pair<int, int>>{{1, 4}, {2, 1}, {2, 2}, {2, 4}, {4, 2}, {9, 1}, {4, 8}}) {
     Shape s{.num_nodes = num_nodes, .gpus_per_node = gpus_per_node, .hidden = 128};
@@ -463,9 +442,7 @@ TEST(HostHierarchical, Bf16NodePartialsRoundEachNodesSum) {
 }
 
 TEST(HostHierarchical, Fp8MatchesFlat) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(fmt::format("seed {}", seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   for (const auto& [num_nodes, gpus_per_node] : std::vector<std::pair<int, int>>{{2, 2}, {4, 2}, {2, 4}}) {
     for (const ScaleFormat format : {ScaleFormat::kFloat32, ScaleFormat::kUE8M0}) {
       Shape s{.num_nodes = num_nodes, .gpus_per_node = gpus_per_node, .hidden = 256, .fp8 = true};
@@ -479,9 +456,7 @@ TEST(HostHierarchical, Fp8MatchesFlat) {
 // Worst-token and cached dispatches on both routings, each compared with the flat one; then combine of the cached
 // handle. One rank's num_worst_tokens too small fails that rank only, as on one node.
 TEST(HostHierarchical, CachedAndWorstTokenMatchFlat) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(fmt::format("seed {}", seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   for (const auto& [num_nodes, gpus_per_node] : std::vector<std::pair<int, int>>{{2, 4}, {4, 2}, {9, 1}}) {
     Shape s{.num_nodes = num_nodes, .gpus_per_node = gpus_per_node, .hidden = 128, .num_topk = 6};
     s.expert_alignment = 4;
@@ -557,9 +532,7 @@ TEST(HostHierarchical, CachedAndWorstTokenMatchFlat) {
 // Errors in either leg keep the ranks in step: an invalid expert id on one rank (before the network leg) and
 // arguments that differ between ranks (found in it) fail every rank at once, and the next call works.
 TEST(HostHierarchical, ErrorsKeepRanksInStep) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(fmt::format("seed {}", seed));
-  std::mt19937 rng(seed);
+  testing::SeededRng rng;
   Shape s{.num_nodes = 2, .gpus_per_node = 2, .hidden = 128, .num_topk = 2};
   const int R = s.num_ranks();
   auto in = make_inputs(rng, s);

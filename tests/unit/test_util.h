@@ -26,6 +26,13 @@
 
 namespace epx::testing {
 
+// A generator with a fresh seed (std::random_device), named in every failure message of the scope it lives in.
+struct SeededRng : std::mt19937 {
+  SeededRng() : SeededRng(std::random_device{}()) {}
+  explicit SeededRng(unsigned seed) : std::mt19937(seed), trace(__FILE__, __LINE__, "seed " + std::to_string(seed)) {}
+  ::testing::ScopedTrace trace;
+};
+
 // fn() must throw Error(kInvalidArgument) whose message contains `needle`.
 inline void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
   try {
