@@ -37,7 +37,8 @@ inline constexpr int kLowLatencyMaxExperts = 1024;  // LowLatencyControl keeps o
 // kLowLatencyMaxRanks because the low-latency kernels split work by expert, not by peer.
 inline constexpr int kNormalMaxRanks = 8;
 // Ranks of the hierarchical normal routing on the cuda backend (src/ep/cuda/hierarchical_*): nodes x GPUs per node,
-// at most kNormalMaxRanks GPUs per node (one NVLink host). Bounded by the layout kernel's 64-bit destination mask,
+// at most 32 GPUs per node (hier::kMaxGpusPerNode: a record's local-rank mask). Bounded by the layout kernel's 64-bit
+// destination mask,
 // the call header's per-rank counts and hier::kMaxParts (the (local rank, node) receive blocks). Above
 // kNormalMaxRanks a cuda buffer has no flat normal engine: it needs NormalRouting::kHierarchical (or kAuto on more
 // than one node).
