@@ -38,10 +38,9 @@ inline constexpr int kLowLatencyMaxExperts = 1024;  // LowLatencyControl keeps o
 inline constexpr int kNormalMaxRanks = 8;
 // Ranks of the hierarchical normal routing on the cuda backend (src/ep/cuda/hierarchical_*): nodes x GPUs per node,
 // at most 32 GPUs per node (hier::kMaxGpusPerNode: a record's local-rank mask). Bounded by the layout kernel's 64-bit
-// destination mask,
-// the call header's per-rank counts and hier::kMaxParts (the (local rank, node) receive blocks). Above
-// kNormalMaxRanks a cuda buffer has no flat normal engine: it needs NormalRouting::kHierarchical (or kAuto on more
-// than one node).
+// destination mask, the call header's per-rank counts and hier::kMaxParts (the (local rank, node) receive blocks).
+// Above kNormalMaxRanks a cuda buffer has no flat normal engine: it needs NormalRouting::kHierarchical (or kAuto on
+// more than one node).
 inline constexpr int kHierarchicalMaxRanks = 64;
 // Channels (num_sms / 2): each notify slot carries one prefix per channel; num_sms <= 128 fits an H200 (132 SMs).
 inline constexpr int kNormalMaxChannels = 64;
