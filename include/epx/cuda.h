@@ -46,6 +46,9 @@ std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& d
 // group and must not be used concurrently with the group's collectives from another thread. The rank's
 // device is the communicator's. Throws kNcclError if the communicator cannot be queried, kUnsupported if
 // NCCL cannot be loaded (epx loads libnccl.so.2, or $EPX_NCCL_LIBRARY, on first use; see the README).
+// After a timeout or an NCCL error in one of the group's NCCL calls the group fails for good: epx never aborts the
+// caller's communicator, the caller must (ncclCommAbort), then destroy the group and its buffers. The unique-id form
+// below recovers instead.
 std::shared_ptr<Group> create_cuda_group(ncclComm_t comm, const CudaGroupOptions& options = {});
 
 // NCCL's unique id (ncclGetUniqueId) as bytes (NCCL_UNIQUE_ID_BYTES of them). Draw it on one rank and hand
@@ -54,8 +57,16 @@ std::shared_ptr<Group> create_cuda_group(ncclComm_t comm, const CudaGroupOptions
 std::vector<uint8_t> nccl_unique_id();
 
 // A group that creates and owns its NCCL communicator: ncclCommInitRank(num_ranks, unique_id, rank) on
-// `device`, collective over the num_ranks processes that pass the same id. The communicator is destroyed
-// with the group. Throws kInvalidArgument for an id of the wrong size, a rank outside [0, num_ranks) or a
+// `device`, collective over the num_ranks processes that pass the same id. The communicator is non-blocking, so
+// every wait on it is bounded by timeout_ms, and it is destroyed with the group.
+// After a failure (a collective that times out, an NCCL error) the call that saw it throws, having revoked the
+// communicator (ncclCommRevoke ends the NCCL work in flight; that call's outputs are invalid), and the group's next
+// collective call on every rank rebuilds it (ncclCommSplit: the same ranks, a fresh communicator): the group and its
+// buffers are usable again. That next call must come on every rank within 2 x timeout_ms of each other; if it does not
+// (a rank is gone), or NCCL cannot revoke (older than 2.28.7), the group fails for good: the call throws kTimeout or
+// kNcclError and every later collective kPeerFailure. CUDA graphs captured before a rebuild hold the old, freed
+// communicator: never replay them, capture them again (docs/reliability.md, "NCCL groups after a failure").
+// Throws kInvalidArgument for an id of the wrong size, a rank outside [0, num_ranks) or a
 // bad device; kNcclError when NCCL fails; kUnsupported when NCCL or the driver cannot be loaded.
 std::shared_ptr<Group> create_cuda_group(const std::vector<uint8_t>& unique_id, int rank, int num_ranks, int device,
                                          const CudaGroupOptions& options = {});

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/cuda/cuda_group.h"
 #include "epx/buffer.h"
 #include "epx/cuda.h"
 #include "epx/error.h"
@@ -286,8 +287,19 @@ TEST(MultiProcess, PeerThatLeavesMakesBarrierAndBufferFailInBoundedTime) {
         int64_t ms = 0;
         int code = error_code_of([&] { group->barrier(); }, &ms);
         fails += expect_bounded_error("barrier", code, ms, {ErrorCode::kTimeout, ErrorCode::kPeerFailure});
-        code = error_code_of([&] { group->barrier(); }, &ms);  // the group failed for good: at once
-        fails += expect_bounded_error("second barrier", code, ms, {ErrorCode::kPeerFailure});
+        // The group revoked its communicator; this barrier tries to rebuild it, which cannot succeed with the peer
+        // gone: it ends within twice the timeout (or at once if NCCL's bootstrap notices) and the group fails for
+        // good, so the third barrier fails at once.
+        code = error_code_of([&] { group->barrier(); }, &ms);
+        fails += expect_bounded_error("second barrier (rebuild)", code, ms,
+                                      {ErrorCode::kTimeout, ErrorCode::kNcclError, ErrorCode::kPeerFailure});
+        code = error_code_of([&] { group->barrier(); }, &ms);
+        fails += expect_bounded_error("third barrier", code, ms, {ErrorCode::kPeerFailure});
+        if (ms > 1'000) {
+          std::fprintf(stderr, "the third barrier of a group that failed for good took %lld ms\n",
+                       static_cast<long long>(ms));
+          ++fails;
+        }
         code = error_code_of(
             [&] {
               (void)buffer->dispatch(da);
@@ -319,7 +331,76 @@ TEST(MultiProcess, PeerThatLeavesMakesBarrierAndBufferFailInBoundedTime) {
   EXPECT_EQ(codes[1], 0) << "rank 1";
 }
 
+// A buffer on the group and one dispatch + combine round of T tokens, every token to expert 0 (rank 0) and expert
+// E - 1 (rank 1), so that identity experts give 2 * x exactly; round() returns the number of wrong elements.
+class TwoExpertRound {
+ public:
+  static constexpr int64_t T = 256, H = 1024, E = 16;
+
+  TwoExpertRound(const std::shared_ptr<Group>& group, int rank) {
+    BufferOptions options;
+    options.num_sms = 8;
+    options.num_normal_bytes = normal_buffer_size_hint(H, kRanks, options.num_sms, T);
+    buffer_ = Buffer::create(group, options);
+    cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    std::vector<int64_t> topk(T * 2);
+    for (int64_t t = 0; t < T; ++t) topk[t * 2] = 0, topk[t * 2 + 1] = E - 1;
+    x_.resize(T * H);
+    for (int64_t i = 0; i < T * H; ++i) x_[i] = float_to_bf16(static_cast<float>((i * 7 + rank) % 9) - 4.f);
+    xd_ = upload(x_, DType::kBFloat16, {T, H}, group->device(), stream_);
+    topk_d_ = upload(topk, DType::kInt64, {T, 2}, group->device(), stream_);
+  }
+  ~TwoExpertRound() {
+    // NOTE: tensors free on the stream they were made on: release them before the stream goes.
+    xd_ = {};
+    topk_d_ = {};
+    buffer_.reset();
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+
+  int64_t round() {
+    DispatchArgs da;
+    da.x = xd_;
+    da.topk_idx = topk_d_;
+    da.num_experts = E;
+    da.stream = stream_;
+    DispatchResult dr = buffer_->dispatch(da);
+    CombineArgs ca;
+    ca.x = dr.recv_x;
+    ca.handle = dr.handle;
+    ca.stream = stream_;
+    Tensor out = buffer_->combine(ca).x;
+    // A timeout the data kernels record is raised by the next call (wrong data here, then a retry).
+    const auto got = download<uint16_t>(out, stream_);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < T * H; ++i) bad += bf16_to_float(got[i]) != 2.f * bf16_to_float(x_[i]);
+    return bad;
+  }
+
+ private:
+  std::unique_ptr<Buffer> buffer_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<uint16_t> x_;
+  Tensor xd_, topk_d_;
+};
+
+// Calls round() until one is exact, at most `attempts` times (a failed attempt is a timeout of this rank or its peer,
+// which the next call repairs); returns the wrong elements of the last attempt, -1 if every attempt threw.
+int64_t retry_round(TwoExpertRound& r, int rank, int attempts) {
+  int64_t bad = -1;
+  for (int attempt = 0; attempt < attempts && bad != 0; ++attempt) {
+    try {
+      bad = r.round();
+    } catch (const Error& e) {
+      std::fprintf(stderr, "rank %d attempt %d: %s\n", rank, attempt, e.what());
+    }
+  }
+  return bad;
+}
+
 }  // namespace
+
 TEST(MultiProcess, NormalTimeoutThenTheBufferResetsAndWorks) {
   // Rank 1 comes to a dispatch later than the timeout: rank 0 times out (kTimeout), rank 1's late call fails or
   // completes; then both retry until a dispatch + combine round succeeds, which must match (the buffer reset
@@ -328,67 +409,80 @@ TEST(MultiProcess, NormalTimeoutThenTheBufferResetsAndWorks) {
       [](int rank, int* pipe_fds) {
         const auto id = share_id_bytes(rank, pipe_fds);
         auto group = create_cuda_group(id, rank, kRanks, rank, {.timeout_ms = kFaultTimeoutMs});
-        const int64_t T = 256, H = 1024, E = 16;
-        BufferOptions options;
-        options.num_sms = 8;
-        options.num_normal_bytes = normal_buffer_size_hint(H, kRanks, options.num_sms, T);
-        auto buffer = Buffer::create(group, options);
-        cudaStream_t stream;
-        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-        // Every token to expert 0 (rank 0) and expert E - 1 (rank 1): identity experts give 2 * x.
-        std::vector<int64_t> topk(T * 2);
-        for (int64_t t = 0; t < T; ++t) topk[t * 2] = 0, topk[t * 2 + 1] = E - 1;
-        std::vector<uint16_t> x(T * H);
-        for (int64_t i = 0; i < T * H; ++i) x[i] = float_to_bf16(static_cast<float>((i * 7 + rank) % 9) - 4.f);
-        Tensor xd = upload(x, DType::kBFloat16, {T, H}, group->device(), stream);
-        Tensor topk_d = upload(topk, DType::kInt64, {T, 2}, group->device(), stream);
-        auto round = [&] {
-          DispatchArgs da;
-          da.x = xd;
-          da.topk_idx = topk_d;
-          da.num_experts = E;
-          da.stream = stream;
-          DispatchResult dr = buffer->dispatch(da);
-          CombineArgs ca;
-          ca.x = dr.recv_x;
-          ca.handle = dr.handle;
-          ca.stream = stream;
-          Tensor out = buffer->combine(ca).x;
-          // A timeout the data kernels record is raised by the next call (wrong data here, then a retry).
-          const auto got = download<uint16_t>(out, stream);
-          int64_t bad = 0;
-          for (int64_t i = 0; i < T * H; ++i) bad += bf16_to_float(got[i]) != 2.f * bf16_to_float(x[i]);
-          return bad;
-        };
-        int fails = round() == 0 ? 0 : 1;  // a good round first
-        if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(kFaultTimeoutMs + 1'500));
-        int64_t ms = 0;
-        const int code = error_code_of([&] { (void)round(); }, &ms);
-        if (rank == 0 && code != static_cast<int>(ErrorCode::kTimeout)) {
-          std::fprintf(stderr, "rank 0: the late peer gave error code %d, not kTimeout\n", code);
-          ++fails;
-        }
-        // Retries: each failed attempt is a timeout of this rank or its peer, which the next call resets.
-        int64_t bad = -1;
-        for (int attempt = 0; attempt < 6 && bad != 0; ++attempt) {
-          try {
-            bad = round();
-          } catch (const Error& e) {
-            std::fprintf(stderr, "rank %d attempt %d: %s\n", rank, attempt, e.what());
+        int fails = 0;
+        {
+          TwoExpertRound r(group, rank);
+          fails += r.round() == 0 ? 0 : 1;  // a good round first
+          if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(kFaultTimeoutMs + 1'500));
+          int64_t ms = 0;
+          const int code = error_code_of([&] { (void)r.round(); }, &ms);
+          if (rank == 0 && code != static_cast<int>(ErrorCode::kTimeout)) {
+            std::fprintf(stderr, "rank 0: the late peer gave error code %d, not kTimeout\n", code);
+            ++fails;
           }
+          const int64_t bad = retry_round(r, rank, 6);
+          if (bad != 0) {
+            std::fprintf(stderr, "rank %d: no correct round after the timeout (last: %lld wrong)\n", rank,
+                         static_cast<long long>(bad));
+            ++fails;
+          }
+          group->barrier();
         }
-        if (bad != 0) {
-          std::fprintf(stderr, "rank %d: no correct round after the timeout (last: %lld wrong)\n", rank,
-                       static_cast<long long>(bad));
-          ++fails;
+        return fails == 0 ? 0 : 1;
+      },
+      std::chrono::seconds(120));
+  if (codes[0] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
+  EXPECT_EQ(codes[0], 0) << "rank 0 (1 wrong result or error, 2 error, -1 hung and killed)";
+  EXPECT_EQ(codes[1], 0) << "rank 1";
+}
+
+TEST(MultiProcess, LatePeerThenTheGroupRebuildsItsCommunicator) {
+  // Rank 1 comes to a barrier (an all-gather on the group's communicator) later than the timeout. Rank 0 times out:
+  // kTimeout, the group revokes its communicator. Rank 1's late barrier may fail (the peer revoked) or complete (NCCL
+  // may have delivered rank 0's byte before the revoke); either way rank 1 fails a call and revokes too, at most one
+  // call later. Each rank's next barrier rebuilds the communicator (ncclCommSplit of the revoked one,
+  // docs/reliability.md "NCCL groups after a failure") and succeeds: a new communicator, one rebuild on each rank.
+  // A buffer made before the failure then gives an exact round, and so does a buffer made after it.
+  const auto codes = fork_ranks(
+      [](int rank, int* pipe_fds) {
+        const auto id = share_id_bytes(rank, pipe_fds);
+        auto group = create_cuda_group(id, rank, kRanks, rank, {.timeout_ms = kFaultTimeoutMs});
+        auto& cuda_group = dynamic_cast<cuda::CudaGroup&>(*group);
+        int fails = 0;
+        {
+          TwoExpertRound before(group, rank);
+          fails += before.round() == 0 ? 0 : 1;
+          const ncclComm_t first = cuda_group.nccl_comm();
+          if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(kFaultTimeoutMs + 500));
+          int64_t ms = 0;
+          int code = -1;
+          if (rank == 0) {
+            code = error_code_of([&] { group->barrier(); }, &ms);
+            fails += expect_bounded_error("barrier", code, ms, {ErrorCode::kTimeout});
+          }
+          // Barriers until one succeeds after a rebuild. Rank 0: one (the rebuild, then the barrier). Rank 1: up to
+          // three (the late one, which may complete; one that times out if it did; the rebuilt one).
+          int attempts = 0;
+          for (code = 0; (code != -1 || cuda_group.nccl_rebuilds() == 0) && attempts < 3; ++attempts) {
+            code = error_code_of([&] { group->barrier(); }, &ms);
+          }
+          if (code != -1 || (rank == 0 && attempts != 1)) {
+            std::fprintf(stderr, "rank %d: barriers after the failure: %d, the last error code %d\n", rank, attempts,
+                         code);
+            ++fails;
+          }
+          if (cuda_group.nccl_rebuilds() != 1 || cuda_group.nccl_comm() == nullptr || cuda_group.nccl_comm() == first) {
+            std::fprintf(stderr, "rank %d: %d rebuilds, communicator %p (first %p)\n", rank, cuda_group.nccl_rebuilds(),
+                         static_cast<void*>(cuda_group.nccl_comm()), static_cast<void*>(first));
+            ++fails;
+          }
+          fails += retry_round(before, rank, 3) == 0 ? 0 : 1;
+        }
+        {
+          TwoExpertRound after(group, rank);  // Buffer::create's all-gathers run on the new communicator
+          fails += after.round() == 0 ? 0 : 1;
         }
         group->barrier();
-        // NOTE: tensors free on the stream they were made on: release them before the stream goes.
-        xd = {};
-        topk_d = {};
-        buffer.reset();
-        cudaStreamSynchronize(stream);
-        cudaStreamDestroy(stream);
         return fails == 0 ? 0 : 1;
       },
       std::chrono::seconds(120));

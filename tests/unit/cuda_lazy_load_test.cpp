@@ -89,8 +89,15 @@ TEST(NcclLoader, ResolvesEveryFunctionOfTheRealLibrary) {
                        reinterpret_cast<void*>(api.CommUserRank), reinterpret_cast<void*>(api.CommCount),
                        reinterpret_cast<void*>(api.CommCuDevice), reinterpret_cast<void*>(api.AllGather),
                        reinterpret_cast<void*>(api.AllReduce),    reinterpret_cast<void*>(api.Reduce),
-                       reinterpret_cast<void*>(api.GroupStart),   reinterpret_cast<void*>(api.GroupEnd)};
+                       reinterpret_cast<void*>(api.GroupStart),   reinterpret_cast<void*>(api.GroupEnd),
+                       reinterpret_cast<void*>(api.Send),         reinterpret_cast<void*>(api.Recv),
+                       reinterpret_cast<void*>(api.CommSplit),    reinterpret_cast<void*>(api.CommFinalize),
+                       reinterpret_cast<void*>(api.CommDestroy)};
   for (const void* fn : fns) EXPECT_NE(fn, nullptr);
+  // Optional in the table, present from 2.28.7: what rebuilds an owned communicator after a failure (owned_comm.h).
+  if (api.version >= 22807) {
+    EXPECT_NE(api.CommRevoke, nullptr);
+  }
   EXPECT_STRNE(api.GetErrorString(ncclInvalidArgument), "");
 }
 

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <random>
 #include <string>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "comm/cuda/nccl_loader.h"
+#include "comm/cuda/owned_comm.h"
 #include "core/check.h"
 #include "core/cuda/cuda_util.h"
 #include "core/limits.h"
@@ -52,23 +54,6 @@ void check_nccl(ncclResult_t result, const char* what) {
   }
 }
 
-// The state of a communicator's pending work: ncclSuccess, ncclInProgress, or the error it ended with.
-ncclResult_t comm_state(ncclComm_t comm) {
-  ncclResult_t state = ncclSuccess;
-  const ncclResult_t r = nccl().CommGetAsyncError(comm, &state);
-  return r == ncclSuccess ? state : r;
-}
-
-// Polls a non-blocking communicator until its pending call (creation, a collective) finished or failed, or
-// `deadline` passed: returns ncclSuccess, the error, or ncclInProgress at the deadline.
-ncclResult_t wait_comm(ncclComm_t comm, std::chrono::steady_clock::time_point deadline) {
-  while (true) {
-    const ncclResult_t state = comm_state(comm);
-    if (state != ncclInProgress || std::chrono::steady_clock::now() > deadline) return state;
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-}
-
 // One process per GPU: collectives are ncclAllGather on a private stream. Every wait is bounded:
 // - the host data goes through pinned staging, so no cudaMemcpyAsync blocks the host (from pageable
 //   memory it returns only once the all-gather ahead of it finished, and the deadline loop never ran);
@@ -76,30 +61,36 @@ ncclResult_t wait_comm(ncclComm_t comm, std::chrono::steady_clock::time_point de
 //   that NCCL detects ends the wait at once;
 // - an owned communicator is non-blocking (created with blocking = 0), so neither its creation nor the
 //   first collective (which connects the peers) blocks the host; on a timeout or an NCCL error it is
-//   aborted (ncclCommAbort ends the kernels in flight) and the group fails for good.
+//   revoked and rebuilt in the next collective (OwnedComm), or aborted where that cannot be done.
 // A borrowed communicator (create_cuda_group(comm)) is never aborted by epx: after a failure its
 // all-gather may still be in flight, and the caller must abort it (see docs/reliability.md).
 class NcclCudaGroup final : public CudaGroup {
  public:
   // owns_comm: the group destroys (or aborts) the communicator with itself; owned ones are non-blocking.
   NcclCudaGroup(ncclComm_t comm, const CudaGroupOptions& options, bool owns_comm = false)
-      : comm_(comm), owns_comm_(owns_comm), timeout_ms_(detail::clamp_timeout_ms(options.timeout_ms)) {
+      : timeout_ms_(detail::clamp_timeout_ms(options.timeout_ms)) {
     check_nccl(nccl().CommUserRank(comm, &rank_), "ncclCommUserRank");
     check_nccl(nccl().CommCount(comm, &num_ranks_), "ncclCommCount");
     topology_ = cuda_group_topology(num_ranks_, options.gpus_per_node);
     check_nccl(nccl().CommCuDevice(comm, &device_), "ncclCommCuDevice");
     DeviceGuard guard(device_);
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    // NOTE: last, so that a throw above leaves the communicator to the caller (create_cuda_group aborts it).
+    if (owns_comm) {
+      owned_ = std::make_unique<OwnedComm>(comm, rank_, timeout_ms_, nccl());
+    } else {
+      borrowed_ = comm;
+    }
   }
   ~NcclCudaGroup() override {
     DeviceGuard guard(device_);
-    if (!failed_.empty() && !owns_comm_) {
+    if (!failed_.empty() && owned_ == nullptr) {
       // NOTE: the caller's communicator may still run our all-gather into scratch_: freeing it (cudaFree
       // synchronizes the device) could wait forever, so a failed borrowed group leaks its staging.
       cudaStreamDestroy(stream_);
       return;
     }
-    if (owns_comm_ && comm_ != nullptr) finalize_owned_comm();
+    owned_.reset();  // finalized, or aborted (bounded)
     if (scratch_ != nullptr) cudaFree(scratch_);
     if (host_stage_ != nullptr) cudaFreeHost(host_stage_);
     cudaStreamDestroy(stream_);
@@ -109,7 +100,19 @@ class NcclCudaGroup final : public CudaGroup {
   Device device() const override { return Device::cuda(device_); }
   int64_t timeout_ms() const override { return timeout_ms_; }
   Topology topology() const override { return topology_; }
-  ncclComm_t nccl_comm() const override { return comm_; }
+  ncclComm_t nccl_comm() const override { return owned_ != nullptr ? owned_->get() : borrowed_; }
+  int nccl_rebuilds() const override { return owned_ != nullptr ? owned_->rebuilds() : 0; }
+  bool nccl_rebuild_pending() const override {
+    return owned_ != nullptr && owned_->state() == OwnedComm::State::kRevoked;
+  }
+  ncclComm_t collective_comm() override {
+    if (nccl_rebuild_pending()) rebuild();
+    EPX_CHECK(ErrorCode::kPeerFailure, failed_.empty(),
+              "cuda rank {}: the NCCL group failed earlier ({}) and cannot be used again; destroy the buffers on it "
+              "and the group, and create a new group",
+              rank_, failed_);
+    return nccl_comm();
+  }
   void barrier() override {
     const char mine = 1;
     std::vector<char> all(num_ranks_);
@@ -118,9 +121,7 @@ class NcclCudaGroup final : public CudaGroup {
   void all_gather_bytes(const void* send, void* recv, size_t bytes) override {
     EPX_CHECK_ARG(bytes == 0 || (send != nullptr && recv != nullptr), "all_gather_bytes: null buffer for {} bytes",
                   bytes);
-    EPX_CHECK(ErrorCode::kPeerFailure, failed_.empty(),
-              "cuda rank {}: the NCCL group failed earlier ({}) and cannot be used again; create a new group", rank_,
-              failed_);
+    ncclComm_t comm = collective_comm();
     DeviceGuard guard(device_);
     const size_t total = static_cast<size_t>(
         detail::checked_mul(static_cast<int64_t>(bytes), num_ranks_, "all_gather_bytes: bytes * num_ranks"));
@@ -130,32 +131,39 @@ class NcclCudaGroup final : public CudaGroup {
     if (bytes > 0) std::memcpy(host_send, send, bytes);
     const auto deadline = detail::deadline_after_ms(timeout_ms_);
     check_cuda(cudaMemcpyAsync(dev_send, host_send, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
-    const ncclResult_t posted = nccl().AllGather(dev_send, scratch_, bytes, ncclChar, comm_, stream_);
+    const ncclResult_t posted = nccl().AllGather(dev_send, scratch_, bytes, ncclChar, comm, stream_);
     if (posted == ncclInProgress) {
-      wait_comm_ready(deadline, "ncclAllGather");  // a non-blocking communicator finishes the call later
+      wait_comm_ready(comm, deadline, "ncclAllGather");  // a non-blocking communicator finishes the call later
     } else if (posted != ncclSuccess) {
       fail(ErrorCode::kNcclError, fmt::format("ncclAllGather failed: {}", nccl().GetErrorString(posted)));
     }
     check_cuda(cudaMemcpyAsync(host_stage_, scratch_, total, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
-    wait_stream(deadline);
+    wait_stream(comm, deadline);
     if (total > 0) std::memcpy(recv, host_stage_, total);
   }
   bool single_process() const override { return false; }
-  // Marks the group failed (the first reason stays) and throws. An owned communicator is aborted first (that ends
-  // its kernels, so the streams drain and the group can be destroyed); a borrowed one is left to its owner.
+  // Owned: revokes the communicator (a rebuild in the next collective) or, where that fails, aborts it for good; the
+  // revoke or the abort ends the kernels, so the streams drain. Borrowed: left to its owner, the group failed for
+  // good. Then throws.
   [[noreturn]] void fail(ErrorCode code, const std::string& what) override {
-    if (failed_.empty()) failed_ = what;
-    if (owns_comm_) {
-      if (comm_ != nullptr) {
-        nccl().CommAbort(comm_);
-        comm_ = nullptr;
-        cudaStreamSynchronize(stream_);  // the aborted collective no longer blocks it
+    if (owned_ != nullptr) {
+      const bool revoked = owned_->revoke();
+      cudaStreamSynchronize(stream_);  // the ended collective no longer blocks it
+      if (revoked) {
+        detail::raise(code,
+                      "cuda rank {}: {}; the outputs of this call are invalid. The group revoked its NCCL "
+                      "communicator (ncclCommRevoke ended the NCCL work in flight) and rebuilds it in its next "
+                      "collective call: make that call on every rank, all within {} ms of each other (twice the "
+                      "timeout), or the group fails for good",
+                      rank_, what, rebuild_wait_ms());
       }
+      if (failed_.empty()) failed_ = what + " (" + owned_->failure() + ")";
       detail::raise(code,
-                    "cuda rank {}: {}; the group aborted its NCCL communicator and cannot be used again: "
+                    "cuda rank {}: {}; the group aborted its NCCL communicator ({}) and cannot be used again: "
                     "destroy it and the buffers on it, and create a new group",
-                    rank_, what);
+                    rank_, what, owned_->failure());
     }
+    if (failed_.empty()) failed_ = what;
     detail::raise(code,
                   "cuda rank {}: {}; the caller's NCCL communicator may still run epx's NCCL calls (an all-gather, "
                   "a hierarchical exchange): abort it (ncclCommAbort; it cannot be reused), then destroy this group "
@@ -164,10 +172,26 @@ class NcclCudaGroup final : public CudaGroup {
   }
 
  private:
+  // How long a rebuild waits for the other ranks: a rank one failed call behind its peers (it timed out in the call
+  // after theirs) still arrives within twice the timeout.
+  int64_t rebuild_wait_ms() const { return std::min(2 * timeout_ms_, kMaxTimeoutMs); }
+
+  // The revoked communicator's rebuild (collective); on failure the group fails for good and this throws.
+  void rebuild() {
+    DeviceGuard guard(device_);
+    bool timed_out = false;
+    if (owned_->ready(detail::deadline_after_ms(rebuild_wait_ms()), &timed_out) != nullptr) return;
+    failed_ = owned_->failure();
+    detail::raise(timed_out ? ErrorCode::kTimeout : ErrorCode::kNcclError,
+                  "cuda rank {}: {} (waited {} ms, twice the timeout); the group aborted its NCCL communicator and "
+                  "cannot be used again: destroy it and the buffers on it, and create a new group",
+                  rank_, owned_->failure(), rebuild_wait_ms());
+  }
+
   // Waits until a non-blocking communicator finished its pending call (creation, a collective),
   // polling ncclCommGetAsyncError against `deadline`; fails the group on an error or the deadline.
-  void wait_comm_ready(std::chrono::steady_clock::time_point deadline, const char* what) {
-    const ncclResult_t state = wait_comm(comm_, deadline);
+  void wait_comm_ready(ncclComm_t comm, std::chrono::steady_clock::time_point deadline, const char* what) {
+    const ncclResult_t state = wait_comm(comm, deadline);
     if (state == ncclSuccess) return;
     if (state != ncclInProgress) {
       fail(ErrorCode::kNcclError, fmt::format("{}: NCCL reports {}", what, nccl().GetErrorString(state)));
@@ -175,8 +199,6 @@ class NcclCudaGroup final : public CudaGroup {
     fail(ErrorCode::kTimeout,
          fmt::format("{} did not complete within {} ms: a peer rank is absent or stuck", what, timeout_ms_));
   }
-
-  ncclResult_t comm_state() const { return cuda::comm_state(comm_); }
 
   void reserve_staging(size_t bytes) {
     if (bytes <= scratch_bytes_) return;
@@ -190,12 +212,12 @@ class NcclCudaGroup final : public CudaGroup {
     scratch_bytes_ = size;
   }
 
-  void wait_stream(std::chrono::steady_clock::time_point deadline) {
+  void wait_stream(ncclComm_t comm, std::chrono::steady_clock::time_point deadline) {
     while (true) {
       const cudaError_t status = cudaStreamQuery(stream_);
       if (status == cudaSuccess) return;
       if (status != cudaErrorNotReady) check_cuda(status, "all_gather_bytes");
-      const ncclResult_t state = comm_state();
+      const ncclResult_t state = comm_state(comm);
       if (state != ncclSuccess && state != ncclInProgress) {
         fail(ErrorCode::kPeerFailure,
              fmt::format("all_gather_bytes: NCCL reports {} (a peer failed)", nccl().GetErrorString(state)));
@@ -209,22 +231,8 @@ class NcclCudaGroup final : public CudaGroup {
     }
   }
 
-  // ncclCommFinalize + ncclCommDestroy, bounded by the timeout: a communicator that cannot finish its
-  // pending work in time (an absent peer) is aborted instead.
-  void finalize_owned_comm() noexcept {
-    const ncclResult_t r = nccl().CommFinalize(comm_);
-    const auto deadline = detail::deadline_after_ms(std::min<int64_t>(timeout_ms_, 10'000));
-    const bool clean = (r == ncclSuccess || r == ncclInProgress) && wait_comm(comm_, deadline) == ncclSuccess;
-    if (clean) {
-      nccl().CommDestroy(comm_);
-    } else {
-      nccl().CommAbort(comm_);
-    }
-    comm_ = nullptr;
-  }
-
-  ncclComm_t comm_;
-  bool owns_comm_ = false;
+  std::unique_ptr<OwnedComm> owned_;  // create_cuda_group(unique_id, ...)
+  ncclComm_t borrowed_ = nullptr;     // create_cuda_group(comm): the caller's
   int64_t timeout_ms_;
   Topology topology_;
   int rank_ = 0;
@@ -234,7 +242,7 @@ class NcclCudaGroup final : public CudaGroup {
   void* scratch_ = nullptr;     // device: [num_ranks * bytes] received, then [bytes] sent
   void* host_stage_ = nullptr;  // pinned host, the same layout
   size_t scratch_bytes_ = 0;
-  std::string failed_;  // why the group failed; empty while it works
+  std::string failed_;  // why the group failed for good; empty while it works
 };
 
 }  // namespace

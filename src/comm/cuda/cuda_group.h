@@ -38,15 +38,31 @@ class CudaGroup : public Group {
   Backend backend() const override { return Backend::kCuda; }
   // True when all ranks are threads of this process (peer memory is plain device pointers).
   virtual bool single_process() const = 0;
-  // The NCCL communicator of a group of one process per GPU (create_cuda_group), null for ranks as threads. The
-  // hierarchical path's network leg (net_leg.h) sends and receives on it, on the caller's stream.
+  // The NCCL communicator of a group of one process per GPU (create_cuda_group), null for ranks as threads, and null
+  // while an owned communicator waits for its rebuild or after it failed for good. Not collective; for an NCCL call
+  // take collective_comm() instead.
   virtual ncclComm_t nccl_comm() const { return nullptr; }
-  // For waits on the group's communicator outside the group (the hierarchical exchange, net_leg.h): fails the group
-  // and throws Error(code) "cuda rank R: <what>; <what the caller must do>". A group of one process per GPU that
-  // owns its communicator aborts it (ncclCommAbort ends its kernels in flight on every stream, so streams waiting on
-  // them drain); a borrowed one is left to its owner, who must abort it. Either way every later collective of the
-  // group raises kPeerFailure and nccl_comm() of an owned group is null. Ranks as threads have no communicator:
-  // this only throws, and the group stays usable.
+  // The communicator for an NCCL call that every rank of the group makes at this point of its call sequence (the
+  // hierarchical exchange, net_leg.h; the EPLB NCCL transport). Collective when the group's owned communicator was
+  // revoked by a failure: it is rebuilt first (see fail()), which waits for every rank for up to twice the group's
+  // timeout and throws kTimeout (or kNcclError) when that fails, the group then failed for good. Throws kPeerFailure
+  // when the group failed for good earlier. Ranks as threads: null (they have no communicator).
+  virtual ncclComm_t collective_comm() { return nullptr; }
+  // Owned communicators rebuilt after a failure so far (0 for other groups), and whether one waits for its rebuild.
+  virtual int nccl_rebuilds() const { return 0; }
+  virtual bool nccl_rebuild_pending() const { return false; }
+  // For waits on the group's communicator outside the group (the hierarchical exchange, net_leg.h): handles the
+  // failure and throws Error(code) "cuda rank R: <what>; <what happens next>". The outputs of the failed call are
+  // invalid on every rank.
+  // - A group of one process per GPU that owns its communicator (create_cuda_group(unique_id, ...)) revokes it
+  //   (ncclCommRevoke ends its NCCL kernels in flight on every stream, so streams waiting on them drain) and rebuilds
+  //   it in its next collective (collective_comm(), all_gather_bytes, barrier), which every rank must reach within
+  //   twice the timeout of each other; then the group and its buffers are usable again. Where NCCL cannot revoke
+  //   (older than 2.28.7) or the revoke does not quiesce, the communicator is aborted and the group fails for good:
+  //   every later collective raises kPeerFailure (docs/reliability.md, "NCCL groups after a failure").
+  // - A borrowed communicator (create_cuda_group(comm)) is left to its owner, who must abort it; the group fails for
+  //   good.
+  // - Ranks as threads have no communicator: this only throws, and the group stays usable.
   [[noreturn]] virtual void fail(ErrorCode code, const std::string& what);
 };
 

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "core/check.h"
+#include "core/timeout.h"
 
 namespace epx::cuda {
 namespace {
@@ -73,6 +74,9 @@ NcclApi load_nccl(const std::string& library) {
   resolve(handle, library, "ncclGroupEnd", api.GroupEnd);
   resolve(handle, library, "ncclSend", api.Send);
   resolve(handle, library, "ncclRecv", api.Recv);
+  resolve(handle, library, "ncclCommSplit", api.CommSplit);
+  dlerror();
+  api.CommRevoke = reinterpret_cast<decltype(api.CommRevoke)>(dlsym(handle, "ncclCommRevoke"));  // may be absent
 
   Dl_info info{};
   api.path = dladdr(reinterpret_cast<void*>(api.GetVersion), &info) != 0 && info.dli_fname != nullptr ? info.dli_fname
@@ -86,6 +90,21 @@ NcclApi load_nccl(const std::string& library) {
             "NCCL library '{}' is version {}, older than the {} epx was built with. {}", api.path,
             version_string(api.version), version_string(NCCL_VERSION_CODE), hint());
   return api;
+}
+
+ncclResult_t comm_state(const NcclApi& api, ncclComm_t comm) {
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t r = api.CommGetAsyncError(comm, &state);
+  return r == ncclSuccess ? state : r;
+}
+
+ncclResult_t wait_comm(const NcclApi& api, ncclComm_t comm, std::chrono::steady_clock::time_point deadline) {
+  ncclResult_t state = ncclInProgress;
+  detail::poll_until(deadline, [&] {
+    state = comm_state(api, comm);
+    return state != ncclInProgress;
+  });
+  return state;
 }
 
 const NcclApi& nccl() {

@@ -13,6 +13,7 @@
 
 #include <nccl.h>
 
+#include <chrono>
 #include <string>
 
 namespace epx::cuda {
@@ -37,6 +38,10 @@ struct NcclApi {
   decltype(&ncclGroupEnd) GroupEnd = nullptr;
   decltype(&ncclSend) Send = nullptr;  // the hierarchical path's network leg (net_leg.cpp)
   decltype(&ncclRecv) Recv = nullptr;
+  decltype(&ncclCommSplit) CommSplit = nullptr;  // rebuilding an owned communicator after a failure (owned_comm.h)
+  // Optional (NCCL >= 2.28.7; null in an older library): ends a communicator's work in flight so that it can be split
+  // into a fresh one. Declared by hand so that headers older than 2.28.7 still compile.
+  ncclResult_t (*CommRevoke)(ncclComm_t comm, int revoke_flags) = nullptr;
 
   std::string path;  // the file actually loaded (from dladdr), for messages and `epx doctor`
   int version = 0;   // ncclGetVersion's code, e.g. 22809 for 2.28.9
@@ -52,6 +57,18 @@ const NcclApi& nccl();
 // Loads a fresh table from `library` (a path or a soname), with the same checks and errors as nccl(),
 // without caching; nccl() calls it once. Exposed for tests.
 NcclApi load_nccl(const std::string& library);
+
+// The state of a communicator's pending work: ncclSuccess, ncclInProgress (a non-blocking call not finished), or
+// the error it ended with.
+ncclResult_t comm_state(const NcclApi& api, ncclComm_t comm);
+inline ncclResult_t comm_state(ncclComm_t comm) { return comm_state(nccl(), comm); }
+
+// Polls comm_state every 20 us until it is no longer ncclInProgress or `deadline` passed; returns the last state
+// (ncclInProgress at the deadline).
+ncclResult_t wait_comm(const NcclApi& api, ncclComm_t comm, std::chrono::steady_clock::time_point deadline);
+inline ncclResult_t wait_comm(ncclComm_t comm, std::chrono::steady_clock::time_point deadline) {
+  return wait_comm(nccl(), comm, deadline);
+}
 
 // The library nccl() loads: $EPX_NCCL_LIBRARY if set and not empty, else "libnccl.so.2".
 std::string nccl_library_name();

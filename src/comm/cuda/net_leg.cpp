@@ -127,7 +127,7 @@ class SharedMemoryExchange final : public ByteExchange {
 
 // One process per GPU: grouped point-to-point on the group's communicator, on the caller's stream. A failing
 // ncclGroupEnd and a wait for the exchange that runs out go through CudaGroup::fail: the transfers may be in flight
-// or half posted, and only an abort of the communicator ends them.
+// or half posted, and only a revoke or an abort of the communicator ends them.
 class NcclExchange final : public ByteExchange {
  public:
   explicit NcclExchange(CudaGroup& group) : group_(group), rank_(group.rank()) {
@@ -142,11 +142,17 @@ class NcclExchange final : public ByteExchange {
   void run(const std::vector<int>& peers, const void* send, const std::vector<int64_t>& send_bytes, void* recv,
            const std::vector<int64_t>& recv_bytes, cudaStream_t stream, const char* what) override {
     check_lists(peers, send_bytes, recv_bytes, group_.num_ranks());
-    ncclComm_t comm = group_.nccl_comm();
-    EPX_CHECK(ErrorCode::kPeerFailure, comm != nullptr,
-              "cuda rank {}: the {}: the NCCL group failed earlier and cannot be used again; destroy the buffers on "
-              "it and the group, and create new ones",
+    // NOTE: a communicator revoked by an earlier failure is rebuilt here (collective, host work that a capture cannot
+    // record): under capture the caller must make one eager call of the group first.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing (exchange)");
+    EPX_CHECK(ErrorCode::kInvalidArgument, capture == cudaStreamCaptureStatusNone || !group_.nccl_rebuild_pending(),
+              "cuda rank {}: the {}: the group must rebuild its NCCL communicator after an earlier failure, which "
+              "cannot happen while the stream is captured into a CUDA graph: make one call of the group outside the "
+              "capture on every rank first (e.g. barrier()); graphs captured before the failure hold the old "
+              "communicator and must be captured again",
               rank_, what);
+    ncclComm_t comm = group_.collective_comm();  // throws kPeerFailure when the group failed for good
     const std::vector<int64_t> send_off = offsets_of(send_bytes), recv_off = offsets_of(recv_bytes);
     const char* src = static_cast<const char*>(send);
     char* dst = static_cast<char*>(recv);
@@ -196,8 +202,6 @@ class NcclExchange final : public ByteExchange {
     }
     // NOTE: not under capture: the captured exchange runs when the graph is launched, and a query of an event
     // recorded into a capture says nothing about it.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing (exchange)");
     if (capture == cudaStreamCaptureStatusNone) {
       check_cuda(cudaEventRecord(done_, stream), "cudaEventRecord (exchange done)");
       recorded_ = true;
@@ -246,13 +250,6 @@ class NcclExchange final : public ByteExchange {
     }
   }
 
-  // The state of the communicator's pending work: ncclSuccess, ncclInProgress, or the error it ended with.
-  static ncclResult_t comm_state(ncclComm_t comm) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = nccl().CommGetAsyncError(comm, &state);
-    return r == ncclSuccess ? state : r;
-  }
-
   void add_pending_peer(int peer) {
     if (std::find(peers_.begin(), peers_.end(), peer) == peers_.end()) peers_.push_back(peer);
   }
@@ -273,7 +270,7 @@ class NcclExchange final : public ByteExchange {
 }  // namespace
 
 std::unique_ptr<ByteExchange> make_byte_exchange(CudaGroup& group) {
-  if (group.nccl_comm() != nullptr) return std::make_unique<NcclExchange>(group);
+  if (!group.single_process()) return std::make_unique<NcclExchange>(group);
   EPX_CHECK(ErrorCode::kUnsupported, group.single_process(),
             "the hierarchical normal path needs an NCCL group or ranks of one process");
   return std::make_unique<SharedMemoryExchange>(group);

@@ -9,7 +9,8 @@
 //     a CUDA graph (the hierarchical low-latency path's captured test: HierarchicalLowLatencyNccl.TwoNodesGraph). A
 //     peer that never posts its matching send or receive keeps the NCCL kernels, and so the stream, waiting forever:
 //     run() records an event after each exchange and wait_finished() bounds the wait for it; at the deadline the group
-//     fails (CudaGroup::fail aborts an owned communicator, which ends the kernels).
+//     fails (CudaGroup::fail revokes an owned communicator, which ends the kernels, and rebuilds it in the next
+//     collective call).
 //   ranks as threads (create_cuda_groups, possibly several ranks on one GPU): cudaMemcpyAsync into each
 //     receiver's buffer, whose address is exchanged with all_gather_bytes. Ordering across the ranks' streams
 //     with two events per rank and two host rendezvous per call (see SharedMemoryExchange in net_leg.cpp); the
@@ -39,21 +40,22 @@ class ByteExchange {
   // are skipped (their pointers may be null). Enqueued on `stream`, which must be current on the group's device:
   // the send buffer is read and the receive buffer written in the stream's order; both must stay allocated until
   // the stream reaches that point. `what` names the exchange in errors ("dispatch network leg"). Throws kTimeout (a
-  // peer did not come within the group's timeout), kNcclError, kPeerFailure (the NCCL group failed earlier).
+  // peer did not come within the group's timeout), kNcclError, kPeerFailure (the NCCL group failed for good earlier),
+  // kInvalidArgument (the group's communicator waits for its rebuild after a failure, and `stream` is being captured).
   virtual void run(const std::vector<int>& peers, const void* send, const std::vector<int64_t>& send_bytes, void* recv,
                    const std::vector<int64_t>& recv_bytes, cudaStream_t stream, const char* what) = 0;
 
   // Not collective. Waits until the exchanges run() enqueued since the last wait_finished() have finished on the
   // device, bounded by the group's timeout from this call; call it before the host depends on them or before the
   // next exchange. NCCL: polls the event run() recorded together with ncclCommGetAsyncError; at the deadline it
-  // fails the group (CudaGroup::fail: an owned communicator is aborted, and the group and its buffers are unusable
-  // from then on) and throws kTimeout naming this rank, the exchanges' peers and the timeout; kPeerFailure at once
-  // when NCCL reports that a peer failed. Exchanges enqueued while the stream was being captured into a CUDA graph
-  // are not tracked (their work runs when the graph is launched, unbounded on the host). The event query runs with
-  // this thread in cudaStreamCaptureModeRelaxed, so it is legal during any capture (the event is never recorded
-  // inside one) and cannot invalidate another thread's Global-mode capture; a caller that captures may still skip it
-  // (the hierarchical low-latency relay does: what it would wait for is ordered before the graph anyway). Ranks as
-  // threads: returns at once (their exchanges wait for the peers on the host, in run(), bounded there).
+  // fails the group (CudaGroup::fail: an owned communicator is revoked, ending the exchange, and rebuilt in the next
+  // collective call of every rank) and throws kTimeout naming this rank, the exchanges' peers and the timeout;
+  // kPeerFailure at once when NCCL reports that a peer failed. Exchanges enqueued while the stream was being captured
+  // into a CUDA graph are not tracked (their work runs when the graph is launched, unbounded on the host). The event
+  // query runs with this thread in cudaStreamCaptureModeRelaxed, so it is legal during any capture (the event is never
+  // recorded inside one) and cannot invalidate another thread's Global-mode capture; a caller that captures may still
+  // skip it (the hierarchical low-latency relay does: what it would wait for is ordered before the graph anyway). Ranks
+  // as threads: returns at once (their exchanges wait for the peers on the host, in run(), bounded there).
   virtual void wait_finished() {}
 };
 

@@ -10,7 +10,7 @@
 // the stream does not get there within the group's timeout); cached dispatches and combines do not synchronize the
 // device, but wait on the host for the peers (the header, the exchanges' rendezvous). On NCCL groups every call
 // first waits, bounded, for the previous call's exchanges (ByteExchange::wait_finished): a peer that never posted
-// its send/recv there fails the group (its communicator aborted) with kTimeout on this call.
+// its send/recv there fails the group (its communicator revoked, rebuilt by the next call) with kTimeout on this call.
 #pragma once
 
 #include <cstdint>

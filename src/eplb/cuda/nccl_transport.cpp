@@ -33,9 +33,9 @@ namespace {
 
 // What every failure after data may have started moving tells the caller.
 constexpr const char* kAbortAdvice =
-    "the group's NCCL communicator may still run this transfer: abort it (destroy the group, which aborts a "
-    "communicator it created; ncclCommAbort one passed to create_cuda_group) before freeing the weight buffers, "
-    "and create a new group";
+    "this transport cannot be used again: the group ended the transfer with its failure (an owned communicator is "
+    "rebuilt in the group's next collective; a borrowed one must be aborted by its owner before the weight buffers "
+    "are freed); the weights of that relocation are incomplete: make a new transport and relocate again";
 
 class NcclTransport final : public WeightTransport {
  public:
@@ -59,9 +59,7 @@ class NcclTransport final : public WeightTransport {
               "cuda rank {}: nccl transport: an earlier exchange failed ({}); {}", rank(), failed_, kAbortAdvice);
     gather_message_totals(group_, sends, recvs, "nccl transport");
     const int me = rank();
-    ncclComm_t comm = group_.nccl_comm();
-    EPX_CHECK(ErrorCode::kPeerFailure, comm != nullptr,
-              "cuda rank {}: nccl transport: the group aborted its NCCL communicator after an earlier failure", me);
+    ncclComm_t comm = group_.collective_comm();  // throws kPeerFailure when the group failed for good
     cuda::DeviceGuard guard(device_);
     // Own messages: the i-th send to self lands in the i-th receive from self (sizes checked above).
     size_t next_self = 0;
@@ -128,7 +126,7 @@ class NcclTransport final : public WeightTransport {
   // A non-blocking communicator enqueues the group's transfers after ncclGroupEnd returned ncclInProgress.
   void wait_enqueued(ncclComm_t comm, std::chrono::steady_clock::time_point deadline) {
     while (true) {
-      const ncclResult_t state = comm_state(comm);
+      const ncclResult_t state = cuda::comm_state(comm);
       if (state == ncclSuccess) return;
       if (state != ncclInProgress) {
         fail(ErrorCode::kPeerFailure,
@@ -153,7 +151,7 @@ class NcclTransport final : public WeightTransport {
         cudaGetLastError();
         fail(ErrorCode::kInternal, fmt::format("the transfer's stream failed: {}", cudaGetErrorString(status)));
       }
-      const ncclResult_t state = comm_state(comm);
+      const ncclResult_t state = cuda::comm_state(comm);
       if (state != ncclSuccess && state != ncclInProgress) {
         fail(ErrorCode::kPeerFailure,
              fmt::format("NCCL reports {} during the transfer (a peer failed)", cuda::nccl().GetErrorString(state)));
@@ -167,16 +165,12 @@ class NcclTransport final : public WeightTransport {
     }
   }
 
-  static ncclResult_t comm_state(ncclComm_t comm) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = cuda::nccl().CommGetAsyncError(comm, &state);
-    return r == ncclSuccess ? state : r;
-  }
-
-  // Marks the transport failed (no further exchange, free_temp leaks) and throws.
+  // Marks the transport failed (no further exchange, free_temp leaks) and fails the group, which ends the transfer
+  // (CudaGroup::fail: an owned communicator is revoked and rebuilt in the group's next collective) and throws.
   [[noreturn]] void fail(ErrorCode code, const std::string& what) {
     failed_ = what;
-    detail::raise(code, "cuda rank {}: nccl transport: {}; {}", rank(), what, kAbortAdvice);
+    group_.fail(code, fmt::format("nccl transport: {}; {}", what, kAbortAdvice));
+    detail::raise(code, "cuda rank {}: nccl transport: {}", rank(), what);  // not reached: CudaGroup::fail throws
   }
 
   cuda::CudaGroup& group_;
@@ -190,13 +184,11 @@ class NcclTransport final : public WeightTransport {
 std::unique_ptr<WeightTransport> make_nccl_transport_impl(Group& group) {
   auto* cuda_group = dynamic_cast<cuda::CudaGroup*>(&group);
   EPX_CHECK_ARG(cuda_group != nullptr, "make_nccl_transport needs a group made by epx's cuda backend");
-  EPX_CHECK_ARG(cuda_group->nccl_comm() != nullptr,
+  EPX_CHECK_ARG(!cuda_group->single_process(),
                 "make_nccl_transport needs a cuda group of one process per GPU with an NCCL communicator "
-                "(create_cuda_group); this one (rank {} of {}) has {}",
-                group.rank(), group.num_ranks(),
-                cuda_group->single_process() ? "its ranks as threads of one process (create_cuda_groups): use "
-                                               "make_cuda_transport"
-                                             : "no communicator left (it failed earlier)");
+                "(create_cuda_group); this one (rank {} of {}) has its ranks as threads of one process "
+                "(create_cuda_groups): use make_cuda_transport",
+                group.rank(), group.num_ranks());
   return std::make_unique<NcclTransport>(*cuda_group);
 }
 

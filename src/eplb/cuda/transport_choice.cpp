@@ -27,7 +27,7 @@ TransportKind choose_cuda_transport(Group& group) {
   auto* cuda_group = dynamic_cast<cuda::CudaGroup*>(&group);
   EPX_CHECK_ARG(cuda_group != nullptr, "choose_transport needs a group made by epx's cuda backend");
   // Ranks as threads have no communicator: copy engines are their only transport.
-  if (cuda_group->single_process() || cuda_group->nccl_comm() == nullptr) return TransportKind::kCuda;
+  if (cuda_group->single_process()) return TransportKind::kCuda;
   const int device = group.device().index;
   cuda::DeviceGuard guard(device);
   Whereabouts mine;

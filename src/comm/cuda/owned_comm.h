@@ -1,0 +1,79 @@
+// The NCCL communicator of a group that epx created (create_cuda_group(unique_id, ...)), kept usable across
+// failures. Private to the CUDA backend; CUDA builds only.
+//
+// When a wait on the communicator runs out (a peer is late or absent) or NCCL reports an error, the group calls
+// revoke(): ncclCommRevoke ends the NCCL kernels in flight on every stream, so the streams drain, and the
+// communicator stays, revoked, until it is rebuilt. Every rank's next collective call of the group calls ready()
+// first, which splits a fresh communicator of the same ranks off the revoked one (ncclCommSplit, color 0, key =
+// rank: every rank keeps its number) and then frees the revoked one. The split meets the other ranks through
+// NCCL's bootstrap, not through the revoked connections; it completes once every rank called it, and ready() waits
+// for that until the deadline it is given.
+//
+// The communicator fails for good (aborted: get() is null and stays null) when:
+// - the library cannot revoke (NCCL older than 2.28.7 has no ncclCommRevoke), or the revoke fails or does not
+//   quiesce within min(timeout, 10 s);
+// - the split fails, or does not complete by its deadline (a rank never came to its next call).
+//
+// The group calls it from its rank's thread only (not thread-safe). Every NCCL call goes through `api`, so the
+// state machine is tested without a GPU against a fake table (tests/unit/owned_comm_test.cpp).
+#pragma once
+
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "comm/cuda/nccl_loader.h"
+
+namespace epx::cuda {
+
+class OwnedComm {
+ public:
+  enum class State {
+    kHealthy,  // get() is usable
+    kRevoked,  // after a failure: the next ready() rebuilds it
+    kFailed,   // aborted for good
+  };
+
+  // Takes ownership of `comm`, a non-blocking communicator whose creation has completed. `timeout_ms` (clamped)
+  // bounds the revoke's quiescence and the destructor's finalize, each to min(timeout_ms, 10 s).
+  OwnedComm(ncclComm_t comm, int rank, int64_t timeout_ms, const NcclApi& api);
+  // Healthy: ncclCommFinalize + ncclCommDestroy, bounded as above, else ncclCommAbort; revoked: ncclCommAbort
+  // (no peer is waited for).
+  ~OwnedComm();
+  OwnedComm(const OwnedComm&) = delete;
+  OwnedComm& operator=(const OwnedComm&) = delete;
+
+  State state() const { return state_; }
+  // The communicator while healthy; null while revoked and after a failure for good.
+  ncclComm_t get() const { return state_ == State::kHealthy ? comm_ : nullptr; }
+  // Communicators split off a revoked one so far.
+  int rebuilds() const { return rebuilds_; }
+  // Why the communicator failed for good (empty otherwise).
+  const std::string& failure() const { return failure_; }
+
+  // After a failed wait on get() (a timeout, an NCCL error): revokes the communicator and returns true (a rebuild is
+  // pending), or aborts it and returns false (failed for good: failure() says why). Returns whether a rebuild is
+  // pending when the communicator is not healthy.
+  bool revoke() noexcept;
+
+  // Collective: the communicator for the group's next NCCL call. Healthy: get(). Revoked: splits the fresh
+  // communicator, waiting for the other ranks until `deadline`; returns it, or null after failing for good (both
+  // communicators aborted; failure() says why, and *timed_out whether the deadline passed rather than NCCL
+  // reporting an error). Failed: null.
+  ncclComm_t ready(std::chrono::steady_clock::time_point deadline, bool* timed_out);
+
+ private:
+  void fail_for_good(std::string why) noexcept;
+
+  const NcclApi& api_;
+  ncclComm_t comm_;
+  int rank_;
+  int64_t timeout_ms_;
+  State state_ = State::kHealthy;
+  int rebuilds_ = 0;
+  std::string failure_;
+};
+
+}  // namespace epx::cuda
