@@ -104,6 +104,10 @@ struct BufferOptions {
   NormalRouting normal_routing = NormalRouting::kAuto;
   LowLatencyRouting low_latency_routing = LowLatencyRouting::kAuto;
   NodePartials node_partials = NodePartials::kFloat32;  // the hierarchical routings only; kFlat ignores it
+  // Ranks the cuda backend takes (kUnsupported naming the routing and its cap otherwise; the host backend has no such
+  // caps): normal path flat <= 8, hierarchical <= 64 (<= 32 GPUs per node); low-latency flat <= 16, hierarchical <= 128
+  // (<= 16 GPUs per node). Above 64 ranks a buffer is low-latency only: num_normal_bytes must stay 0 and the normal
+  // calls raise kUnsupported.
 };
 
 // Peer memory the low-latency path needs for two buffer sets with these limits.

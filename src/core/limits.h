@@ -42,6 +42,9 @@ inline constexpr int kNormalMaxRanks = 8;
 // Above kNormalMaxRanks a cuda buffer has no flat normal engine: it needs NormalRouting::kHierarchical (or kAuto on
 // more than one node).
 inline constexpr int kHierarchicalMaxRanks = 64;
+// Ranks of a cuda group of threads (create_cuda_groups) and of its single-process exchange: the larger of the
+// hierarchical normal routing's and the low-latency path's caps (kLowLatencyMaxRanks, below).
+inline constexpr int kCudaMaxRanks = 128;
 // Channels (num_sms / 2): each notify slot carries one prefix per channel; num_sms <= 128 fits an H200 (132 SMs).
 inline constexpr int kNormalMaxChannels = 64;
 // Local experts: each notify slot carries one count per local expert.
@@ -64,8 +67,15 @@ inline constexpr int kNormalMaxCopyChunks = 8;
 
 // ---- CUDA backend, low-latency path (src/ep/cuda/low_latency.*) --------------------------------------------
 
-// Ranks: sizes the rank mask in LowLatencyControl and the kernels' per-source shared arrays.
-inline constexpr int kLowLatencyMaxRanks = 16;
+// Ranks: sizes the rank mask in LowLatencyControl, LowLatencyPeers::bases (a kernel parameter: 8 bytes a rank) and the
+// kernels' per-source shared arrays (one thread per source: at most the kernels' 256 threads). Reached only with the
+// hierarchical routing (LowLatencyRouting::kHierarchical, e.g. EP72 decode as 9 x 8); the flat routing and the
+// hierarchical routing's node legs stop at kLowLatencyFlatMaxRanks.
+inline constexpr int kLowLatencyMaxRanks = 128;
+// Ranks of the flat low-latency routing, and GPUs per node of the hierarchical one (its node legs are flat): the
+// expert-side reduction's per-rank partial rows share combine_data's kLowLatencyMaxTopk rows per token, and 16 covers
+// every NVLink host (ranks as threads of one GPU too).
+inline constexpr int kLowLatencyFlatMaxRanks = 16;
 // max_tokens_per_rank (M) of a CUDA low-latency buffer (the host backend has no such bound): the combine staging
 // alone is M x kLowLatencyMaxTopk rows of H bf16 per buffer set, 0.9 GB at M = 4096 and H = 7168.
 inline constexpr int kLowLatencyMaxTokens = 4096;

@@ -7,7 +7,8 @@ namespace {
 
 constexpr int64_t kBlock = 128;  // fp8 channels per scale
 // The expert-side reduction's partial rows [t][q] live in combine_data's [t][k] rows.
-static_assert(kLowLatencyMaxRanks <= kLowLatencyMaxTopk);
+static_assert(kLowLatencyFlatMaxRanks <= kLowLatencyMaxTopk);
+static_assert(kCudaMaxRanks >= kLowLatencyMaxRanks && kCudaMaxRanks >= kHierarchicalMaxRanks);
 
 }  // namespace
 

@@ -27,8 +27,8 @@ struct LowLatencySet {
   int64_t combine_data;       // [M][kLowLatencyMaxTopk][H] bf16: one row per (token, k)
   int64_t combine_signals;  // [num_experts] uint64: (tag << kCombineIdBits) | dispatch id, written by the expert's rank
   // LowLatencyConfig::expert_side_reduction (flat routing): combine_data holds one bf16 partial row per (token,
-  // expert rank q) at [t][q] (q < kLowLatencyMaxRanks <= kLowLatencyMaxTopk), combine_signals[q] is rank q's signal,
-  // and these:
+  // expert rank q) at [t][q] (q < kLowLatencyFlatMaxRanks <= kLowLatencyMaxTopk), combine_signals[q] is rank q's
+  // signal, and these:
   int64_t pair_map;         // [R][M][kLowLatencyMaxTopk] int64: (dispatch tag << 32) | (e_local * R * M + packed row)
                             // of source r's pair (t, k) here, written by the dispatch receive (local only)
   int64_t combine_weights;  // [R][M][kLowLatencyMaxTopk] fp32: source r's topk_weights, written by source r
@@ -57,7 +57,7 @@ struct LowLatencyControl {
   int mask[kLowLatencyMaxRanks];                           // 1 = masked
   unsigned int combine_parts_done[kLowLatencyMaxExperts];  // per local expert: combine-send blocks finished
   // Per set and destination rank: expert-side reduction send blocks done with that destination (a power of two).
-  unsigned int partial_sends_done[2][kLowLatencyMaxRanks];
+  unsigned int partial_sends_done[2][kLowLatencyFlatMaxRanks];  // (the expert-side reduction is flat only)
   // Per set and source rank: the low 32 bits of the tag of the last dispatch on the set whose receive here missed some
   // or all of that source's pairs (a wait that timed out, or the source masked); the combine that reverses it then
   // signals the source kCombineNoRows (low_latency.h). Entries of older dispatches never match.

@@ -82,6 +82,54 @@ TEST_F(HierarchicalLowLatencyGpuTest, Bf16NodePartials) {
   }
 }
 
+// Above the flat routing's 16 ranks (kLowLatencyFlatMaxRanks; the hierarchical routing takes kLowLatencyMaxRanks):
+// 24 and 72 nodes of one GPU (EP72 decode's rank count; 288 experts as DeepSeek-V3 with redundant experts at 72),
+// every rank a thread on the GPUs here. One GPU per node keeps every wait inside a rank's own stream (its node leg is
+// itself; the network leg is the ranks-as-threads exchange), so many ranks can share one GPU. The 72-rank case is
+// fp8 with UE8M0 column-major scales (DeepGEMM's layout) and hooks; both receive from up to 71 other nodes, so the
+// packed rows' source search above 16 sources (source_of_row's binary search) is what decides their order.
+TEST_F(HierarchicalLowLatencyGpuTest, TwentyFourAndSeventyTwoRanks) {
+  for (const int num_ranks : {24, 72}) {
+    SCOPED_TRACE(std::to_string(num_ranks) + " nodes x 1");
+    Case c = make_case(num_ranks, 1);
+    c.max_tokens = 8;
+    c.hidden = 512;
+    c.num_topk = 8;
+    c.num_experts = num_ranks == 72 ? 288 : 48;
+    c.rounds = 2;
+    if (num_ranks == 72) {
+      c.fp8 = true;
+      c.scale_format = ScaleFormat::kUE8M0;
+      c.round_scale = true;
+      c.scale_layout = ScaleLayout::kColumnMajor;
+      c.hooks = true;
+    }
+    run_and_compare(c);
+  }
+}
+
+// ... and a buffer on more than 16 ranks with the flat low-latency routing is refused on every rank, naming both caps.
+TEST_F(HierarchicalLowLatencyGpuTest, FlatRoutingAboveSixteenRanksIsRefused) {
+  auto groups = create_cuda_groups(std::vector<int>(17, 0), {.timeout_ms = 20'000});
+  std::vector<std::string> errors(groups.size());
+  run_host_ranks(groups, [&](int r, Group&) {
+    BufferOptions options;
+    options.normal_routing = NormalRouting::kHierarchical;  // the flat normal routing stops at 8 ranks first
+    options.num_normal_bytes = 0;
+    options.num_low_latency_bytes = low_latency_buffer_size_hint(8, 512, 17, 34);
+    try {
+      Buffer::create(groups[r], options);
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::kUnsupported) errors[r] = e.what();
+    }
+  });
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_NE(errors[r].find("flat low-latency routing supports up to 16 ranks, got 17"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("up to 128 ranks"), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
 TEST_F(HierarchicalLowLatencyGpuTest, FourNodesOneGpuHooksInt32) {
   Case c = make_case(4, 1);
   c.hooks = true;

@@ -328,8 +328,8 @@ namespace epx {
 std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& devices,
                                                        const CudaGroupOptions& options) {
   const int num_ranks = static_cast<int>(devices.size());
-  EPX_CHECK_ARG(num_ranks >= 1 && num_ranks <= kHierarchicalMaxRanks, "devices must list 1 to {} ranks, got {}",
-                kHierarchicalMaxRanks, num_ranks);
+  EPX_CHECK_ARG(num_ranks >= 1 && num_ranks <= kCudaMaxRanks, "devices must list 1 to {} ranks, got {}", kCudaMaxRanks,
+                num_ranks);
   EPX_CHECK_ARG(options.timeout_ms >= 1, "timeout_ms must be >= 1, got {}", options.timeout_ms);
   cuda::cuda_group_topology(num_ranks, options.gpus_per_node);  // checked before any CUDA call
   int count = 0;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "comm/cuda/cuda_group.h"
+#include "core/limits.h"
 
 namespace epx::cuda {
 
@@ -63,6 +64,8 @@ class ByteExchange {
 // when its ranks are threads of this process (at most kMaxExchangeRanks of them).
 std::unique_ptr<ByteExchange> make_byte_exchange(CudaGroup& group);
 
-inline constexpr int kMaxExchangeRanks = 8;  // the single-process exchange's post holds one entry per rank
+// The single-process exchange's post holds one entry per rank: as many as a group of threads has (before, 8, which
+// refused every ranks-as-threads group above 8 ranks that the rank caps allow).
+inline constexpr int kMaxExchangeRanks = kCudaMaxRanks;
 
 }  // namespace epx::cuda

@@ -42,9 +42,16 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     const bool hierarchical = options.normal_routing == NormalRouting::kHierarchical ||
                               (options.normal_routing == NormalRouting::kAuto && group_->topology().num_nodes > 1);
     // NOTE: above kNormalMaxRanks there is no flat normal engine (its region and kernels split work per peer): the
-    // hierarchical engine does every normal call, the layout included (core/limits.h, kHierarchicalMaxRanks).
+    // hierarchical engine does every normal call, the layout included (core/limits.h, kHierarchicalMaxRanks). Above
+    // kHierarchicalMaxRanks there is no normal engine at all: the buffer is low-latency only (EP72 decode).
+    const bool normal_path = num_ranks_ <= kHierarchicalMaxRanks;
+    EPX_CHECK(ErrorCode::kUnsupported, normal_path || options.num_normal_bytes == 0,
+              "the cuda backend's normal path supports up to {} ranks (hierarchical routing), got {}: a buffer on "
+              "more ranks is low-latency only: num_normal_bytes must be 0, got {} (the low-latency path takes up to "
+              "{} ranks with the hierarchical routing)",
+              kHierarchicalMaxRanks, num_ranks_, options.num_normal_bytes, kLowLatencyMaxRanks);
     EPX_CHECK(
-        ErrorCode::kUnsupported, num_ranks_ <= kNormalMaxRanks || hierarchical,
+        ErrorCode::kUnsupported, num_ranks_ <= kNormalMaxRanks || hierarchical || !normal_path,
         "the cuda backend's flat normal routing supports up to {} ranks, got {}: use normal_routing kHierarchical "
         "(or kAuto with gpus_per_node < num_ranks), up to {} ranks",
         kNormalMaxRanks, num_ranks_, kHierarchicalMaxRanks);
@@ -52,7 +59,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
       normal_ = std::make_unique<NormalEngine>(*group_, options.num_sms, options.num_normal_bytes, allocator_,
                                                options.normal);
     }
-    if (hierarchical) {
+    if (hierarchical && normal_path) {
       hierarchical_ =
           std::make_unique<HierarchicalEngine>(*cgroup_, allocator_, options.num_sms, options.node_partials);
     }
@@ -107,6 +114,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   Group& group() override { return *group_; }
 
   Layout get_dispatch_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream) override {
+    require_normal_path("get_dispatch_layout");
     if (!normal_) return hierarchical_->get_dispatch_layout(topk_idx, num_experts, stream);
     Layout layout = normal_->get_dispatch_layout(topk_idx, num_experts, stream, *this);
     if (hierarchical_) hierarchical_->add_tokens_per_node(layout, stream);
@@ -116,6 +124,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   // NOTE: the hierarchical engine keeps its own error protocol (a header rendezvous at the start of each call, no
   // device-side waits on peers), so it bypasses joined() and the signal reset.
   DispatchResult dispatch(const DispatchArgs& args) override {
+    require_normal_path("dispatch");
     if (hierarchical_) {
       last_stream_ = args.stream;
       return hierarchical_->dispatch(args);
@@ -123,6 +132,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     return joined([&] { return normal_->dispatch(args, *this); });
   }
   CombineResult combine(const CombineArgs& args) override {
+    require_normal_path("combine");
     if (hierarchical_) {
       last_stream_ = args.stream;
       return hierarchical_->combine(args);
@@ -159,6 +169,13 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   }
 
  private:
+  // Above kHierarchicalMaxRanks a buffer has no normal engine (low-latency only).
+  void require_normal_path(const char* what) const {
+    EPX_CHECK(ErrorCode::kUnsupported, normal_ != nullptr || hierarchical_ != nullptr,
+              "{}: this buffer of {} ranks is low-latency only: the cuda backend's normal path supports up to {} "
+              "ranks",
+              what, num_ranks_, kHierarchicalMaxRanks);
+  }
   LowLatencyEngine& low_latency() const {
     EPX_CHECK_ARG(low_latency_ != nullptr,
                   "this buffer has no low-latency memory: create it with BufferOptions::num_low_latency_bytes = "

@@ -71,8 +71,7 @@ __global__ void __launch_bounds__(kThreads)
       if (item < items) {
         const int row = static_cast<int>(item / row_vecs);
         const int64_t vec = item - row * row_vecs;
-        int r = 0;
-        while (row >= row_start[r + 1]) ++r;
+        const int r = source_of_row(row_start, R, row);
         const int i = row - row_start[r];
         const int64_t slot = (e_local * R + r) * M + i;  // staged row: src_info and slot_k stay there
         v[u] = __ldg(x + (e_local * R * M + row_begin[r] + i) * row_vecs + vec);

@@ -26,6 +26,30 @@ cudaError_t preload_low_latency_combine_kernels();
 namespace {
 
 constexpr int kThreads = 256;
+static_assert(kLowLatencyMaxRanks <= kThreads, "the receive blocks give each source rank one thread");
+
+// The source of row `row` < begins[R] of a list grouped by source rank (begins: the [R + 1] prefix of the sources'
+// counts): the first r with row < begins[r + 1], so empty sources are skipped. A linear scan of shared memory up to the
+// flat routing's ranks, a binary search above (the hierarchical routing's up to kLowLatencyMaxRanks sources; every
+// 16-byte item asks).
+__device__ __forceinline__ int source_of_row(const int* begins, int R, int row) {
+  if (R <= kLowLatencyFlatMaxRanks) {
+    int r = 0;
+    while (row >= begins[r + 1]) ++r;
+    return r;
+  }
+  int lo = 0, hi = R - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (begins[mid + 1] > row) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlock = 128;  // fp8 channels per scale
 constexpr int kUnroll = 8;   // loads in flight per thread in the copy loops

@@ -263,8 +263,7 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   const int64_t row0 = e_local * slots;  // the expert's first row, staged and packed
   // The pair's entry (within the expert) of packed row `row`: source r's block at r * M.
   auto staged_row = [&](int row) {
-    int r = 0;
-    while (row >= begins[r + 1]) ++r;
+    const int r = source_of_row(begins, R, row);
     return static_cast<int>(r * M) + (row - begins[r]);
   };
   int* src_info = at<int>(base, s.recv_src_info) + row0;
@@ -276,8 +275,7 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
     const int* staged_slot_k = at<const int>(base, s.dispatch_slot_k) + row0;
     int64_t* map = at<int64_t>(base, s.pair_map);
     for (int row = threadIdx.x; row < total; row += kThreads) {
-      int r = 0;
-      while (row >= begins[r + 1]) ++r;
+      const int r = source_of_row(begins, R, row);
       const int staged = staged_row(row);
       const int64_t t = __ldcg(staged_src_info + staged), k = __ldcg(staged_slot_k + staged);
       map[(r * M + t) * kLowLatencyMaxTopk + k] = static_cast<int64_t>((tag & 0xffffffffu) << 32) | (row0 + row);
@@ -291,8 +289,7 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   // The staged data/scale row (from the set's first staging row) of packed row `row`.
   auto staged_data_row = [&](int row) -> int64_t {
     if (!args.token_staged) return row0 + staged_row(row);
-    int r = 0;
-    while (row >= begins[r + 1]) ++r;
+    const int r = source_of_row(begins, R, row);
     return static_cast<int64_t>(r) * M + src_info[row];
   };
 

@@ -56,8 +56,18 @@ LowLatencyEngine::LowLatencyEngine(Group& group, bool single_process, int device
       region_bytes_(bytes),
       allocator_(std::move(allocator)),
       config_(config) {
-  EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kLowLatencyMaxRanks,
-            "the low-latency path supports up to {} ranks, got {}", kLowLatencyMaxRanks, num_ranks_);
+  if (relay_group == nullptr) {
+    EPX_CHECK(ErrorCode::kUnsupported, num_ranks_ <= kLowLatencyFlatMaxRanks,
+              "the cuda backend's flat low-latency routing supports up to {} ranks, got {}: use low_latency_routing "
+              "kHierarchical (or kAuto with gpus_per_node < num_ranks), up to {} ranks",
+              kLowLatencyFlatMaxRanks, num_ranks_, kLowLatencyMaxRanks);
+  } else {
+    EPX_CHECK(ErrorCode::kUnsupported,
+              num_ranks_ <= kLowLatencyMaxRanks && group.topology().gpus_per_node <= kLowLatencyFlatMaxRanks,
+              "the cuda backend's hierarchical low-latency routing supports up to {} ranks of up to {} GPUs per node, "
+              "got {} ranks of {}",
+              kLowLatencyMaxRanks, kLowLatencyFlatMaxRanks, num_ranks_, group.topology().gpus_per_node);
+  }
   DeviceGuard guard(device_);
   char* raw = nullptr;
   check_cuda(cudaMalloc(&raw, region_bytes_), "cudaMalloc (low-latency region)");

@@ -129,9 +129,10 @@ __device__ bool partial_send_source(const LowLatencyPeers& peers, const LowLaten
 // too).
 __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                    const LowLatencyCombineLaunch& args, int block, int num_blocks) {
-  __shared__ bool open[kLowLatencyMaxRanks];          // the mask when the block started (uniform decisions)
-  __shared__ int weights_state[kLowLatencyMaxRanks];  // per source: 0 not yet there, 1 there, -1 lost
-  __shared__ int64_t resume[kLowLatencyMaxRanks];     // per source: the block's next unit
+  // NOTE: the expert-side reduction runs on the flat routing only (R <= kLowLatencyFlatMaxRanks).
+  __shared__ bool open[kLowLatencyFlatMaxRanks];          // the mask when the block started (uniform decisions)
+  __shared__ int weights_state[kLowLatencyFlatMaxRanks];  // per source: 0 not yet there, 1 there, -1 lost
+  __shared__ int64_t resume[kLowLatencyFlatMaxRanks];     // per source: the block's next unit
   const int R = peers.num_ranks;
   const int64_t M = layout.max_tokens_per_rank;
   LowLatencyControl* ctrl = control_of(peers, layout);
@@ -216,7 +217,7 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
 template <typename TopkT>
 __device__ void partial_recv_blocks(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                     const LowLatencyCombineLaunch& args, int64_t first_block, int64_t num_blocks) {
-  __shared__ bool valid[kLowLatencyMaxRanks];  // rank q's partial of the token counts
+  __shared__ bool valid[kLowLatencyFlatMaxRanks];  // rank q's partial of the token counts (flat routing only)
   const int R = peers.num_ranks;
   const int64_t H = layout.hidden, E_local = layout.num_local_experts;
   const int K = args.num_topk;
