@@ -104,11 +104,18 @@ struct BufferOptions {
   NormalRouting normal_routing = NormalRouting::kAuto;
   LowLatencyRouting low_latency_routing = LowLatencyRouting::kAuto;
   NodePartials node_partials = NodePartials::kFloat32;  // the hierarchical routings only; kFlat ignores it
-  // Ranks the cuda backend takes (kUnsupported naming the routing and its cap otherwise; the host backend has no such
-  // caps): normal path flat <= 8, hierarchical <= 64 (<= 32 GPUs per node); low-latency flat <= 16, hierarchical <= 128
-  // (<= 16 GPUs per node). Above 64 ranks a buffer is low-latency only: num_normal_bytes must stay 0 and the normal
-  // calls raise kUnsupported.
+  // Ranks the cuda backend takes: see kCudaNormalMaxRanks and the constants after this struct.
 };
+
+// Ranks of a cuda buffer (kUnsupported naming the routing and its cap otherwise; the host backend has no such caps).
+// Normal path: flat routing <= kCudaFlatNormalMaxRanks, hierarchical <= kCudaNormalMaxRanks (<= 32 GPUs per node).
+// Low-latency path: flat <= kCudaFlatLowLatencyMaxRanks, hierarchical <= kCudaLowLatencyMaxRanks (<= 16 GPUs per
+// node). Above kCudaNormalMaxRanks a buffer is low-latency only: num_normal_bytes must be 0 (there is no normal
+// memory then) and the normal calls raise kUnsupported.
+inline constexpr int kCudaFlatNormalMaxRanks = 8;
+inline constexpr int kCudaNormalMaxRanks = 64;
+inline constexpr int kCudaFlatLowLatencyMaxRanks = 16;
+inline constexpr int kCudaLowLatencyMaxRanks = 128;
 
 // Peer memory the low-latency path needs for two buffer sets with these limits.
 int64_t low_latency_buffer_size_hint(int64_t max_tokens_per_rank, int64_t hidden, int num_ranks, int64_t num_experts);

@@ -19,6 +19,10 @@ import threading
 from typing import Any, Callable, List, Sequence
 
 from ._epx import (  # noqa: F401
+    CUDA_FLAT_LOW_LATENCY_MAX_RANKS,
+    CUDA_FLAT_NORMAL_MAX_RANKS,
+    CUDA_LOW_LATENCY_MAX_RANKS,
+    CUDA_NORMAL_MAX_RANKS,
     CudaError,
     DType,
     Error,

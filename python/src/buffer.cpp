@@ -163,6 +163,11 @@ void register_buffer(nb::module_& m) {
           "(array, DType): int32 [R, R], [i][j] = tokens that ranks 0..i send to rank j (DeepEP's meaning).");
   nb::class_<LowLatencyHandle>(m, "LowLatencyHandle", "Opaque record of one low-latency dispatch (for its combine).");
 
+  // The cuda backend's rank caps (epx/buffer.h): flat / hierarchical routing, normal / low-latency path.
+  m.attr("CUDA_FLAT_NORMAL_MAX_RANKS") = kCudaFlatNormalMaxRanks;
+  m.attr("CUDA_NORMAL_MAX_RANKS") = kCudaNormalMaxRanks;
+  m.attr("CUDA_FLAT_LOW_LATENCY_MAX_RANKS") = kCudaFlatLowLatencyMaxRanks;
+  m.attr("CUDA_LOW_LATENCY_MAX_RANKS") = kCudaLowLatencyMaxRanks;
   m.def("low_latency_buffer_size_hint", &low_latency_buffer_size_hint, nb::arg("max_tokens_per_rank"),
         nb::arg("hidden"), nb::arg("num_ranks"), nb::arg("num_experts"),
         "Bytes of peer memory the low-latency path needs for two buffer sets with these limits.");

@@ -181,6 +181,12 @@ class DispatchHandle:
 class LowLatencyHandle:
     """Opaque record of one low-latency dispatch (for its combine)."""
 
+#: The cuda backend's rank caps (include/epx/buffer.h): normal path flat / hierarchical routing, then low-latency.
+CUDA_FLAT_NORMAL_MAX_RANKS: int
+CUDA_NORMAL_MAX_RANKS: int
+CUDA_FLAT_LOW_LATENCY_MAX_RANKS: int
+CUDA_LOW_LATENCY_MAX_RANKS: int
+
 def low_latency_buffer_size_hint(max_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """
     Bytes of peer memory the low-latency path needs for two buffer sets with these limits.

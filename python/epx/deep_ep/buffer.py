@@ -29,7 +29,7 @@ import torch
 import epx
 from epx import _epx
 
-from .config import MAX_NVL_PEERS, MIN_BUFFER_SMS, Config
+from .config import MAX_NVL_PEERS, MIN_BUFFER_SMS, Config, low_latency_routing, normal_buffer_bytes
 from .events import EventHandle, EventOverlap, torch_event_of
 from .handles import (InternodeHandle, LowLatencyHandle, NormalHandle, native_dispatch_handle,
                       native_low_latency_handle)
@@ -90,9 +90,9 @@ class Buffer:
     expert_side_reduction = True (one partial row per token and expert rank; another summation order than
     DeepEP's, docs/low-latency.md); epx_node_partials (default "bf16", as DeepEP's internode combine, whose RDMA leg
     carries bf16 rows), how the combine across nodes carries a node's partial sum (epx.Buffer's node_partials;
-    "fp32" keeps a single rounding); epx_low_latency_routing (default "flat", DeepEP's semantics below;
-    "hierarchical" for ranks on several hosts, which flat low-latency calls cannot reach on the cuda backend: its
-    peer memory maps GPUs of one host only). The same on every rank.
+    "fp32" keeps a single rounding); epx_low_latency_routing (default None: DeepEP's flat routing on one node and on
+    the host backend, epx's hierarchical routing across nodes on the cuda backend, whose peer memory maps GPUs of one
+    host only; "flat", "hierarchical" or "auto" force one, see docs/deepep-migration.md). The same on every rank.
     """
 
     #: SMs of the normal kernels when no Config is given (DeepEP's class attribute; see set_num_sms).
@@ -105,7 +105,7 @@ class Buffer:
                  epx_timeout_ms: int = 60_000, epx_column_major_scales: bool = True,
                  epx_gpus_per_node: Optional[int] = None,
                  epx_low_latency: Optional[_epx.LowLatencyConfig] = None,
-                 epx_node_partials: str = "bf16", epx_low_latency_routing: str = "flat") -> None:
+                 epx_node_partials: str = "bf16", epx_low_latency_routing: Optional[str] = None) -> None:
         if group is None:
             if comm is not None:
                 raise NotImplementedError("epx.deep_ep: an mpi4py communicator (comm=) is not supported; "
@@ -139,16 +139,17 @@ class Buffer:
         self.enable_shrink = enable_shrink
 
         self._max_sms = int(epx_num_sms) if epx_num_sms else max(MIN_BUFFER_SMS, Buffer.num_sms)
-        normal_bytes = num_nvl_bytes or epx.normal_buffer_size_hint(8192, self.group_size, self._max_sms)
+        normal_bytes = normal_buffer_bytes(num_nvl_bytes, self._cuda, self.group_size, self._max_sms)
         self._low_latency_bytes = num_rdma_bytes if low_latency_mode else 0
         # NOTE: DeepEP's low-latency kernels send every (token, expert) pair straight to its rank, across nodes too,
-        # and its combine adds the pairs in top-k order: epx's flat low-latency routing, not the hierarchical one
-        # that `auto` picks on more than one node (docs/internode.md, "Low-latency across nodes"), unless
-        # epx_low_latency_routing asks for it (ranks on several hosts).
+        # and its combine adds the pairs in top-k order: epx's flat low-latency routing, which the shim keeps wherever
+        # epx can run it (one node; any topology on the host backend). Across nodes the cuda backend needs the
+        # hierarchical one (docs/internode.md, "Low-latency across nodes"): its flat calls reach one host's GPUs.
         self.runtime: Optional[epx.Buffer] = epx.Buffer(epx_group, num_normal_bytes=normal_bytes,
                                                         num_low_latency_bytes=self._low_latency_bytes,
                                                         num_sms=self._max_sms, low_latency=epx_low_latency,
-                                                        low_latency_routing=epx_low_latency_routing,
+                                                        low_latency_routing=low_latency_routing(
+                                                            epx_low_latency_routing, self._cuda),
                                                         node_partials=epx_node_partials)
         self._native = self.runtime._native
         self._call_num_sms = _accepts(self.runtime.dispatch, "num_sms") and _accepts(self.runtime.combine, "num_sms")

@@ -16,6 +16,26 @@ MIN_BUFFER_SMS = 24
 MAX_NVL_PEERS = 8
 
 
+def normal_buffer_bytes(num_nvl_bytes: int, cuda: bool, num_ranks: int, num_sms: int) -> int:
+    """The shim's epx num_normal_bytes: DeepEP's num_nvl_bytes when given, else epx's hint for the normal path; 0 on
+    the cuda backend above epx.CUDA_NORMAL_MAX_RANKS ranks, where a buffer is low-latency only (a DeepEP buffer that
+    asked for no NVLink bytes then gets no normal path, and its normal calls raise UnsupportedError)."""
+    if num_nvl_bytes:
+        return int(num_nvl_bytes)
+    if cuda and num_ranks > epx.CUDA_NORMAL_MAX_RANKS:
+        return 0
+    return epx.normal_buffer_size_hint(8192, num_ranks, num_sms)
+
+
+def low_latency_routing(requested: "str | None", cuda: bool) -> str:
+    """The shim's epx low_latency_routing. None: DeepEP's flat routing where epx can run it for every topology (the
+    host backend), else epx's "auto" (the cuda backend: flat on one node, hierarchical across nodes, whose ranks flat
+    calls cannot reach: the cuda backend maps one host's GPUs only). An explicit value is passed through."""
+    if requested is not None:
+        return requested
+    return "auto" if cuda else "flat"
+
+
 class Config:
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,

@@ -28,6 +28,10 @@
 namespace epx::cuda {
 namespace {
 
+// The public statement of the caps (epx/buffer.h) and the ones the engines size by (core/limits.h) agree.
+static_assert(kCudaFlatNormalMaxRanks == kNormalMaxRanks && kCudaNormalMaxRanks == kHierarchicalMaxRanks &&
+              kCudaFlatLowLatencyMaxRanks == kLowLatencyFlatMaxRanks && kCudaLowLatencyMaxRanks == kLowLatencyMaxRanks);
+
 class CudaBuffer final : public Buffer, private NormalCallHooks {
  public:
   CudaBuffer(std::shared_ptr<Group> group, const BufferOptions& options)
