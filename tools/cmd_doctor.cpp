@@ -22,6 +22,11 @@ void add_doctor(CLI::App& app) {
 #ifdef EPX_WITH_CUDA
     j["cuda"] = cuda_doctor();
     const auto& gpus = j["cuda"]["gpus"];
+    if (!j["cuda"]["nccl_groups_rebuild_after_failure"].get<bool>()) {
+      verdicts.push_back("NCCL " + j["cuda"]["nccl"].get<std::string>() +
+                         " has no ncclCommRevoke (2.28.7): an NCCL group fails for good at its first timeout instead "
+                         "of rebuilding its communicator (docs/reliability.md)");
+    }
     if (gpus.empty()) {
       verdicts.push_back("no usable GPU: epx runs on the host backend (ranks as threads)");
     } else {

@@ -50,6 +50,8 @@ nlohmann::json cuda_doctor() {
   j["cuda_driver"] = fmt::format("{}.{}", driver / 1000, (driver % 1000) / 10);
   j["cuda_runtime"] = fmt::format("{}.{}", runtime / 1000, (runtime % 1000) / 10);
   j["nccl"] = fmt::format("{}.{}.{}", nccl / 10000, (nccl % 10000) / 100, nccl % 100);
+  // ncclCommRevoke (2.28.7): what lets an NCCL group rebuild its communicator after a timeout (owned_comm.h).
+  j["nccl_groups_rebuild_after_failure"] = nccl >= 22807;
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
