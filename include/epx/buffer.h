@@ -21,15 +21,26 @@
 
 namespace epx {
 
+// When a fresh dispatch on two ranks starts copying its whole x to the peer (cuda backend, copy-engine path with
+// whole_copies; docs/normal-kernels.md, "Early copies"). Results are the same in every mode; only the time differs.
+enum class EarlyCopies : uint8_t {
+  // Before notify when x fits the staging and the peer is expected to need >= 15/16 of the tokens: as many as in this
+  // buffer's previous fresh dispatch, or, before the first, as many as uniform routing of top-k over the experts gives.
+  kAuto,
+  kAlways,  // before notify whenever x fits the staging, however few tokens the peer needs
+  kNever,   // after notify, from the counts (one host synchronization before the first byte moves)
+};
+
 // Tuning of the cuda backend's normal kernels (docs/normal-kernels.md). The host backend checks the ranges
 // and ignores the rest. Every rank must pass the same values (Buffer::create checks it), except
-// stage_timeline.
+// stage_timeline and early_copies.
 struct NormalConfig {
   bool copy_engines = true;     // copy engines carry the NVLink bytes when the staging fits (false: SM rings)
   bool whole_copies = true;     // a destination that gets >= 15/16 of the tokens receives the whole x
   bool stream_signals = true;   // copy completions are signalled by stream memory writes (false: a kernel)
   int max_copy_chunks = 8;      // copies per destination and call, in [1, 8]
   bool stage_timeline = false;  // prints each copy-engine call's stage times to stderr (a debug aid)
+  EarlyCopies early_copies = EarlyCopies::kAuto;  // fresh two-rank dispatches: whole x copied before notify
 };
 
 // Tuning of the cuda backend's low-latency kernels (docs/low-latency.md). Same on every rank.

@@ -25,6 +25,7 @@ from ._epx import (  # noqa: F401
     CUDA_NORMAL_MAX_RANKS,
     CudaError,
     DType,
+    EarlyCopies,
     Error,
     Group,
     InternalError,

@@ -179,16 +179,25 @@ void register_buffer(nb::module_& m) {
   // `collective`), so nanobind rejects nothing but a wrong number or name of arguments before the binding
   // runs; nb::sig keeps the types a caller should pass in help() and the stubs.
   const auto arg = [](const char* name) { return nb::arg(name).none(); };
+  nb::enum_<EarlyCopies>(m, "EarlyCopies",
+                         "When a fresh two-rank dispatch starts copying its whole x to the peer "
+                         "(NormalConfig.early_copies, docs/normal-kernels.md): auto (before notify when x fits the "
+                         "staging and the peer is expected to need >= 15/16 of the tokens), always (whenever x fits), "
+                         "never (after notify). Results are the same in every mode.")
+      .value("auto", EarlyCopies::kAuto)
+      .value("always", EarlyCopies::kAlways)
+      .value("never", EarlyCopies::kNever);
   nb::class_<NormalConfig>(
       m, "NormalConfig",
       "Tuning of the cuda backend's normal kernels (BufferOptions::normal in include/epx/buffer.h); "
-      "the same on every rank except stage_timeline.")
+      "the same on every rank except stage_timeline and early_copies.")
       .def(nb::init<>())
       .def_rw("copy_engines", &NormalConfig::copy_engines)
       .def_rw("whole_copies", &NormalConfig::whole_copies)
       .def_rw("stream_signals", &NormalConfig::stream_signals)
       .def_rw("max_copy_chunks", &NormalConfig::max_copy_chunks)
-      .def_rw("stage_timeline", &NormalConfig::stage_timeline);
+      .def_rw("stage_timeline", &NormalConfig::stage_timeline)
+      .def_rw("early_copies", &NormalConfig::early_copies);
   nb::class_<LowLatencyConfig>(m, "LowLatencyConfig",
                                "Tuning of the cuda backend's low-latency kernels (BufferOptions::low_latency); the "
                                "same on every rank.")

@@ -15,9 +15,10 @@ inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 // Notify slot: [0] the source's largest staging need (rows) to one remote destination, [1, C + 2)
 // channel prefixes, [C + 2, C + 2 + E_local) expert counts, then the source's ring area in KiB, its
-// token count if it sends whole x to this destination (0: packed rows), and [C + 4 + E_local, + R) the
-// tokens it sends to every rank (for the rank prefix matrix).
-inline constexpr int kNotifyInts = 4 + kNormalMaxChannels + kNormalMaxLocalExperts + kNormalMaxRanks;
+// token count if it sends whole x to this destination (0: packed rows), [C + 4 + E_local, + R) the
+// tokens it sends to every rank (for the rank prefix matrix), and 1 if its whole-x copy to this destination
+// started before notify (EarlyCopies), else 0.
+inline constexpr int kNotifyInts = 5 + kNormalMaxChannels + kNormalMaxLocalExperts + kNormalMaxRanks;
 
 // Byte offsets inside a rank's region (identical on every rank). Signals are uint64.
 struct NormalRegionLayout {

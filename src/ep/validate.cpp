@@ -205,6 +205,9 @@ void validate_options(const BufferOptions& options) {
   EPX_CHECK_ARG(options.normal.max_copy_chunks >= 1 && options.normal.max_copy_chunks <= kNormalMaxCopyChunks,
                 "normal.max_copy_chunks must be in [1, {}], got {}", kNormalMaxCopyChunks,
                 options.normal.max_copy_chunks);
+  const auto early = static_cast<int>(options.normal.early_copies);
+  EPX_CHECK_ARG(early >= static_cast<int>(EarlyCopies::kAuto) && early <= static_cast<int>(EarlyCopies::kNever),
+                "normal.early_copies must be kAuto, kAlways or kNever, got {}", early);
   const auto routing = static_cast<int>(options.normal_routing);
   EPX_CHECK_ARG(
       routing >= static_cast<int>(NormalRouting::kAuto) && routing <= static_cast<int>(NormalRouting::kHierarchical),

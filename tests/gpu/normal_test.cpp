@@ -73,6 +73,8 @@ struct Case {
   bool packed_ue8m0 = false;         // with kUE8M0: int32 [T, ceil(H / 512)], four exponents per element
   bool column_major_scales = false;  // x_scales as a [T, S] view of [S, T] storage
   NormalConfig normal;               // BufferOptions::normal of every rank
+  int64_t num_normal_bytes = 0;      // BufferOptions::num_normal_bytes (0: the default size)
+  int64_t expert_limit = 0;          // > 0: top-k ids drawn from [0, expert_limit) only (skewed routing)
 };
 
 // Two ranks on `devices` with T tokens each, hidden H, top-K of E experts.
@@ -140,7 +142,8 @@ std::vector<RankInput> make_inputs(const Case& c, uint64_t seed) {
       in[r].x.resize(T * H * 2);
       std::memcpy(in[r].x.data(), bf.data(), in[r].x.size());
     }
-    in[r].topk64 = testing::random_distinct_topk(rng, T, c.num_topk, c.num_experts, c.p_masked);
+    in[r].topk64 = testing::random_distinct_topk(rng, T, c.num_topk, c.expert_limit > 0 ? c.expert_limit : c.num_experts,
+                                                 c.p_masked);
     in[r].topk32.assign(in[r].topk64.begin(), in[r].topk64.end());
     in[r].weights.resize(T * K);
     for (auto& w : in[r].weights) w = wdist(rng);
@@ -196,6 +199,7 @@ std::vector<RankOutput> run_case(const Case& c, const std::vector<RankInput>& in
     options.num_sms = c.num_sms;
     options.allocator = allocator;
     options.normal = c.normal;
+    options.num_normal_bytes = c.num_normal_bytes;
     auto buffer = Buffer::create(groups[r], options);
     const int64_t T = c.tokens[r], H = c.hidden, K = c.num_topk;
     const RankInput& ri = in[r];
@@ -421,6 +425,39 @@ TEST_F(NormalGpuTest, Ep2SmPathForced) { run_with_switch_off(&NormalConfig::copy
 // The copy-engine path with every destination's rows packed by SMs first (EP2 at this shape would copy
 // whole x), fp8 with scales and int32 top-k ids.
 TEST_F(NormalGpuTest, Ep2PackedCopiesFp8) { run_with_switch_off(&NormalConfig::whole_copies, {3000, 4096}, true); }
+
+// Early copies (NormalConfig::early_copies): a fresh EP2 dispatch starts its whole-x copy before notify. Skewed
+// routing: rank 0's tokens choose only rank 0's experts, so its early copy sends every token to a peer that needs
+// none, while rank 1 sends every token to rank 0; bf16 with biases, then fp8 with column-major scales (gathered
+// before the early copy). kNever: the whole x still goes, after notify.
+TEST_F(NormalGpuTest, Ep2EarlyCopiesSkewedRouting) {
+  for (const EarlyCopies mode : {EarlyCopies::kAlways, EarlyCopies::kNever}) {
+    for (const bool fp8 : {false, true}) {
+      SCOPED_TRACE(std::string(mode == EarlyCopies::kAlways ? "always" : "never") + (fp8 ? " fp8" : " bf16"));
+      Case c = ep2_case(two_ranks(), 1024, 7168, 8, 256);
+      c.tokens = {1024, 777};
+      c.expert_limit = 128;
+      c.normal.early_copies = mode;
+      c.fp8 = fp8;
+      c.column_major_scales = fp8;
+      c.biases = !fp8;
+      run_and_compare(c);
+    }
+  }
+}
+
+// Early copies whose dispatch then takes the SM rings: the staging holds rank 0's 600 tokens but not rank 1's 1600
+// (a dense destination, whole x), so rank 0 copies early and the call falls back to the rings, which share the
+// staging's memory and must wait for the early copy to land (launch_wait_early_copies).
+TEST_F(NormalGpuTest, Ep2EarlyCopiesFallBackToSmRings) {
+  Case c = ep2_case(two_ranks(), 600, 2048, 8, 64);
+  c.tokens = {600, 1600};
+  c.normal.early_copies = EarlyCopies::kAlways;
+  // Signals, then a staging slot of ~1000 rows of 2048 bf16 + int64 top-k, weights and a source id (4196 bytes).
+  c.num_normal_bytes = (int64_t{1} << 20) + 1000 * 4196;
+  c.biases = true;
+  run_and_compare(c);
+}
 
 // The copy-engine path with a kernel signalling each chunk (no stream memory writes) and three chunks.
 TEST_F(NormalGpuTest, Ep2KernelSignalsThreeChunks) {

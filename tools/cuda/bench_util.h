@@ -40,6 +40,7 @@ inline void nccl_ok(ncclResult_t res, const char* what) {
 //   EPX_STREAM_SIGNALS=0      normal.stream_signals = false
 //   EPX_COPY_CHUNKS=n         normal.max_copy_chunks = n (1..8)
 //   EPX_NORMAL_TIMELINE=1     normal.stage_timeline = true
+//   EPX_EARLY_COPIES=n        normal.early_copies = kNever (0), kAuto (1), kAlways (2)
 //   EPX_LL_COMBINE_PARTS=n    low_latency.combine_send_parts = n (1, 2, 4, 8)
 //   EPX_LL_TOKEN_ROWS_MIN=n   low_latency.token_rows_min_tokens = n (>= 0)
 //   EPX_LL_PDL=0              low_latency.programmatic_launch = false (plain stream order)
@@ -62,6 +63,14 @@ inline BufferOptions tuned_from_env(BufferOptions options) {
   options.normal.stream_signals = flag("EPX_STREAM_SIGNALS", options.normal.stream_signals);
   options.normal.max_copy_chunks = number("EPX_COPY_CHUNKS", options.normal.max_copy_chunks);
   options.normal.stage_timeline = flag("EPX_NORMAL_TIMELINE", options.normal.stage_timeline);
+  if (std::getenv("EPX_EARLY_COPIES") != nullptr) {
+    const int mode = number("EPX_EARLY_COPIES", 1);
+    if (mode < 0 || mode > 2) {
+      throw Error(ErrorCode::kInvalidArgument, fmt::format("EPX_EARLY_COPIES must be 0, 1 or 2, got {}", mode));
+    }
+    constexpr EarlyCopies kModes[] = {EarlyCopies::kNever, EarlyCopies::kAuto, EarlyCopies::kAlways};
+    options.normal.early_copies = kModes[mode];
+  }
   options.low_latency.combine_send_parts = number("EPX_LL_COMBINE_PARTS", options.low_latency.combine_send_parts);
   options.low_latency.token_rows_min_tokens =
       number("EPX_LL_TOKEN_ROWS_MIN", options.low_latency.token_rows_min_tokens);

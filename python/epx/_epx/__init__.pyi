@@ -199,7 +199,7 @@ def normal_buffer_size_hint(hidden: int, num_ranks: int, num_sms: int, max_token
 
 class NormalConfig:
     """
-    Tuning of the cuda backend's normal kernels (BufferOptions::normal in include/epx/buffer.h); the same on every rank except stage_timeline.
+    Tuning of the cuda backend's normal kernels (BufferOptions::normal in include/epx/buffer.h); the same on every rank except stage_timeline and early_copies.
     """
 
     def __init__(self) -> None: ...
@@ -234,6 +234,12 @@ class NormalConfig:
     @stage_timeline.setter
     def stage_timeline(self, arg: bool, /) -> None: ...
 
+    @property
+    def early_copies(self) -> EarlyCopies: ...
+
+    @early_copies.setter
+    def early_copies(self, arg: EarlyCopies, /) -> None: ...
+
 class LowLatencyConfig:
     """
     Tuning of the cuda backend's low-latency kernels (BufferOptions::low_latency); the same on every rank.
@@ -264,6 +270,17 @@ class LowLatencyConfig:
 
     @expert_side_reduction.setter
     def expert_side_reduction(self, arg: bool, /) -> None: ...
+
+class EarlyCopies(enum.Enum):
+    """
+    When a fresh two-rank dispatch starts copying its whole x to the peer (NormalConfig.early_copies, docs/normal-kernels.md): auto (before notify when x fits the staging and the peer is expected to need >= 15/16 of the tokens), always (whenever x fits), never (after notify). Results are the same in every mode.
+    """
+
+    auto = 0
+
+    always = 1
+
+    never = 2
 
 class NormalRouting(enum.Enum):
     """

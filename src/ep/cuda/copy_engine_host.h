@@ -172,4 +172,21 @@ inline StageFields stage_fields(int64_t cap, const DispatchKernelArgs& k) {
   return f;
 }
 
+// The most rows whose fields (stage_fields) fit a slot of slot_bytes. A dispatch lays its staging out for this
+// many rows, so both sides know the offsets from the buffer's size and the call's row shapes alone, before
+// notify (an early copy) as after it.
+inline int64_t slot_rows(int64_t slot_bytes, const DispatchKernelArgs& k) {
+  const int64_t row = k.x_row_bytes + k.scale_row_bytes + ((k.topk_is_int64 ? 8 : 4) + (k.has_weights ? 4 : 0)) *
+                                                               int64_t{k.num_topk} + 4;
+  int64_t rows = std::max<int64_t>(0, (slot_bytes - 5 * 256) / row);  // 5 fields, each padded to 256 bytes
+  while (stage_fields(rows + 1, k).end <= slot_bytes) ++rows;
+  while (rows > 0 && stage_fields(rows, k).end > slot_bytes) --rows;
+  return rows;
+}
+
+// The bytes of each of the R - 1 staging slots in a ring area of ring_kib KiB (0 with one rank).
+inline int64_t slot_capacity_bytes(int64_t ring_kib, int num_ranks) {
+  return num_ranks >= 2 ? (ring_kib << 10) / (num_ranks - 1) / 256 * 256 : 0;
+}
+
 }  // namespace epx::cuda

@@ -195,6 +195,15 @@ __global__ void __launch_bounds__(kNormalThreads)
 
 __global__ void wait_released_kernel(CommArgs comm, int32_t site) { peers_released(comm, site); }
 
+// NOTE: an early source's copy stream signals its last chunk with ce_tail = ce_tag + its token count after the copy
+// (stream order, system-scope barrier first); the acquire here orders this rank's later ring accesses after it.
+__global__ void wait_early_copies_kernel(CommArgs comm, const int32_t* recv_meta, RecvMetaLayout m, uint64_t ce_tag) {
+  const int s = threadIdx.x;
+  if (s >= comm.num_ranks || s == comm.rank || ((recv_meta[m.early_sources()] >> s) & 1) == 0) return;
+  const auto tokens = static_cast<uint64_t>(recv_meta[m.whole_tokens(s)]);
+  wait_geq(comm, sig(comm, comm.rank, comm.off_ce_tail, s), ce_tag + tokens, kSiteCopyDispatchEarly, s, 0);
+}
+
 // NOTE: launched after the copies (events), so the rows are in the destination's memory; the release
 // at system scope orders this flag after them for the destination's acquire.
 __global__ void signal_rows_kernel(CommArgs comm, RowCounts rows, uint64_t ce_tag) {
@@ -266,7 +275,8 @@ cudaError_t preload_copy_kernels() {
   return preload_kernels(
       {reinterpret_cast<const void*>(&copy_dispatch_begin_kernel), reinterpret_cast<const void*>(&pack_fields_kernel),
        reinterpret_cast<const void*>(&unpack_fields_kernel), reinterpret_cast<const void*>(&wait_released_kernel),
-       reinterpret_cast<const void*>(&signal_rows_kernel), reinterpret_cast<const void*>(&combine_reduce_kernel)});
+       reinterpret_cast<const void*>(&signal_rows_kernel), reinterpret_cast<const void*>(&combine_reduce_kernel),
+       reinterpret_cast<const void*>(&wait_early_copies_kernel)});
 }
 
 void launch_copy_dispatch_begin(const CommArgs& comm, const DispatchKernelArgs& args, const StageFields& fields,
@@ -288,6 +298,12 @@ void launch_unpack_fields(const CommArgs& comm, const DispatchKernelArgs& args, 
 
 void launch_wait_released(const CommArgs& comm, int32_t site, cudaStream_t stream) {
   wait_released_kernel<<<1, 512, 0, stream>>>(comm, site);
+}
+
+void launch_wait_early_copies(const CommArgs& comm, const int32_t* recv_meta, int num_local_experts, uint64_t ce_tag,
+                              cudaStream_t stream) {
+  const RecvMetaLayout m{comm.num_ranks, comm.num_channels, num_local_experts};
+  wait_early_copies_kernel<<<1, 32, 0, stream>>>(comm, recv_meta, m, ce_tag);
 }
 
 void launch_signal_rows(const CommArgs& comm, const RowCounts& rows, uint64_t ce_tag, cudaStream_t stream) {

@@ -42,6 +42,13 @@ void NormalCopyEngines::join(cudaStream_t stream) {
   check_cuda(cudaStreamWaitEvent(stream, ev_signals_done_, 0), "cudaStreamWaitEvent");
 }
 
+void NormalCopyEngines::join_quietly(cudaStream_t stream) noexcept {
+  if (cudaEventRecord(ev_copies_done_, copy_stream_) == cudaSuccess) cudaStreamWaitEvent(stream, ev_copies_done_, 0);
+  if (cudaEventRecord(ev_signals_done_, signal_stream_) == cudaSuccess) {
+    cudaStreamWaitEvent(stream, ev_signals_done_, 0);
+  }
+}
+
 void NormalCopyEngines::signal_rows(const CommArgs& comm, const RowCounts& rows, int j) {
   // The signal goes on its own stream after an event, so that the copy stream moves on to the next
   // chunk at once (a write on the copy stream itself waits for the copy and a memory barrier first:

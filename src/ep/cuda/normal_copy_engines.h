@@ -32,6 +32,11 @@ class NormalCopyEngines {
                     int64_t weights_offset, cudaStream_t stream);
   // The side streams fork from `stream` at a send and join it again at the end of the call.
   void join(cudaStream_t stream);
+  // join for a call that leaves by an exception: the same stream order, errors ignored (never throws).
+  void join_quietly(cudaStream_t stream) noexcept;
+  // Counts a copy-engine operation this rank does not send in: a fresh dispatch whose peer started its early
+  // copies before notify and that then takes the SM rings. The tags stay alike on every rank.
+  void count_operation() { ++seq_; }
   // The tag of this copy-engine operation's ce_tail signals: a host count (the same on every rank: all take the
   // copy-engine path alike), never replayed by a graph (the path is not taken under capture).
   uint64_t tag() const { return seq_ << 32; }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <utility>
 
 #include "core/check.h"
@@ -32,6 +33,7 @@ class NormalDispatchHandle final : public DispatchHandle {
   Tensor recv_meta;           // int32 RecvMetaLayout
   Tensor recv_expert_counts;  // int32 [E_local]
   Tensor rank_prefix;         // int32 [R, R], written by notify
+  Tensor num_tokens_per_expert;  // int32 [E]: the layout's, from begin_fresh until notify read it
 };
 
 namespace {
@@ -173,8 +175,9 @@ void NormalEngine::read_counts(const NormalDispatchHandle& h, Stream stream, con
   check_cuda(cudaStreamSynchronize(stream), what);
 }
 
-std::shared_ptr<NormalDispatchHandle> NormalEngine::notify(const DispatchArgs& args, const ep::DispatchShape& shape,
-                                                           NormalCallHooks& hooks) {
+std::shared_ptr<NormalDispatchHandle> NormalEngine::begin_fresh(const DispatchArgs& args,
+                                                                const ep::DispatchShape& shape,
+                                                                NormalCallHooks& hooks) {
   const int64_t T = shape.num_tokens;
   Stream stream = args.stream;
   auto handle = std::make_shared<NormalDispatchHandle>();
@@ -184,8 +187,6 @@ std::shared_ptr<NormalDispatchHandle> NormalEngine::notify(const DispatchArgs& a
   const int R = num_ranks_, C = num_channels_;
   handle->plan.num_tokens = T;
   handle->plan.meta = RecvMetaLayout{R, C, num_local_experts};
-  Tensor per_expert_tensor;
-  const int32_t* per_expert = nullptr;
   if (args.layout != nullptr) {
     const Layout& l = *args.layout;
     check_tensor(l.is_token_in_rank, "layout->is_token_in_rank", DType::kBool, {T, num_ranks_});
@@ -197,12 +198,11 @@ std::shared_ptr<NormalDispatchHandle> NormalEngine::notify(const DispatchArgs& a
     check_cuda(cudaMemcpyAsync(handle->is_token_in_rank.data(), l.is_token_in_rank.data(), T * num_ranks_,
                                cudaMemcpyDeviceToDevice, stream),
                "cudaMemcpyAsync (is_token_in_rank)");
-    per_expert = l.num_tokens_per_expert.data_as<const int32_t>();
+    handle->num_tokens_per_expert = l.num_tokens_per_expert;
   } else {
     Layout l = compute_layout(args.topk_idx, args.num_experts, stream);
     handle->is_token_in_rank = l.is_token_in_rank;
-    per_expert_tensor = l.num_tokens_per_expert;
-    per_expert = per_expert_tensor.data_as<const int32_t>();
+    handle->num_tokens_per_expert = l.num_tokens_per_expert;
   }
   handle->excl_pos = empty(DType::kInt32, {R, T + 1}, stream);
   handle->list_tok = empty(DType::kInt32, {R, std::max<int64_t>(T, 1)}, stream);
@@ -214,24 +214,63 @@ std::shared_ptr<NormalDispatchHandle> NormalEngine::notify(const DispatchArgs& a
   handle->rank_prefix = empty(DType::kInt32, {R, R}, stream);
   hooks.mark_enqueued();
   launch_advance_epoch(comm_, handle->id, stream);
-  launch_notify(comm_, handle->chan_start.data_as<int32_t>(), per_expert, num_local_experts, args.expert_alignment, T,
-                config_.whole_copies && config_.copy_engines, handle->recv_meta.data_as<int32_t>(),
-                handle->recv_expert_counts.data_as<int32_t>(), handle->rank_prefix.data_as<int32_t>(), stream);
-  check_cuda(cudaGetLastError(), "notify launch");
-  if (args.num_worst_tokens == 0) {
-    read_counts(*handle, stream, "cudaStreamSynchronize (notify)");
-    if (errors_[0].code != kErrNone) hooks.raise_recorded_errors();  // a timeout: no data kernel follows
-    handle->plan.learn_counts(meta_host_, config_, rank_);
-  }
   return handle;
+}
+
+void NormalEngine::notify(NormalDispatchHandle& h, const DispatchArgs& args, unsigned early_mask,
+                          NormalCallHooks& hooks) {
+  Stream stream = args.stream;
+  const int num_local_experts = h.plan.meta.num_local_experts;
+  launch_notify(comm_, h.chan_start.data_as<int32_t>(), h.num_tokens_per_expert.data_as<const int32_t>(),
+                num_local_experts, args.expert_alignment, h.plan.num_tokens, config_.whole_copies && config_.copy_engines,
+                early_mask, h.recv_meta.data_as<int32_t>(), h.recv_expert_counts.data_as<int32_t>(),
+                h.rank_prefix.data_as<int32_t>(), stream);
+  check_cuda(cudaGetLastError(), "notify launch");
+  // The per-expert counts were notify's only use of the layout's counts (the caller's, or this call's own).
+  h.num_tokens_per_expert = Tensor();
+  if (args.num_worst_tokens == 0) {
+    read_counts(h, stream, "cudaStreamSynchronize (notify)");
+    if (errors_[0].code != kErrNone) hooks.raise_recorded_errors();  // a timeout: no data kernel follows
+    h.plan.learn_counts(meta_host_, config_, rank_);
+  }
+}
+
+unsigned NormalEngine::early_copy_mask(const DispatchArgs& args, const DispatchKernelArgs& k,
+                                       int64_t slot_bytes) const {
+  // Two ranks only: every sender then copies early to all of its destinations or to none, and the one writer into a
+  // rank's staging is its peer, which the SM fallback can wait for (launch_wait_early_copies).
+  if (num_ranks_ != 2 || config_.early_copies == EarlyCopies::kNever || !config_.copy_engines ||
+      !config_.whole_copies || args.num_worst_tokens > 0) {
+    return 0;
+  }
+  const int64_t T = k.num_tokens;
+  if (T == 0 || T > slot_rows(slot_bytes, k) || capturing(args.stream)) return 0;
+  if (config_.early_copies == EarlyCopies::kAuto) {
+    if (last_fresh_tokens_ > 0) {
+      if (!whole_copy(last_fresh_peer_rows_, last_fresh_tokens_, true)) return 0;
+    } else {
+      // Uniform routing: a token misses the peer when all K experts are among this rank's E / 2.
+      const int64_t E = args.num_experts, K = args.topk_idx.shape[1];
+      double miss = 1.0;
+      for (int64_t i = 0; i < K; ++i) miss *= std::max<double>(0.0, static_cast<double>(E - E / 2 - i)) / (E - i);
+      if ((1.0 - miss) * 16 < 15) return 0;
+    }
+  }
+  return 1u << (1 - rank_);
 }
 
 void NormalEngine::choose_dispatch_path(NormalStep& step, const DispatchPlan& plan, const DispatchArgs& args,
                                         const DispatchKernelArgs& k) const {
   // Copy-engine path: staging per source holds the fields of the largest transfer (StageFields).
-  if (args.num_worst_tokens == 0 && plan.counts_known() && !capturing(args.stream)) {
-    step.fields = stage_fields(plan.max_pair_rows, k);
-    step.slot_bytes = plan.copy_slot_bytes(step.fields.end);
+  // The fields are laid out for as many rows as the slot holds (slot_rows), so an early copy (laid out before
+  // notify) and the rest of the call agree.
+  step.slot_bytes = 0;
+  if (args.num_worst_tokens == 0 && plan.counts_known() && plan.slot_capacity_bytes > 0 && !capturing(args.stream)) {
+    const int64_t rows = slot_rows(plan.slot_capacity_bytes, k);
+    if (plan.max_pair_rows <= rows) {
+      step.fields = stage_fields(rows, k);
+      step.slot_bytes = plan.slot_capacity_bytes;
+    }
   }
   step.path = step.slot_bytes > 0 ? NormalPath::kCopyEngine : NormalPath::kSmRing;
 }
@@ -276,23 +315,16 @@ DispatchResult NormalEngine::dispatch(const DispatchArgs& args, NormalCallHooks&
   hooks.begin_collective(stream, /*keep_invalid_topk=*/cached == nullptr);
   timeline_.mark("call", stream);
 
-  // The routing: notify and the plan on a fresh dispatch; the cached handle's plan otherwise.
+  // The routing: the fresh dispatch's layout, scan and epoch; the cached handle's plan otherwise.
   std::shared_ptr<NormalDispatchHandle> handle;
   if (cached) {
     handle = std::make_shared<NormalDispatchHandle>(*cached);
     hooks.mark_enqueued();
     launch_advance_epoch(comm_, handle->id, stream);
   } else {
-    handle = notify(args, shape, hooks);
+    handle = begin_fresh(args, shape, hooks);
   }
   DispatchPlan& plan = handle->plan;
-  if (args.num_worst_tokens == 0 && plan.num_recv < 0) {
-    // A cached dispatch without num_worst_tokens after a worst-token dispatch: learn the counts now.
-    read_counts(*handle, stream, "cudaStreamSynchronize (counts)");
-    plan.learn_counts(meta_host_, config_, rank_);
-  }
-  const int64_t N = args.num_worst_tokens > 0 ? args.num_worst_tokens : plan.num_recv;
-  handle->num_rows = N;
 
   // Strided scales (e.g. column-major): one gather into a contiguous copy, which lives to the call's end
   // (its deleter frees on `stream` after the side streams joined it).
@@ -320,17 +352,69 @@ DispatchResult NormalEngine::dispatch(const DispatchArgs& args, NormalCallHooks&
   k.list_tok = handle->list_tok.data_as<const int32_t>();
   k.chan_start = handle->chan_start.data_as<const int32_t>();
   k.recv_meta = handle->recv_meta.data_as<const int32_t>();
-  k.num_out_rows = N;
   k.worst_mode = args.num_worst_tokens > 0;
   k.ring_rows = step.ring_rows;
   k.row_bytes = step.row_bytes;
   k.handle_id = handle->id;
+
+  // Early copies (fresh, two ranks): the whole-x copy to the peer starts now, before notify and its host sync, into
+  // staging laid out from the buffer's size alone (slot_rows), as the copy-engine path lays it out after notify.
+  const int64_t early_slot_bytes = slot_capacity_bytes(comm_.ring_bytes >> 10, num_ranks_);
+  const unsigned early = cached ? 0u : early_copy_mask(args, k, early_slot_bytes);
+  // NOTE: from here until the call joins the side streams they may read x and the scales copy: a call that leaves
+  // by an exception joins them first, so the caller may free x once the stream passed the call.
+  struct JoinOnThrow {
+    NormalCopyEngines* copy;
+    cudaStream_t stream;
+    int exceptions = std::uncaught_exceptions();
+    ~JoinOnThrow() {
+      if (copy != nullptr && std::uncaught_exceptions() > exceptions) copy->join_quietly(stream);
+    }
+  } join_on_throw{early != 0 ? copy_.get() : nullptr, stream};
+  if (early != 0) {
+    plan.early_mask = early;
+    plan.dispatch_chunks = copy_chunks(T, config_.max_copy_chunks);
+    step.fields = stage_fields(slot_rows(early_slot_bytes, k), k);
+    step.slot_bytes = early_slot_bytes;
+    copy_->send_dispatch(comm_, k, plan, step.fields, step.slot_bytes, nullptr, nullptr, num_sms, stream);
+  }
+  if (!cached) notify(*handle, args, early, hooks);
+  if (args.num_worst_tokens == 0 && plan.num_recv < 0) {
+    // A cached dispatch without num_worst_tokens after a worst-token dispatch: learn the counts now.
+    read_counts(*handle, stream, "cudaStreamSynchronize (counts)");
+    plan.learn_counts(meta_host_, config_, rank_);
+  }
+  if (!cached && num_ranks_ == 2 && plan.counts_known()) {
+    last_fresh_tokens_ = T;
+    last_fresh_peer_rows_ = plan.send_rows.v[1 - rank_];
+  }
+  const int64_t N = args.num_worst_tokens > 0 ? args.num_worst_tokens : plan.num_recv;
+  handle->num_rows = N;
+  k.num_out_rows = N;
+  const NormalStep early_step = step;
   choose_dispatch_path(step, plan, args, k);
+  EPX_CHECK(ErrorCode::kInternal,
+            early == 0 || step.path != NormalPath::kCopyEngine ||
+                (step.slot_bytes == early_step.slot_bytes && step.fields.end == early_step.fields.end),
+            "cuda rank {}: the early copies' staging ({} bytes) differs from the dispatch's ({} bytes)", rank_,
+            early_step.fields.end, step.fields.end);
+  // Sources that copied early into this rank's staging (this call only; a cached dispatch copies nothing early).
+  const unsigned early_in = cached ? 0u : plan.early_sources();
+  if (step.path == NormalPath::kSmRing && (early | early_in) != 0) {
+    // A transfer did not fit the staging after all (a peer's tokens): the SM rings, whose memory the early copies
+    // share, may start once every early copy landed. The copy-engine tags move on alike on both ranks.
+    if (early != 0) {
+      copy_->join(stream);
+    } else {
+      copy_->count_operation();
+    }
+    if (early_in != 0) launch_wait_early_copies(comm_, k.recv_meta, k.num_local_experts, copy_->tag(), stream);
+  }
 
   // Run: only enqueues. The copy-engine send side comes first: the transfers need no outputs, and the host's
   // time before them counts.
   Tensor pack_stage;
-  if (step.path == NormalPath::kCopyEngine) {
+  if (step.path == NormalPath::kCopyEngine && early == 0) {
     char *stage_x = nullptr, *stage_scales = nullptr;
     if (plan.num_packed_rows > 0) {
       pack_stage = empty(DType::kUInt8, {plan.num_packed_rows * (k.x_row_bytes + k.scale_row_bytes)}, stream);

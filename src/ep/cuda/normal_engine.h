@@ -86,10 +86,15 @@ class NormalEngine {
   Layout compute_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream);
   // Rows of row_bytes in one (source, channel) ring; kInvalidArgument when fewer than kNormalMinRingRows fit.
   int64_t ring_rows_for(int64_t row_bytes) const;
-  // A fresh dispatch's routing step: the layout (or a copy of the caller's), scan, epoch, notify; without
+  // A fresh dispatch's routing up to notify: the layout (or a copy of the caller's), scan, epoch.
+  std::shared_ptr<NormalDispatchHandle> begin_fresh(const DispatchArgs& args, const ep::DispatchShape& shape,
+                                                    NormalCallHooks& hooks);
+  // The fresh dispatch's notify (early_mask: the destinations whose whole-x copy already started); without
   // num_worst_tokens it waits for notify and makes the plan from the counts.
-  std::shared_ptr<NormalDispatchHandle> notify(const DispatchArgs& args, const ep::DispatchShape& shape,
-                                               NormalCallHooks& hooks);
+  void notify(NormalDispatchHandle& h, const DispatchArgs& args, unsigned early_mask, NormalCallHooks& hooks);
+  // The destinations (bits) whose whole-x copy a fresh dispatch with kernel arguments k starts before notify into
+  // staging slots of slot_bytes (NormalConfig::early_copies; docs/normal-kernels.md, "Early copies"); 0: none.
+  unsigned early_copy_mask(const DispatchArgs& args, const DispatchKernelArgs& k, int64_t slot_bytes) const;
   // Reads recv_meta to the host (synchronizes `stream`; `what` names the wait in errors).
   void read_counts(const NormalDispatchHandle& h, Stream stream, const char* what);
   // The data path of a dispatch (kernel arguments k) or of a combine with hidden H and K weights per row.
@@ -115,6 +120,10 @@ class NormalEngine {
   CommArgs comm_{};
   StageTimeline timeline_{false};
   std::unique_ptr<NormalCopyEngines> copy_;
+  // The previous fresh dispatch without num_worst_tokens on two ranks: its tokens and the rows it sent the peer
+  // (EarlyCopies::kAuto's guess of the next one's share; 0 tokens: none yet).
+  int64_t last_fresh_tokens_ = 0;
+  int64_t last_fresh_peer_rows_ = 0;
 };
 
 }  // namespace epx::cuda

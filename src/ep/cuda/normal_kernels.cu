@@ -34,6 +34,8 @@ const char* wait_site_name(int32_t site) {
       return "low-latency dispatch receive (counts from the peer)";
     case kSiteLowLatencyCombineRecv:
       return "low-latency combine receive (rows from the peer)";
+    case kSiteCopyDispatchEarly:
+      return "dispatch on SM rings (the peer's early copy landing)";
     default:
       return "unknown";
   }

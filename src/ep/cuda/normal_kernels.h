@@ -79,7 +79,9 @@ struct RecvMetaLayout {
   // The lowest rank whose layout kernel found an invalid topk_idx entry in this dispatch, or -1 (the same
   // on every rank): notify carries the flag, so that every rank raises in the same call.
   __host__ __device__ int failed_source() const { return whole_tokens(num_ranks); }
-  __host__ __device__ int size() const { return failed_source() + 1; }
+  // Bit s: source s started its whole-x copy to this rank before notify (EarlyCopies; the same rule on both sides).
+  __host__ __device__ int early_sources() const { return failed_source() + 1; }
+  __host__ __device__ int size() const { return early_sources() + 1; }
 };
 
 // ---- copy-engine path (docs/normal-kernels.md) -----------------------------------------------------
@@ -190,13 +192,15 @@ cudaError_t preload_normal_kernels();
 // Starts an operation: advances this rank's epoch and writes `handle_id` (the dispatch the operation belongs to)
 // into every peer's off_handle_id slot for the new epoch.
 void launch_advance_epoch(const CommArgs& comm, uint64_t handle_id, cudaStream_t stream);
-// Notify also tells each destination whether this rank sends it whole x (whole_copy with `whole`), and
-// whether this rank's layout kernel recorded an invalid topk_idx entry (comm.error[1]); the lowest such
-// rank lands in recv_meta[failed_source()] on every rank (its bad entries are dropped, the protocol runs on).
+// Notify also tells each destination whether this rank sends it whole x (whole_copy with `whole`, or a bit of
+// early_mask: the destinations whose whole-x copy this rank started before notify), and whether this rank's
+// layout kernel recorded an invalid topk_idx entry (comm.error[1]); the lowest such rank lands in
+// recv_meta[failed_source()] on every rank (its bad entries are dropped, the protocol runs on).
 // rank_prefix_matrix: int32 [R, R], [i][j] = tokens that ranks 0..i send to rank j (the same on every rank).
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
-                   int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta,
-                   int32_t* recv_expert_counts, int32_t* rank_prefix_matrix, cudaStream_t stream);
+                   int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, unsigned early_mask,
+                   int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix,
+                   cudaStream_t stream);
 // SM path: 2 * min(C, max(1, num_sms / 2)) blocks, a sender and a receiver block per channel; with fewer
 // blocks than 2 * C each pair handles several channels in turn (the same order on every rank).
 void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, int num_sms, cudaStream_t stream);
@@ -220,6 +224,12 @@ void launch_wait_released(const CommArgs& comm, int32_t site, cudaStream_t strea
 // After a copy into peers' staging completed: ce_tail[me] at destination d = ce_tag + rows.v[d] for every
 // remote d with rows.v[d] >= 0.
 void launch_signal_rows(const CommArgs& comm, const RowCounts& rows, uint64_t ce_tag, cudaStream_t stream);
+// Before the SM rings of a dispatch whose sources started whole-x copies into this rank's staging before notify
+// (recv_meta's early_sources, with num_local_experts for its layout) and then had to take the SM path: waits until
+// each such copy landed (ce_tail[src] >= ce_tag + its token count), since the rings share the staging's memory.
+// One block.
+void launch_wait_early_copies(const CommArgs& comm, const int32_t* recv_meta, int num_local_experts, uint64_t ce_tag,
+                              cudaStream_t stream);
 void launch_combine(const CommArgs& comm, const CombineKernelArgs& args, int num_sms, cudaStream_t stream);
 // Non-contiguous scales into a contiguous copy: dst[t][j] = src[t * stride0 + j * stride1] (strides in
 // elements of elem_bytes = 1 or 4 bytes).

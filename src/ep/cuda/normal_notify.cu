@@ -24,18 +24,20 @@ __global__ void advance_epoch_kernel(CommArgs comm, uint64_t handle_id) {
 
 __global__ void __launch_bounds__(256)
     notify_kernel(CommArgs comm, const int32_t* chan_start, const int32_t* per_expert, int num_local_experts,
-                  int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta, int32_t* recv_expert_counts,
-                  int32_t* rank_prefix_matrix) {
+                  int expert_alignment, int64_t num_tokens, bool whole, unsigned early_mask, int32_t* recv_meta,
+                  int32_t* recv_expert_counts, int32_t* rank_prefix_matrix) {
   __shared__ bool s_abort;
   const uint64_t epoch = read_epoch(comm);
   const int parity = static_cast<int>(epoch & 1);
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
   // NOTE: slot [parity][me] at each destination was last read in operation epoch - 2, which every
   // destination finished before it released our rings in epoch - 1 (we waited on that), so it is free.
+  // Whole x goes to r by the counts' rule, or because its copy started before notify (early_mask).
+  auto sends_whole = [&](int r, int32_t n) { return ((early_mask >> r) & 1u) != 0 || whole_copy(n, num_tokens, whole); };
   int32_t max_rows = 0;  // staging rows at one remote destination
   for (int r = 0; r < R; ++r) {
     const int32_t n = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
-    const int32_t need = whole_copy(n, num_tokens, whole) ? static_cast<int32_t>(num_tokens) : n;
+    const int32_t need = sends_whole(r, n) ? static_cast<int32_t>(num_tokens) : n;
     if (r != me && need > max_rows) max_rows = need;
   }
   const int64_t ring_kib = comm.ring_bytes >> 10;
@@ -47,7 +49,8 @@ __global__ void __launch_bounds__(256)
       slot[0] = input_invalid ? -1 - max_rows : max_rows;  // sign bit: this rank's topk_idx was invalid
       slot[C + 2 + num_local_experts] = static_cast<int32_t>(ring_kib < 0x7fffffff ? ring_kib : 0x7fffffff);
       const int32_t n = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
-      slot[C + 3 + num_local_experts] = whole_copy(n, num_tokens, whole) ? static_cast<int32_t>(num_tokens) : 0;
+      slot[C + 3 + num_local_experts] = sends_whole(r, n) ? static_cast<int32_t>(num_tokens) : 0;
+      slot[C + 4 + num_local_experts + R] = static_cast<int32_t>((early_mask >> r) & 1u);
     }
     for (int i = threadIdx.x; i < C + 1; i += blockDim.x) slot[1 + i] = chan_start[r * (C + 1) + i];
     for (int d = threadIdx.x; d < R; d += blockDim.x) {
@@ -87,6 +90,9 @@ __global__ void __launch_bounds__(256)
     recv_meta[m.max_pair_rows()] = pair_rows;
     recv_meta[m.min_ring_kib()] = ring;
     recv_meta[m.failed_source()] = failed;
+    int32_t early = 0;
+    for (int s = 0; s < R; ++s) early |= mine[s * kNotifyInts + C + 4 + num_local_experts + R] != 0 ? 1 << s : 0;
+    recv_meta[m.early_sources()] = early;
   }
   for (int s = threadIdx.x; s < R; s += blockDim.x) {
     recv_meta[m.whole_tokens(s)] = mine[s * kNotifyInts + C + 3 + num_local_experts];
@@ -126,10 +132,12 @@ void launch_advance_epoch(const CommArgs& comm, uint64_t handle_id, cudaStream_t
 }
 
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
-                   int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, int32_t* recv_meta,
-                   int32_t* recv_expert_counts, int32_t* rank_prefix_matrix, cudaStream_t stream) {
+                   int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, unsigned early_mask,
+                   int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix,
+                   cudaStream_t stream) {
   notify_kernel<<<1, 256, 0, stream>>>(comm, chan_start, num_tokens_per_expert, num_local_experts, expert_alignment,
-                                       num_tokens, whole, recv_meta, recv_expert_counts, rank_prefix_matrix);
+                                       num_tokens, whole, early_mask, recv_meta, recv_expert_counts,
+                                       rank_prefix_matrix);
 }
 
 }  // namespace epx::cuda

@@ -37,7 +37,8 @@ struct DispatchPlan {
   // pack_offset in the packing stage of num_packed_rows; chunks per destination.
   RowCounts send_rows{};
   RowCounts pack_offset{};
-  unsigned pack_mask = 0;  // bit per destination whose rows are packed
+  unsigned pack_mask = 0;   // bit per destination whose rows are packed
+  unsigned early_mask = 0;  // bit per destination whose whole-x copy the fresh dispatch started before notify
   int64_t num_packed_rows = 0;
   int dispatch_chunks = 1;
   // Copy-engine combine, per source: the rows this rank received from it go back, contiguous from combine_base
@@ -56,17 +57,15 @@ struct DispatchPlan {
     num_recv = recv_meta[meta.num_recv()];
     max_pair_rows = recv_meta[meta.max_pair_rows()];
     slot_capacity_bytes = 0;
-    if (config.copy_engines && R >= 2) {
-      const int64_t ring = int64_t{recv_meta[meta.min_ring_kib()]} << 10;
-      slot_capacity_bytes = ring / (R - 1) / 256 * 256;
-    }
+    if (config.copy_engines) slot_capacity_bytes = cuda::slot_capacity_bytes(recv_meta[meta.min_ring_kib()], R);
     pack_mask = 0;
     num_packed_rows = 0;
     int64_t max_combine_rows = 0;
     for (int d = 0; d < R; ++d) {
       send_rows.v[d] = recv_meta[meta.send_count(d)];
       pack_offset.v[d] = 0;
-      if (d != rank && !whole_copy(send_rows.v[d], num_tokens, config.whole_copies)) {
+      const bool whole = ((early_mask >> d) & 1u) != 0 || whole_copy(send_rows.v[d], num_tokens, config.whole_copies);
+      if (d != rank && !whole) {
         pack_mask |= 1u << d;
         pack_offset.v[d] = num_packed_rows;
         num_packed_rows += send_rows.v[d];
@@ -84,6 +83,11 @@ struct DispatchPlan {
   int64_t copy_slot_bytes(int64_t pair_bytes) const {
     if (slot_capacity_bytes == 0 || !counts_known()) return 0;
     return pair_bytes <= slot_capacity_bytes ? slot_capacity_bytes : 0;
+  }
+
+  // Sources whose whole-x copy into this rank's staging started before notify (bits; 0 while the counts are unknown).
+  unsigned early_sources() const {
+    return counts_known() ? static_cast<unsigned>(meta_host[meta.early_sources()]) : 0u;
   }
 };
 
