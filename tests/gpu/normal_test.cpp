@@ -142,8 +142,8 @@ std::vector<RankInput> make_inputs(const Case& c, uint64_t seed) {
       in[r].x.resize(T * H * 2);
       std::memcpy(in[r].x.data(), bf.data(), in[r].x.size());
     }
-    in[r].topk64 = testing::random_distinct_topk(rng, T, c.num_topk, c.expert_limit > 0 ? c.expert_limit : c.num_experts,
-                                                 c.p_masked);
+    in[r].topk64 = testing::random_distinct_topk(rng, T, c.num_topk,
+                                                 c.expert_limit > 0 ? c.expert_limit : c.num_experts, c.p_masked);
     in[r].topk32.assign(in[r].topk64.begin(), in[r].topk64.end());
     in[r].weights.resize(T * K);
     for (auto& w : in[r].weights) w = wdist(rng);

@@ -176,8 +176,8 @@ inline StageFields stage_fields(int64_t cap, const DispatchKernelArgs& k) {
 // many rows, so both sides know the offsets from the buffer's size and the call's row shapes alone, before
 // notify (an early copy) as after it.
 inline int64_t slot_rows(int64_t slot_bytes, const DispatchKernelArgs& k) {
-  const int64_t row = k.x_row_bytes + k.scale_row_bytes + ((k.topk_is_int64 ? 8 : 4) + (k.has_weights ? 4 : 0)) *
-                                                               int64_t{k.num_topk} + 4;
+  const int64_t row = k.x_row_bytes + k.scale_row_bytes +
+                      ((k.topk_is_int64 ? 8 : 4) + (k.has_weights ? 4 : 0)) * int64_t{k.num_topk} + 4;
   int64_t rows = std::max<int64_t>(0, (slot_bytes - 5 * 256) / row);  // 5 fields, each padded to 256 bytes
   while (stage_fields(rows + 1, k).end <= slot_bytes) ++rows;
   while (rows > 0 && stage_fields(rows, k).end > slot_bytes) --rows;

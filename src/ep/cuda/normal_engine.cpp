@@ -222,9 +222,9 @@ void NormalEngine::notify(NormalDispatchHandle& h, const DispatchArgs& args, uns
   Stream stream = args.stream;
   const int num_local_experts = h.plan.meta.num_local_experts;
   launch_notify(comm_, h.chan_start.data_as<int32_t>(), h.num_tokens_per_expert.data_as<const int32_t>(),
-                num_local_experts, args.expert_alignment, h.plan.num_tokens, config_.whole_copies && config_.copy_engines,
-                early_mask, h.recv_meta.data_as<int32_t>(), h.recv_expert_counts.data_as<int32_t>(),
-                h.rank_prefix.data_as<int32_t>(), stream);
+                num_local_experts, args.expert_alignment, h.plan.num_tokens,
+                config_.whole_copies && config_.copy_engines, early_mask, h.recv_meta.data_as<int32_t>(),
+                h.recv_expert_counts.data_as<int32_t>(), h.rank_prefix.data_as<int32_t>(), stream);
   check_cuda(cudaGetLastError(), "notify launch");
   // The per-expert counts were notify's only use of the layout's counts (the caller's, or this call's own).
   h.num_tokens_per_expert = Tensor();

@@ -199,8 +199,7 @@ void launch_advance_epoch(const CommArgs& comm, uint64_t handle_id, cudaStream_t
 // rank_prefix_matrix: int32 [R, R], [i][j] = tokens that ranks 0..i send to rank j (the same on every rank).
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
                    int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, unsigned early_mask,
-                   int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix,
-                   cudaStream_t stream);
+                   int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix, cudaStream_t stream);
 // SM path: 2 * min(C, max(1, num_sms / 2)) blocks, a sender and a receiver block per channel; with fewer
 // blocks than 2 * C each pair handles several channels in turn (the same order on every rank).
 void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, int num_sms, cudaStream_t stream);

@@ -33,7 +33,9 @@ __global__ void __launch_bounds__(256)
   // NOTE: slot [parity][me] at each destination was last read in operation epoch - 2, which every
   // destination finished before it released our rings in epoch - 1 (we waited on that), so it is free.
   // Whole x goes to r by the counts' rule, or because its copy started before notify (early_mask).
-  auto sends_whole = [&](int r, int32_t n) { return ((early_mask >> r) & 1u) != 0 || whole_copy(n, num_tokens, whole); };
+  auto sends_whole = [&](int r, int32_t n) {
+    return ((early_mask >> r) & 1u) != 0 || whole_copy(n, num_tokens, whole);
+  };
   int32_t max_rows = 0;  // staging rows at one remote destination
   for (int r = 0; r < R; ++r) {
     const int32_t n = chan_start[r * (C + 1) + C] - chan_start[r * (C + 1)];
@@ -133,8 +135,7 @@ void launch_advance_epoch(const CommArgs& comm, uint64_t handle_id, cudaStream_t
 
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
                    int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, unsigned early_mask,
-                   int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix,
-                   cudaStream_t stream) {
+                   int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix, cudaStream_t stream) {
   notify_kernel<<<1, 256, 0, stream>>>(comm, chan_start, num_tokens_per_expert, num_local_experts, expert_alignment,
                                        num_tokens, whole, early_mask, recv_meta, recv_expert_counts,
                                        rank_prefix_matrix);
