@@ -190,6 +190,17 @@ __global__ void __launch_bounds__(kNormalThreads)
     }
     __syncthreads();
   }
+  // NOTE: a whole-x source copies every token, also those after the last one this rank needs (an early copy even
+  // when this rank needs none): wait for its last signal before done hands this rank's staging to the next
+  // operation, whose SM rings share that memory.
+  bool missed = false;
+  if (threadIdx.x < R && static_cast<int>(threadIdx.x) != me) {
+    const int src = threadIdx.x;
+    const int32_t tokens = a.recv_meta[m.whole_tokens(src)];
+    missed = tokens > 0 && !wait_geq(comm, sig(comm, me, comm.off_ce_tail, src), ce_tag + static_cast<uint64_t>(tokens),
+                                     kSiteCopyDispatchRows, src, 0);
+  }
+  if (__syncthreads_or(missed)) return;
   finish_copy_receive(comm, epoch);
 }
 
