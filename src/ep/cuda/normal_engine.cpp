@@ -11,6 +11,7 @@
 #include "core/cuda/cuda_util.h"
 #include "core/limits.h"
 #include "core/timeout.h"
+#include "ep/early_copies.h"
 #include "ep/validate.h"
 
 namespace epx::cuda {
@@ -245,16 +246,9 @@ unsigned NormalEngine::early_copy_mask(const DispatchArgs& args, const DispatchK
   }
   const int64_t T = k.num_tokens;
   if (T == 0 || T > slot_rows(slot_bytes, k) || capturing(args.stream)) return 0;
-  if (config_.early_copies == EarlyCopies::kAuto) {
-    if (last_fresh_tokens_ > 0) {
-      if (!whole_copy(last_fresh_peer_rows_, last_fresh_tokens_, true)) return 0;
-    } else {
-      // Uniform routing: a token misses the peer when all K experts are among this rank's E / 2.
-      const int64_t E = args.num_experts, K = args.topk_idx.shape[1];
-      double miss = 1.0;
-      for (int64_t i = 0; i < K; ++i) miss *= std::max<double>(0.0, static_cast<double>(E - E / 2 - i)) / (E - i);
-      if ((1.0 - miss) * 16 < 15) return 0;
-    }
+  if (config_.early_copies == EarlyCopies::kAuto &&
+      !ep::expect_dense_peer(args.num_experts, args.topk_idx.shape[1], last_fresh_tokens_, last_fresh_peer_rows_)) {
+    return 0;
   }
   return 1u << (1 - rank_);
 }
