@@ -23,6 +23,7 @@ namespace epx {
 
 // When a fresh dispatch on two ranks starts copying its whole x to the peer (cuda backend, copy-engine path with
 // whole_copies; docs/normal-kernels.md, "Early copies"). Results are the same in every mode; only the time differs.
+// The default stays kNever until the early copies have run on a GPU (built without one; docs/status.md).
 enum class EarlyCopies : uint8_t {
   // Before notify when x fits the staging and the peer is expected to need >= 15/16 of the tokens: as many as in this
   // buffer's previous fresh dispatch, or, before the first, as many as uniform routing of top-k over the experts gives.
@@ -40,7 +41,7 @@ struct NormalConfig {
   bool stream_signals = true;   // copy completions are signalled by stream memory writes (false: a kernel)
   int max_copy_chunks = 8;      // copies per destination and call, in [1, 8]
   bool stage_timeline = false;  // prints each copy-engine call's stage times to stderr (a debug aid)
-  EarlyCopies early_copies = EarlyCopies::kAuto;  // fresh two-rank dispatches: whole x copied before notify
+  EarlyCopies early_copies = EarlyCopies::kNever;  // fresh two-rank dispatches: whole x copied before notify
 };
 
 // Tuning of the cuda backend's low-latency kernels (docs/low-latency.md). Same on every rank.

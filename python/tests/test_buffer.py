@@ -45,13 +45,13 @@ def test_kernel_tuning_is_buffer_configuration():
     backend (the cuda backend also checks that every rank passed the same values)."""
     normal, low_latency = epx.NormalConfig(), epx.LowLatencyConfig()
     assert (normal.copy_engines, normal.whole_copies, normal.stream_signals, normal.max_copy_chunks,
-            normal.stage_timeline, normal.early_copies) == (True, True, True, 8, False, epx.EarlyCopies.auto)
+            normal.stage_timeline, normal.early_copies) == (True, True, True, 8, False, epx.EarlyCopies.never)
     assert (low_latency.combine_send_parts, low_latency.token_rows_min_tokens,
             low_latency.programmatic_launch, low_latency.expert_side_reduction) == (2, 64, True, False)
     normal.copy_engines, normal.max_copy_chunks, low_latency.combine_send_parts = False, 3, 4
     low_latency.programmatic_launch = False
     low_latency.expert_side_reduction = True
-    normal.early_copies = epx.EarlyCopies.never
+    normal.early_copies = epx.EarlyCopies.auto
     group = epx.host_groups(1)[0]
     buffer = epx.Buffer(group, normal=normal, low_latency=low_latency)
     assert buffer.num_ranks == 1
