@@ -49,6 +49,15 @@ __device__ bool peers_released(const CommArgs& comm, int32_t site) {
   return !s_failed;
 }
 
+// True once source src's whole-x copy into this rank's staging has landed to its last chunk (ce_tail[src] >= ce_tag +
+// its token count; at once when src sends rows, not whole x); false if the wait gave up (recorded at `site`).
+__device__ bool whole_copy_landed(const CommArgs& comm, const int32_t* recv_meta, const RecvMetaLayout& m, int src,
+                                  uint64_t ce_tag, int32_t site) {
+  const int32_t tokens = recv_meta[m.whole_tokens(src)];
+  return tokens <= 0 || wait_geq(comm, sig(comm, comm.rank, comm.off_ce_tail, src),
+                                 ce_tag + static_cast<uint64_t>(tokens), site, src, 0);
+}
+
 __device__ __forceinline__ char* stage_slot_of(const CommArgs& comm, int owner, int src, int64_t slot_bytes) {
   return comm.peers[owner] + comm.off_ring + stage_slot(src, owner, comm.num_ranks) * slot_bytes;
 }
@@ -193,13 +202,8 @@ __global__ void __launch_bounds__(kNormalThreads)
   // NOTE: a whole-x source copies every token, also those after the last one this rank needs (an early copy even
   // when this rank needs none): wait for its last signal before done hands this rank's staging to the next
   // operation, whose SM rings share that memory.
-  bool missed = false;
-  if (threadIdx.x < R && static_cast<int>(threadIdx.x) != me) {
-    const int src = threadIdx.x;
-    const int32_t tokens = a.recv_meta[m.whole_tokens(src)];
-    missed = tokens > 0 && !wait_geq(comm, sig(comm, me, comm.off_ce_tail, src), ce_tag + static_cast<uint64_t>(tokens),
-                                     kSiteCopyDispatchRows, src, 0);
-  }
+  const bool missed = threadIdx.x < R && static_cast<int>(threadIdx.x) != me &&
+                      !whole_copy_landed(comm, a.recv_meta, m, threadIdx.x, ce_tag, kSiteCopyDispatchRows);
   if (__syncthreads_or(missed)) return;
   finish_copy_receive(comm, epoch);
 }
@@ -211,8 +215,7 @@ __global__ void wait_released_kernel(CommArgs comm, int32_t site) { peers_releas
 __global__ void wait_early_copies_kernel(CommArgs comm, const int32_t* recv_meta, RecvMetaLayout m, uint64_t ce_tag) {
   const int s = threadIdx.x;
   if (s >= comm.num_ranks || s == comm.rank || ((recv_meta[m.early_sources()] >> s) & 1) == 0) return;
-  const auto tokens = static_cast<uint64_t>(recv_meta[m.whole_tokens(s)]);
-  wait_geq(comm, sig(comm, comm.rank, comm.off_ce_tail, s), ce_tag + tokens, kSiteCopyDispatchEarly, s, 0);
+  whole_copy_landed(comm, recv_meta, m, s, ce_tag, kSiteCopyDispatchEarly);
 }
 
 // NOTE: launched after the copies (events), so the rows are in the destination's memory; the release
