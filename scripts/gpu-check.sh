@@ -15,6 +15,8 @@
 # Usage: scripts/gpu-check.sh [--steps build,tests,python,deepep,bench,sanitize,example] [--sms 8,16,24,32,48,64]
 #   default: every step. The device tool allows 10 minutes per command: split long runs over two calls
 #   (the build tree stays on a warm machine), e.g. --steps build,tests,python then --steps deepep,bench,sanitize.
+#   Device time is short: `scripts/gpu-bins.sh` builds the binaries on the development machine, and
+#   `EPX_GPU_BUILD=.gl/build scripts/gpu-check.sh --steps tests,bench` (the call carrying .gl) skips the build here.
 #   Not in the default: --steps graph-repeat, the experiment for the one-GPU graph fault in a second test iteration
 #   (docs/reliability.md, "Graph replay across test repetitions (one GPU)"); its outcome is data, not a failure.
 set -uo pipefail
@@ -46,7 +48,9 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then
   export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 fi
-BUILD=$ROOT/build-gpu
+# EPX_GPU_BUILD: a tree of binaries built elsewhere (scripts/gpu-bins.sh: `epx` and `tests/epx_gpu_*`, carried in
+# .gl/build) for the tests, bench and sanitize steps without the build step (the python steps need this machine's build).
+BUILD=${EPX_GPU_BUILD:-$ROOT/build-gpu}
 
 declare -a NAMES RESULTS
 status=0
