@@ -6,7 +6,7 @@
 # (gpu-check sets LD_LIBRARY_PATH); glibc and libstdc++ there are newer than Debian 12's.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-B=${EPX_BINS_BUILD:-$ROOT/build-cuda}
+B=${EPX_BINS_BUILD:-$ROOT/build}
 DEST=$ROOT/.gl/build
 [ -f "$B/build.ninja" ] || cmake -S "$ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_TESTS=ON \
   -DEPX_BUILD_BENCH=OFF -DEPX_CUDA=ON

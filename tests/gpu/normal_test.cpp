@@ -429,8 +429,8 @@ TEST_F(NormalGpuTest, Ep2PackedCopiesFp8) { run_with_switch_off(&NormalConfig::w
 // Early copies (NormalConfig::early_copies): a fresh EP2 dispatch starts its whole-x copy before notify. Skewed
 // routing: rank 0's tokens choose only rank 0's experts, so its early copy sends every token to a peer that needs
 // none, while rank 1 sends every token to rank 0; bf16 with biases, then fp8 with column-major scales (gathered
-// before the early copy). kNever: the whole x still goes, after notify. kAuto on uniform routing: early on both
-// ranks from the uniform share (top-8 of 256).
+// before the early copy). kNever: rank 1 sends whole x after notify, rank 0 sends nothing (no rows for rank 1). kAuto
+// on uniform routing: early on both ranks from the uniform share (top-8 of 256).
 TEST_F(NormalGpuTest, Ep2EarlyCopiesSkewedRouting) {
   for (const EarlyCopies mode : {EarlyCopies::kAlways, EarlyCopies::kNever, EarlyCopies::kAuto}) {
     for (const bool fp8 : {false, true}) {

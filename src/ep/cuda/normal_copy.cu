@@ -33,17 +33,22 @@ __device__ void finish_copy_receive(const CommArgs& comm, uint64_t epoch) {
   }
 }
 
-// Every thread of the block calls it: waits until every remote destination released the previous
-// operation (done >= epoch - 1 on every channel); false if a wait gave up.
+// Every thread of the block calls it: waits until every remote destination d finished reading every ring of the
+// previous operation (done >= epoch - 1 for each source s and channel: the word d writes into s's region); false if a
+// wait gave up.
+// NOTE: not only the rings from this rank: a staging slot at d spans d's whole ring area (R - 1 slots), the rings of
+// d's own tokens and of third ranks included, and after an SM-ring dispatch each ring's reader releases on its own
+// (its done goes to the ring's source only). Before early copies a fresh copy-engine dispatch was protected by notify
+// (d posts it after its previous kernel), but a cached one or a combine after an SM dispatch was not.
 __device__ bool peers_released(const CommArgs& comm, int32_t site) {
   __shared__ bool s_failed;
   const int R = comm.num_ranks, C = comm.num_channels, me = comm.rank;
   const uint64_t epoch = read_epoch(comm);
   if (threadIdx.x == 0) s_failed = false;
   __syncthreads();
-  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
-    const int d = i / C, c = i % C;
-    if (d != me && !wait_geq(comm, sig(comm, me, comm.off_done, d * C + c), epoch - 1, site, d, c)) s_failed = true;
+  for (int i = threadIdx.x; i < R * R * C; i += blockDim.x) {
+    const int d = i / (R * C), s = i / C % R, c = i % C;
+    if (d != me && !wait_geq(comm, sig(comm, s, comm.off_done, d * C + c), epoch - 1, site, d, c)) s_failed = true;
   }
   __syncthreads();
   return !s_failed;

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <exception>
 
 #include "ep/cuda/copy_engine_host.h"
 #include "ep/cuda/normal_kernels.h"
@@ -57,6 +58,25 @@ class NormalCopyEngines {
   cudaEvent_t ev_start_ = nullptr, ev_copies_done_ = nullptr, ev_signals_done_ = nullptr;
   cudaEvent_t ev_pack_[kMaxCopyChunks] = {};
   cudaEvent_t ev_copy_[kMaxCopyChunks] = {};
+};
+
+// A call that leaves by an exception after its side streams forked (a copy-engine send enqueued; the output
+// allocation or a later launch threw) joins them into `stream` first: the copies still read x, the scales copy and
+// the packing stage, which are freed on (or by the caller after) `stream`, and still write signals that a reset
+// would otherwise race. Declare it after every tensor the copies read, so that it runs before they are freed.
+class JoinOnThrow {
+ public:
+  JoinOnThrow(NormalCopyEngines& copy, cudaStream_t stream) : copy_(copy), stream_(stream) {}
+  ~JoinOnThrow() {
+    if (std::uncaught_exceptions() > exceptions_) copy_.join_quietly(stream_);
+  }
+  JoinOnThrow(const JoinOnThrow&) = delete;
+  JoinOnThrow& operator=(const JoinOnThrow&) = delete;
+
+ private:
+  NormalCopyEngines& copy_;
+  cudaStream_t stream_;
+  int exceptions_ = std::uncaught_exceptions();
 };
 
 }  // namespace epx::cuda

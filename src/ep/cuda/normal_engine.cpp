@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <exception>
 #include <utility>
 
 #include "core/check.h"
@@ -355,16 +354,10 @@ DispatchResult NormalEngine::dispatch(const DispatchArgs& args, NormalCallHooks&
   // staging laid out from the buffer's size alone (slot_rows), as the copy-engine path lays it out after notify.
   const int64_t early_slot_bytes = slot_capacity_bytes(comm_.ring_bytes >> 10, num_ranks_);
   const unsigned early = cached ? 0u : early_copy_mask(args, k, early_slot_bytes);
-  // NOTE: from here until the call joins the side streams they may read x and the scales copy: a call that leaves
-  // by an exception joins them first, so the caller may free x once the stream passed the call.
-  struct JoinOnThrow {
-    NormalCopyEngines* copy;
-    cudaStream_t stream;
-    int exceptions = std::uncaught_exceptions();
-    ~JoinOnThrow() {
-      if (copy != nullptr && std::uncaught_exceptions() > exceptions) copy->join_quietly(stream);
-    }
-  } join_on_throw{early != 0 ? copy_.get() : nullptr, stream};
+  // NOTE: from here until the call joins the side streams they may read x, the scales copy and the packing stage: a
+  // call that leaves by an exception joins them first, so the caller may free x once the stream passed the call.
+  Tensor pack_stage;
+  const JoinOnThrow join_on_throw(*copy_, stream);
   if (early != 0) {
     plan.early_mask = early;
     plan.dispatch_chunks = copy_chunks(T, config_.max_copy_chunks);
@@ -407,7 +400,6 @@ DispatchResult NormalEngine::dispatch(const DispatchArgs& args, NormalCallHooks&
 
   // Run: only enqueues. The copy-engine send side comes first: the transfers need no outputs, and the host's
   // time before them counts.
-  Tensor pack_stage;
   if (step.path == NormalPath::kCopyEngine && early == 0) {
     char *stage_x = nullptr, *stage_scales = nullptr;
     if (plan.num_packed_rows > 0) {
@@ -500,6 +492,7 @@ CombineResult NormalEngine::combine(const CombineArgs& args, NormalCallHooks& ho
   choose_combine_path(step, plan, H, K, stream);
 
   // Run: only enqueues. The copy-engine sends first: they need no outputs (as in dispatch).
+  const JoinOnThrow join_on_throw(*copy_, stream);
   if (step.path == NormalPath::kCopyEngine) {
     copy_->send_combine(comm_, k, plan, step.slot_bytes, step.weights_offset, stream);
   }
