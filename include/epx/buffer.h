@@ -66,7 +66,9 @@ struct LowLatencyConfig {
 
 // Which way normal dispatch/combine move tokens (docs/internode.md). The same on every rank.
 enum class NormalRouting : uint8_t {
-  kAuto,  // kHierarchical when group.topology().num_nodes > 1, else kFlat
+  // kHierarchical when group.topology().num_nodes > 1 or the ranks exceed the backend's flat cap (cuda:
+  // kCudaFlatNormalMaxRanks; one node then takes the hierarchical routing forced on one node), else kFlat
+  kAuto,
   kFlat,  // each token goes from its rank straight to every destination rank (one node)
   // A token crosses the network once per destination node, to the rank with its source's local index there, which
   // forwards it to its destination ranks in that node; combine reduces inside the node before the network leg.

@@ -35,9 +35,10 @@ struct CudaGroupOptions {
   int gpus_per_node = 0;
 };
 
-// One group per entry of `devices` (CUDA ordinals, repeats allowed; 1 to 64 entries). Hand groups[r] to
+// One group per entry of `devices` (CUDA ordinals, repeats allowed; 1 to 128 entries). Hand groups[r] to
 // the thread that plays rank r; that thread's CUDA calls go to devices[r] (epx sets the device itself). A Buffer
-// on more than 8 ranks needs the hierarchical normal routing (BufferOptions::normal_routing, docs/internode.md).
+// on more than 8 ranks takes the hierarchical normal routing (BufferOptions::normal_routing kAuto, also on one node;
+// kFlat is refused there; docs/internode.md), and above 64 ranks has no normal path (low-latency only).
 // Throws kInvalidArgument for a bad ordinal or count, kUnsupported when there is no CUDA driver or GPU.
 std::vector<std::shared_ptr<Group>> create_cuda_groups(const std::vector<int>& devices,
                                                        const CudaGroupOptions& options = {});

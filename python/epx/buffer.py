@@ -80,7 +80,8 @@ class Buffer:
     num_normal_bytes / num_low_latency_bytes: peer memory for the two paths (0 normal: a default size;
     0 low-latency: none, and low_latency_* raise). num_sms: SMs the normal kernels may use (cuda).
     normal / low_latency: epx.NormalConfig / epx.LowLatencyConfig, the kernels' tuning (cuda; None: the
-    defaults). normal_routing: "auto" (hierarchical when group.topology has more than one node), "flat" or
+    defaults). normal_routing: "auto" (hierarchical when group.topology has more than one node, or on the cuda backend
+    above 8 ranks, the flat routing's cap), "flat" or
     "hierarchical" (or an epx.NormalRouting); see docs/internode.md. low_latency_routing: the same choice for
     low_latency_dispatch/combine (or an epx.LowLatencyRouting): "hierarchical" sends a token over the network once
     per destination node and reduces the combine inside each node first (both backends; on the cuda backend with

@@ -59,6 +59,16 @@ void validate_low_latency_combine(const LowLatencyCombineArgs& args, const LowLa
 // [1, kNormalMaxCopyChunks], low_latency.combine_send_parts in {1, 2, 4, 8}.
 void validate_options(const BufferOptions& options);
 
+// Whether normal dispatch/combine take the hierarchical routing: BufferOptions::normal_routing, kAuto resolved by the
+// number of nodes of `topology` and by the backend's cap of the flat routing (`flat_max_ranks`; the cuda backend's is
+// kNormalMaxRanks): one node of more ranks than that takes the hierarchical routing forced on one node, which runs
+// there, instead of a flat routing the backend would refuse.
+inline bool normal_hierarchical(const BufferOptions& options, const Topology& topology, int flat_max_ranks) {
+  return options.normal_routing == NormalRouting::kHierarchical ||
+         (options.normal_routing == NormalRouting::kAuto &&
+          (topology.num_nodes > 1 || topology.num_ranks() > flat_max_ranks));
+}
+
 // Whether low-latency calls take the hierarchical routing: BufferOptions::low_latency_routing, kAuto resolved by
 // the number of nodes of `topology`.
 inline bool low_latency_hierarchical(const BufferOptions& options, const Topology& topology) {

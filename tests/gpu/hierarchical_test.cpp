@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <random>
@@ -91,6 +92,11 @@ TEST_F(HierarchicalGpuTest, FlatRoutingAboveEightRanksIsRefused) {
     EXPECT_NE(errors[r].find("flat normal routing supports up to 8 ranks, got 16"), std::string::npos)
         << "rank " << r << ": " << errors[r];
   }
+  // kAuto (the default) on 16 ranks of one node takes the hierarchical routing on one node instead of refusing.
+  auto one_node = create_cuda_groups(std::vector<int>(16, 0), {.timeout_ms = 20'000});
+  std::vector<int> made(one_node.size(), 0);
+  run_host_ranks(one_node, [&](int r, Group&) { made[r] = Buffer::create(one_node[r], BufferOptions{}) != nullptr; });
+  EXPECT_EQ(std::count(made.begin(), made.end(), 1), 16);
 }
 
 // NodePartials::kBFloat16: two ranks per node, so a node's partial sums two rows and its bf16 rounding shows.

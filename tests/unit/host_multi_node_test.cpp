@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "ep/validate.h"
 #include "epx/buffer.h"
 #include "epx/error.h"
 #include "epx/group.h"
@@ -323,6 +324,24 @@ void expect_option_rejected(const std::function<void(BufferOptions&)>& set, cons
 
 TEST(HostTopology, BufferRejectsUnknownRouting) {
   expect_option_rejected([](BufferOptions& o) { o.normal_routing = static_cast<NormalRouting>(7); }, "normal_routing");
+}
+
+// NormalRouting::kAuto: hierarchical across nodes, and on one node above the backend's flat cap (the cuda backend's 8:
+// a one-node buffer of 9-64 cuda ranks then takes the hierarchical routing on one node instead of being refused).
+TEST(HostTopology, AutoNormalRoutingFollowsNodesAndTheFlatCap) {
+  BufferOptions o;
+  const auto hierarchical = [&](NormalRouting routing, int nodes, int gpus, int cap) {
+    o.normal_routing = routing;
+    return ep::normal_hierarchical(o, Topology{nodes, gpus}, cap);
+  };
+  EXPECT_FALSE(hierarchical(NormalRouting::kAuto, 1, 8, 8));
+  EXPECT_TRUE(hierarchical(NormalRouting::kAuto, 1, 9, 8));
+  EXPECT_TRUE(hierarchical(NormalRouting::kAuto, 1, 16, 8));
+  EXPECT_TRUE(hierarchical(NormalRouting::kAuto, 2, 1, 8));
+  EXPECT_FALSE(hierarchical(NormalRouting::kAuto, 1, 72, 1 << 30));  // the host backend has no flat cap
+  EXPECT_FALSE(hierarchical(NormalRouting::kFlat, 1, 16, 8));        // kFlat stays flat (and the cuda buffer refuses)
+  EXPECT_FALSE(hierarchical(NormalRouting::kFlat, 2, 4, 8));
+  EXPECT_TRUE(hierarchical(NormalRouting::kHierarchical, 1, 2, 8));
 }
 
 TEST(HostTopology, BufferRejectsUnknownNodePartials) {

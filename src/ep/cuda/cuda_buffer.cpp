@@ -43,8 +43,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     num_ranks_ = group_->num_ranks();
     low_latency_hierarchical_ = ep::low_latency_hierarchical(options, group_->topology());
     device_ = group_->device().index;
-    const bool hierarchical = options.normal_routing == NormalRouting::kHierarchical ||
-                              (options.normal_routing == NormalRouting::kAuto && group_->topology().num_nodes > 1);
+    const bool hierarchical = ep::normal_hierarchical(options, group_->topology(), kNormalMaxRanks);
     // NOTE: above kNormalMaxRanks there is no flat normal engine (its region and kernels split work per peer): the
     // hierarchical engine does every normal call, the layout included (core/limits.h, kHierarchicalMaxRanks). Above
     // kHierarchicalMaxRanks there is no normal engine at all: the buffer is low-latency only (EP72 decode).
@@ -57,8 +56,8 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     EPX_CHECK(
         ErrorCode::kUnsupported, num_ranks_ <= kNormalMaxRanks || hierarchical || !normal_path,
         "the cuda backend's flat normal routing supports up to {} ranks, got {}: use normal_routing kHierarchical "
-        "(or kAuto with gpus_per_node < num_ranks), up to {} ranks",
-        kNormalMaxRanks, num_ranks_, kHierarchicalMaxRanks);
+        "or kAuto (hierarchical above {} ranks), up to {} ranks",
+        kNormalMaxRanks, num_ranks_, kNormalMaxRanks, kHierarchicalMaxRanks);
     if (num_ranks_ <= kNormalMaxRanks) {
       normal_ = std::make_unique<NormalEngine>(*group_, options.num_sms, options.num_normal_bytes, allocator_,
                                                options.normal);

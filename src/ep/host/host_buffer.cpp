@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -140,8 +141,7 @@ HostBuffer::HostBuffer(std::shared_ptr<Group> group, HostGroup* host_group, cons
       rank_(group_->rank()),
       num_ranks_(group_->num_ranks()),
       topology_(group_->topology()),
-      hierarchical_(options.normal_routing == NormalRouting::kHierarchical ||
-                    (options.normal_routing == NormalRouting::kAuto && topology_.num_nodes > 1)),
+      hierarchical_(ep::normal_hierarchical(options, topology_, std::numeric_limits<int>::max())),
       ll_route_{ep::low_latency_hierarchical(options, topology_) ? topology_ : Topology{1, num_ranks_}},
       mask_(num_ranks_, false) {
   if (options_.allocator == nullptr) options_.allocator = default_allocator();
