@@ -122,6 +122,9 @@ if want tests; then
       --gtest_brief=1 --gtest_filter='HierarchicalNccl.*'
     timed "hierarchical low-latency NCCL over sockets" 300 env "${net_env[@]}" \
       "$BUILD/tests/epx_gpu_hierarchical_low_latency_test" --gtest_brief=1 --gtest_filter='HierarchicalLowLatencyNccl.*'
+    # The group's own failures (a late peer, a peer that leaves) where NCCL reports them through its network proxy.
+    timed "multiprocess NCCL over sockets" 300 env "${net_env[@]}" "$BUILD/tests/epx_gpu_multiprocess_test" \
+      --gtest_brief=1
   fi
 fi
 

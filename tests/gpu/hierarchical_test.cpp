@@ -318,6 +318,8 @@ TEST(HierarchicalNcclChild, PeerNeverPosts) {
   const std::optional<testing::NcclChild> child = testing::nccl_child(kEnvPrefix);
   if (!child) GTEST_SKIP() << "runs as a child of HierarchicalNccl.PeerThatNeverPostsTimesOut";
   const int rank = child->rank;
+  // This child's stream and buffers live on its GPU (the group and the exchange restore the current device).
+  ASSERT_EQ(cudaSetDevice(rank), cudaSuccess);
   const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
   constexpr int64_t kTimeoutMs = 3'000;

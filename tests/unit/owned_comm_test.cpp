@@ -30,8 +30,12 @@ struct FakeNccl {
   ncclResult_t revoke_returns = ncclInProgress;
   ncclResult_t split_returns = ncclInProgress;
   bool split_publishes = true;  // writes the child's handle (its creation ended); false: no rank joins
+  // The split's outcome: NCCL 2.28 reports it on the parent (ncclInProgress for child_polls polls, then
+  // child_final) and writes the child's handle either way, the child reading ncclSuccess; outcome_on_child: on the
+  // child instead (the parent reads ncclSuccess).
   int child_polls = 3;
   ncclResult_t child_final = ncclSuccess;
+  bool outcome_on_child = false;
   int splits = 0, split_color = -1, split_key = -1;
   ncclConfig_t* split_config = reinterpret_cast<ncclConfig_t*>(1);
 };
@@ -68,7 +72,14 @@ ncclResult_t fake_split(ncclComm_t c, int color, int key, ncclComm_t* child, ncc
   g->split_key = key;
   g->split_config = config;
   if (g->split_returns != ncclInProgress && g->split_returns != ncclSuccess) return g->split_returns;
-  if (g->split_publishes) *child = make_comm(g->child_polls, g->child_final);
+  if (!g->split_publishes) return g->split_returns;
+  if (g->outcome_on_child) {
+    *child = make_comm(g->child_polls, g->child_final);
+  } else {
+    fake(c)->polls_left = g->child_polls;
+    fake(c)->final_state = g->child_final;
+    *child = make_comm(0, ncclSuccess);
+  }
   return g->split_returns;
 }
 ncclResult_t fake_finalize(ncclComm_t c) {
@@ -242,18 +253,27 @@ TEST_F(OwnedCommTest, RebuildThatNcclRejectsFailsForGoodWithItsError) {
   EXPECT_NE(owned.failure().find("ncclCommSplit failed: some error"), std::string::npos) << owned.failure();
 }
 
+// A peer died during the rebuild: NCCL 2.28 still hands out the child's handle (its own state reads success) and
+// reports the error on the parent; a later NCCL might report it on the child. Either way: failed for good, both
+// aborted, the error named.
 TEST_F(OwnedCommTest, ChildThatFailsItsCreationIsAbortedWithTheParent) {
-  nccl_.child_final = ncclRemoteError;  // a peer died during the rebuild
-  ncclComm_t comm = make_comm();
-  OwnedComm owned(comm, 0, 1'000, api_);
-  ASSERT_TRUE(owned.revoke());
-  bool timed_out = true;
-  EXPECT_EQ(owned.ready(in_ms(1'000), &timed_out), nullptr);
-  EXPECT_FALSE(timed_out);
-  ASSERT_EQ(nccl_.comms.size(), 2u);
-  EXPECT_EQ(nccl_.comms[0]->aborts, 1);
-  EXPECT_EQ(nccl_.comms[1]->aborts, 1);
-  EXPECT_NE(owned.failure().find("NCCL reports remote error"), std::string::npos) << owned.failure();
+  for (const bool on_child : {false, true}) {
+    SCOPED_TRACE(on_child ? "outcome on the child" : "outcome on the parent (NCCL 2.28)");
+    nccl_.comms.clear();
+    nccl_.child_final = ncclRemoteError;
+    nccl_.outcome_on_child = on_child;
+    ncclComm_t comm = make_comm();
+    OwnedComm owned(comm, 0, 1'000, api_);
+    ASSERT_TRUE(owned.revoke());
+    bool timed_out = true;
+    EXPECT_EQ(owned.ready(in_ms(1'000), &timed_out), nullptr);
+    EXPECT_FALSE(timed_out);
+    EXPECT_EQ(owned.state(), OwnedComm::State::kFailed);
+    ASSERT_EQ(nccl_.comms.size(), 2u);
+    EXPECT_EQ(nccl_.comms[0]->aborts, 1);
+    EXPECT_EQ(nccl_.comms[1]->aborts, 1);
+    EXPECT_NE(owned.failure().find("NCCL reports remote error"), std::string::npos) << owned.failure();
+  }
 }
 
 }  // namespace

@@ -158,26 +158,35 @@ class NcclExchange final : public ByteExchange {
     char* dst = static_cast<char*>(recv);
     const NcclApi& api = nccl();
     check(api.GroupStart(), "ncclGroupStart");
-    for (size_t i = 0; i < peers.size(); ++i) {
-      if (peers[i] == rank_) {
-        EPX_CHECK(ErrorCode::kInternal, send_bytes[i] == recv_bytes[i],
-                  "{}: rank {} sends itself {} bytes and expects {}", what, rank_, send_bytes[i], recv_bytes[i]);
-        if (send_bytes[i] > 0) {
-          check_cuda(
-              cudaMemcpyAsync(dst + recv_off[i], src + send_off[i], send_bytes[i], cudaMemcpyDeviceToDevice, stream),
-              "cudaMemcpyAsync (exchange, own message)");
+    // NOTE: a throw between ncclGroupStart and ncclGroupEnd would leave this thread inside NCCL's group, which then
+    // queues every later NCCL call of the thread (the barrier's all-gather, the revoke) without running it: end the
+    // group first. The operations posted so far then wait for peers that post the rest, so the group fails (an owned
+    // communicator is revoked, which ends them).
+    try {
+      for (size_t i = 0; i < peers.size(); ++i) {
+        if (peers[i] == rank_) {
+          EPX_CHECK(ErrorCode::kInternal, send_bytes[i] == recv_bytes[i],
+                    "{}: rank {} sends itself {} bytes and expects {}", what, rank_, send_bytes[i], recv_bytes[i]);
+          if (send_bytes[i] > 0) {
+            check_cuda(
+                cudaMemcpyAsync(dst + recv_off[i], src + send_off[i], send_bytes[i], cudaMemcpyDeviceToDevice, stream),
+                "cudaMemcpyAsync (exchange, own message)");
+          }
+          continue;
         }
-        continue;
+        if (send_bytes[i] > 0) {
+          check(api.Send(src + send_off[i], static_cast<size_t>(send_bytes[i]), ncclUint8, peers[i], comm, stream),
+                "ncclSend");
+        }
+        if (recv_bytes[i] > 0) {
+          check(api.Recv(dst + recv_off[i], static_cast<size_t>(recv_bytes[i]), ncclUint8, peers[i], comm, stream),
+                "ncclRecv");
+        }
+        if (send_bytes[i] > 0 || recv_bytes[i] > 0) add_pending_peer(peers[i]);
       }
-      if (send_bytes[i] > 0) {
-        check(api.Send(src + send_off[i], static_cast<size_t>(send_bytes[i]), ncclUint8, peers[i], comm, stream),
-              "ncclSend");
-      }
-      if (recv_bytes[i] > 0) {
-        check(api.Recv(dst + recv_off[i], static_cast<size_t>(recv_bytes[i]), ncclUint8, peers[i], comm, stream),
-              "ncclRecv");
-      }
-      if (send_bytes[i] > 0 || recv_bytes[i] > 0) add_pending_peer(peers[i]);
+    } catch (const Error& e) {
+      (void)api.GroupEnd();
+      group_.fail(e.code(), fmt::format("the {} failed while posting its sends and receives: {}", what, e.what()));
     }
     const ncclResult_t ended = api.GroupEnd();
     if (ended == ncclInProgress) {

@@ -79,11 +79,16 @@ ncclComm_t OwnedComm::ready(std::chrono::steady_clock::time_point deadline, bool
     return nullptr;
   }
   const auto child = [&] { return __atomic_load_n(slot, __ATOMIC_ACQUIRE); };
+  // NOTE: NCCL 2.28 writes the child's handle when its creation ends, also when it failed, and records the outcome
+  // on the parent (the split runs as the parent's job); the child's own state reads ncclSuccess either way. So the
+  // rebuild is done when the handle came and the parent left ncclInProgress, and it succeeded when both report
+  // ncclSuccess (the child too, should a later NCCL record the outcome there).
   ncclResult_t state = ncclInProgress;
   detail::poll_until(deadline, [&] {
     const ncclComm_t c = child();
     if (c == nullptr) return false;
-    state = comm_state(api_, c);
+    state = comm_state(api_, comm_);
+    if (state == ncclSuccess) state = comm_state(api_, c);
     return state != ncclInProgress;
   });
   const ncclComm_t fresh = child();
