@@ -69,7 +69,6 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
 
     DeviceGuard guard(device_);
     if (!normal_) check_cuda(preload_normal_kernels(), "cudaFuncGetAttributes (preload normal kernels)");  // layout
-    check_cuda(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking), "cudaStreamCreate (abort)");
     // NOTE: load the low-latency kernels too (NormalEngine loaded the normal ones) before the barrier below:
     // with lazy loading a kernel's first launch waits for the device to drain, which deadlocks against a peer's
     // spinning kernel when ranks share a process and a GPU (see preload_normal_kernels).
@@ -95,6 +94,8 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
           *group_, cgroup_->single_process(), device_, options.num_low_latency_bytes, allocator_, options.low_latency,
           low_latency_hierarchical_ ? cgroup_ : nullptr, options.node_partials);
     }
+    // Last: a constructor that throws runs no destructor, so nothing after this may throw.
+    check_cuda(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking), "cudaStreamCreate (abort)");
   }
 
   ~CudaBuffer() override {
