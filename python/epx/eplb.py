@@ -396,6 +396,15 @@ def plan_relocation(old_phy2log: Any, new_phy2log: Any, num_ranks: int, num_node
                                    list(failed_ranks or []))
 
 
+def _wait_for_writers(tensors: Sequence[Any]) -> None:
+    """Waits for torch's current stream of every CUDA device among ``tensors`` (nothing for other arrays)."""
+    devices = {t.device for t in tensors if getattr(t, "is_cuda", False)}
+    if devices:
+        import torch
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+
+
 def relocate_weights(plan: RelocationPlan, group: _epx.Group, old_slots: Sequence[Any], new_slots: Sequence[Any],
                      max_slots_per_round: int = 8, failed_ranks: Optional[Sequence[bool]] = None,
                      staging_bytes: int = 64 << 20, transport: str = "auto") -> RelocationStats:
@@ -411,9 +420,12 @@ def relocate_weights(plan: RelocationPlan, group: _epx.Group, old_slots: Sequenc
     Collective: every live rank calls it with the same plan and the same ``transport``. ``old_slots[i]``
     [old_slots_per_rank, ...] and ``new_slots[i]`` [new_slots_per_rank, ...] are this rank's i-th weight tensor
     (any dtype, C-contiguous), disjoint or identical (in place). ``new_slots`` are written. The GIL is released.
+    The copies run on the transport's own streams: for torch CUDA tensors this first waits for torch's current stream
+    of each tensor's device (the weights' writers), and the weights are in place when it returns.
     """
     if transport not in ("auto", "host", "cuda", "nccl"):
         raise invalid_argument(f"transport must be 'auto', 'host', 'cuda' or 'nccl', got {transport!r}")
+    _wait_for_writers(list(old_slots) + list(new_slots))
     return _native.relocate_weights(plan, group, list(old_slots), list(new_slots), max_slots_per_round,
                                     list(failed_ranks or []), staging_bytes, transport)
 

@@ -212,6 +212,7 @@ std::vector<Case> nccl_cases(int num_ranks) {
 TEST(HierarchicalLowLatencyNcclChild, Rank) {
   const std::optional<testing::NcclChild> child = testing::nccl_child(kEnvPrefix);
   if (!child) GTEST_SKIP() << "runs as a child of HierarchicalLowLatencyNccl.TwoNodes";
+  const testing::NcclChildPass pass(*child);
   const int rank = child->rank, num_ranks = child->num_ranks;
   const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
@@ -427,6 +428,7 @@ void run_graph_case(const GraphCase& gc, const std::shared_ptr<Group>& group, ui
 TEST(HierarchicalLowLatencyNcclGraphChild, Rank) {
   const std::optional<testing::NcclChild> child = testing::nccl_child(kGraphEnvPrefix);
   if (!child) GTEST_SKIP() << "runs as a child of HierarchicalLowLatencyNccl.TwoNodesGraph";
+  const testing::NcclChildPass pass(*child);
   const int rank = child->rank, num_ranks = child->num_ranks;
   const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";

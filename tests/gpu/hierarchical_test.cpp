@@ -282,6 +282,7 @@ Case nccl_case(int num_ranks) {
 TEST(HierarchicalNcclChild, Rank) {
   const std::optional<testing::NcclChild> child = testing::nccl_child(kEnvPrefix);
   if (!child) GTEST_SKIP() << "runs as a child of HierarchicalNccl.TwoNodes";
+  const testing::NcclChildPass pass(*child);
   const int rank = child->rank, num_ranks = child->num_ranks;
   const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
@@ -317,6 +318,7 @@ TEST(HierarchicalNccl, TwoNodes) {
 TEST(HierarchicalNcclChild, PeerNeverPosts) {
   const std::optional<testing::NcclChild> child = testing::nccl_child(kEnvPrefix);
   if (!child) GTEST_SKIP() << "runs as a child of HierarchicalNccl.PeerThatNeverPostsTimesOut";
+  const testing::NcclChildPass pass(*child);
   const int rank = child->rank;
   // This child's stream and buffers live on its GPU (the group and the exchange restore the current device).
   ASSERT_EQ(cudaSetDevice(rank), cudaSuccess);

@@ -53,6 +53,27 @@ inline std::optional<NcclChild> nccl_child(const std::string& prefix) {
   return c;
 }
 
+// The mark a child leaves when its test passed (NcclChildPass), next to the id file.
+inline std::string nccl_child_mark(const std::string& id_file, int rank) {
+  return id_file + ".passed." + std::to_string(rank);
+}
+
+// Declare it first in a child test, so that it is destroyed last (after the test's groups and buffers): marks this
+// rank as passed when the test ran to its end with no failure and no skip. The parent requires the mark, since a
+// child exits 0 also when it matched no test, was sharded out or skipped.
+class NcclChildPass {
+ public:
+  explicit NcclChildPass(const NcclChild& child) : mark_(nccl_child_mark(child.id_file, child.rank)) {}
+  ~NcclChildPass() {
+    if (!::testing::Test::HasFailure() && !::testing::Test::IsSkipped()) std::ofstream(mark_) << "passed\n";
+  }
+  NcclChildPass(const NcclChildPass&) = delete;
+  NcclChildPass& operator=(const NcclChildPass&) = delete;
+
+ private:
+  std::string mark_;
+};
+
 // The NCCL id: rank 0 draws it and writes it to id_file, the others wait for the file (up to 60 s; empty: none came).
 inline std::vector<uint8_t> shared_nccl_id(int rank, const std::string& id_file) {
   std::vector<uint8_t> id;
@@ -73,14 +94,22 @@ inline std::vector<uint8_t> shared_nccl_id(int rank, const std::string& id_file)
 
 // Runs the test `child_suite.child_test` of this binary in num_ranks child processes (rank r on GPU r, which the
 // child passes to create_cuda_group), with `<env_prefix>_*` set as above and the id file
-// /tmp/<env_prefix in lower case>_nccl_id_<pid>, and expects each child to exit 0 within 240 s (a child still
-// running then is killed with the others). A child's own output (its gtest failures) goes to the parent's stdout.
+// /tmp/<env_prefix in lower case>_nccl_id_<pid>, and expects each child to exit 0 within 240 s with its pass mark
+// (NcclChildPass; a child still running then is killed with the others). The children get the parent's environment
+// less GTEST_* (so that none writes the parent's reports or picks a shard). A child's own output (its gtest failures)
+// goes to the parent's stdout.
 inline void run_nccl_children(int num_ranks, uint64_t seed, const std::string& child_suite,
                               const std::string& child_test, const std::string& env_prefix) {
   std::string lower = env_prefix;
   for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   const std::string id_file = "/tmp/" + lower + "_nccl_id_" + std::to_string(getpid());
   std::remove(id_file.c_str());
+  for (int r = 0; r < num_ranks; ++r) std::remove(nccl_child_mark(id_file, r).c_str());
+  std::vector<std::string> gtest_vars;  // NOTE: collected before fork: the child only unsets, sets and execs
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    if (entry.rfind("GTEST_", 0) == 0) gtest_vars.push_back(entry.substr(0, entry.find('=')));
+  }
   const std::string filter = "--gtest_filter=" + child_suite + "." + child_test;
   const std::string rank_var = env_prefix + "_RANK", ranks_var = env_prefix + "_RANKS", seed_var = env_prefix + "_SEED",
                     id_var = env_prefix + "_ID_FILE";
@@ -91,6 +120,7 @@ inline void run_nccl_children(int num_ranks, uint64_t seed, const std::string& c
     const pid_t pid = fork();
     ASSERT_GE(pid, 0);
     if (pid == 0) {
+      for (const std::string& name : gtest_vars) unsetenv(name.c_str());
       setenv(rank_var.c_str(), rank_value.c_str(), 1);
       setenv(ranks_var.c_str(), ranks_value.c_str(), 1);
       setenv(seed_var.c_str(), seed_value.c_str(), 1);
@@ -104,7 +134,11 @@ inline void run_nccl_children(int num_ranks, uint64_t seed, const std::string& c
       wait_children(children, std::chrono::steady_clock::now() + std::chrono::seconds(240));
   for (int r = 0; r < num_ranks; ++r) {
     const int status = statuses[r];
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " failed (its output is above)";
+    const std::string mark = nccl_child_mark(id_file, r);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0 && std::ifstream(mark).good())
+        << "rank " << r << " failed, skipped or ran no test (exit " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1)
+        << ", signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0) << "; its output is above)";
+    std::remove(mark.c_str());
   }
   std::remove(id_file.c_str());
 }

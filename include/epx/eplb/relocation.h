@@ -167,7 +167,9 @@ struct RelocationStats {
   int64_t bytes_sent = 0;
 };
 
-// Executes `plan` for transport.rank(); every live rank calls it with the same plan. Old buffers must not
+// Executes `plan` for transport.rank(); every live rank calls it with the same plan. The cuda and NCCL transports
+// copy on streams of their own: the work that wrote the buffers (old and new) must be finished when it is called
+// (synchronize those streams first); the new slots are in place when it returns. Old buffers must not
 // be modified until it returns. Buffers are either disjoint or identical (in place, which needs equal
 // slot counts). Slots marked kLost are left untouched. Throws Error(kInvalidArgument) for a plan/transport
 // rank mismatch, mismatched tensor lists, null buffers, partial overlap or max_slots_per_round < 1.
