@@ -51,10 +51,10 @@ HierarchicalEngine::HierarchicalEngine(CudaGroup& group, std::shared_ptr<Allocat
             topology_.gpus_per_node);
   DeviceGuard guard(device_);
   check_cuda(hier::preload_hierarchical_kernels(), "cudaFuncGetAttributes (preload hierarchical kernels)");
-  check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_), sizeof(ErrorRecord),
+  check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_), 2 * sizeof(ErrorRecord),
                            cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc (error record)");
-  std::memset(error_, 0, sizeof(ErrorRecord));
+  std::memset(error_, 0, 2 * sizeof(ErrorRecord));
   check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_device_), error_, 0), "cudaHostGetDevicePointer");
   // [R] per rank, [E] per expert, [N] per node, then the caller's [N] per node (route_locally).
   check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&counts_host_),
@@ -84,7 +84,7 @@ void HierarchicalEngine::add_tokens_per_node(Layout& layout, Stream stream) {
 }
 
 HierarchicalEngine::LayoutOutput HierarchicalEngine::run_layout(const TensorView& topk_idx, int64_t E,
-                                                                cudaStream_t stream) {
+                                                                ErrorRecord* error, cudaStream_t stream) {
   const int R = num_ranks_, N = topology_.num_nodes;
   const int64_t T = topk_idx.shape[0];
   const int64_t count_bytes = (4 * (R + E + N) + 255) / 256 * 256;
@@ -93,7 +93,7 @@ HierarchicalEngine::LayoutOutput HierarchicalEngine::run_layout(const TensorView
   out.counts = out.storage.data_as<int32_t>();
   out.in_rank = out.storage.data_as<uint8_t>() + count_bytes;
   launch_layout(topk_idx.data, topk_idx.dtype == DType::kInt64, T, static_cast<int>(topk_idx.shape[1]), E, R,
-                out.counts, out.counts + R, out.in_rank, error_device_, rank_, stream);
+                out.counts, out.counts + R, out.in_rank, error, rank_, stream);
   check_cuda(cudaGetLastError(), "layout launch");
   return out;
 }
@@ -106,7 +106,9 @@ Layout HierarchicalEngine::get_dispatch_layout(const TensorView& topk_idx, int64
                 topk_idx.shape[1], kNormalMaxTopk);
   DeviceGuard guard(device_);
   const int R = num_ranks_;
-  const LayoutOutput out = run_layout(topk_idx, num_experts, static_cast<cudaStream_t>(stream));
+  // NOTE: its own error record, never read: nothing waits for this kernel before the next dispatch clears the
+  // dispatch's record on the host, and that dispatch finds a bad entry itself (route_locally runs the layout again).
+  const LayoutOutput out = run_layout(topk_idx, num_experts, error_device_ + 1, static_cast<cudaStream_t>(stream));
   auto storage = std::make_shared<Tensor>(out.storage);
   const Device dev = group_.device();
   Layout layout;
@@ -124,7 +126,7 @@ void HierarchicalEngine::route_locally(const DispatchArgs& args, int64_t T, Hier
   const int64_t E = args.num_experts;
   cudaStream_t stream = static_cast<cudaStream_t>(args.stream);
   std::memset(error_, 0, sizeof(ErrorRecord));  // the previous dispatch's kernels finished (its sync)
-  const LayoutOutput layout = run_layout(args.topk_idx, E, stream);
+  const LayoutOutput layout = run_layout(args.topk_idx, E, error_device_, stream);
   int32_t* counts = layout.counts;  // [R] per rank, [E] per expert, [N] per node
   routes.is_token_in_rank = Tensor::wrap(TensorView::of(layout.in_rank, DType::kBool, {T, R}, group_.device()),
                                          std::make_shared<Tensor>(layout.storage));

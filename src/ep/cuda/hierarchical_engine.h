@@ -58,7 +58,7 @@ class HierarchicalEngine {
     int32_t* counts = nullptr;
     uint8_t* in_rank = nullptr;
   };
-  LayoutOutput run_layout(const TensorView& topk_idx, int64_t num_experts, cudaStream_t stream);
+  LayoutOutput run_layout(const TensorView& topk_idx, int64_t num_experts, ErrorRecord* error, cudaStream_t stream);
   // The fresh dispatch's routing: layout, per-node scan, the counts to the host (the one sync), checked against
   // args.layout. Fills `routes` with this rank's tensors and counts.
   void route_locally(const DispatchArgs& args, int64_t num_tokens, HierarchicalRoutes& routes);
@@ -73,7 +73,8 @@ class HierarchicalEngine {
   bool bf16_partials_ = false;  // NodePartials::kBFloat16
   uint64_t call_seq_ = 0;       // collective calls so far: the same on every rank
   std::unique_ptr<ByteExchange> exchange_;
-  ErrorRecord* error_ = nullptr;         // mapped host memory: an invalid topk_idx entry the layout kernel found
+  ErrorRecord* error_ = nullptr;         // mapped host memory: an invalid topk_idx entry the dispatch's layout found
+                                         // ([1]: get_dispatch_layout's, never read)
   ErrorRecord* error_device_ = nullptr;  // its device alias
   int32_t* counts_host_ = nullptr;       // pinned: the layout's counts and the caller's per-node counts
 };
