@@ -329,6 +329,20 @@ void CudaBuffer::begin_collective(Stream stream, bool keep_invalid_topk) {
 }
 
 void CudaBuffer::abort_call() noexcept {
+  // NOTE: first let this rank's earlier operations finish on its GPU: the abort word makes the peers' release waits
+  // give up at once, and a copy-engine send behind such a wait still copies into this rank's staging
+  // (docs/reliability.md), which an earlier operation may still be reading (e.g. a worst-token dispatch whose recorded
+  // overflow this call raised before it enqueued anything). Bounded by the group's timeout: an operation stuck longer
+  // records its own error. Not under stream capture (a query would end the capture).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (last_stream_ != nullptr && cudaStreamIsCapturing(last_stream_, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusNone) {
+    const auto until = detail::deadline_after_ms(group_->timeout_ms());
+    while (cudaStreamQuery(last_stream_) == cudaErrorNotReady && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  cudaGetLastError();
   // Peers' kernels of this call poll their abort word with their timeout checks; it is zeroed by the reset.
   const uint8_t who = static_cast<uint8_t>(rank_ + 1);  // little-endian: the word reads rank + 1
   for (int r = 0; r < num_ranks_; ++r) {
