@@ -64,9 +64,11 @@ class OwnedComm {
   // reporting an error). Failed: null.
   ncclComm_t ready(std::chrono::steady_clock::time_point deadline, bool* timed_out);
 
- private:
+  // Aborts the communicator for good (e.g. a revoke that reported quiescence but left the stream blocked); failure()
+  // then says why. Idempotent.
   void fail_for_good(std::string why) noexcept;
 
+ private:
   const NcclApi& api_;
   ncclComm_t comm_;
   int rank_;
