@@ -153,6 +153,9 @@ struct Layout {
 
 // Opaque record of one normal dispatch: where every token went. Pass it to combine, or to dispatch
 // again (cached mode) to move new data along the same routes without recomputing the layout.
+// Streams (cuda backend): the handle's device memory was allocated on the stream of the fresh dispatch that made it
+// and is freed there when the last reference goes. A cached dispatch or combine on another stream reads it: keep a
+// reference until that stream has passed the call (or order the streams), as for any tensor used across streams.
 class DispatchHandle {
  public:
   virtual ~DispatchHandle() = default;

@@ -179,8 +179,10 @@ DispatchResult HierarchicalEngine::dispatch(const DispatchArgs& args) {
   const int R = num_ranks_, N = topology_.num_nodes, G = topology_.gpus_per_node;
   cudaStream_t stream = static_cast<cudaStream_t>(args.stream);
   DeviceGuard guard(device_);
-  exchange_->wait_finished();  // the previous call's exchanges (NCCL): a peer that never posted surfaces here
+  // NOTE: counted before anything can throw: the count is the handle id every rank must agree on, and the wait below
+  // fails on some ranks only (those whose exchange with a late peer hung), so a count after it would drift apart.
   const uint64_t call_id = ++call_seq_;
+  exchange_->wait_finished();  // the previous call's exchanges (NCCL): a peer that never posted surfaces here
 
   // Local checks and, in a fresh dispatch, the layout (the one host sync). Errors wait for the header exchange.
   Header mine;
@@ -375,8 +377,8 @@ CombineResult HierarchicalEngine::combine(const CombineArgs& args) {
   const int R = num_ranks_, N = topology_.num_nodes, G = topology_.gpus_per_node;
   cudaStream_t stream = static_cast<cudaStream_t>(args.stream);
   DeviceGuard guard(device_);
+  ++call_seq_;  // before anything can throw (see dispatch)
   exchange_->wait_finished();
-  ++call_seq_;
   Header mine;
   std::shared_ptr<const HierarchicalHandle> handle;
   std::exception_ptr local_error;
