@@ -299,7 +299,10 @@ struct LowLatencyDispatchResult {
   // the forwarder is cut, see Buffer::mask_rank). Rows past recv_count[e] are unspecified (recv_x,
   // scales). Shapes are fixed, so the cuda backend needs no host sync (CUDA-graph capturable). With
   // return_recv_hook, call the hook before the second-next dispatch of this buffer, from the thread that
-  // drives it, and before destroying the buffer; calling it again does nothing.
+  // drives it, and before destroying the buffer; calling it again does nothing. The same for a combine's hook:
+  // before the second-next combine (which reuses its buffer set and sequence number) and before the second-next
+  // dispatch. A hook that is never called leaves this rank one call behind its peers until
+  // clean_low_latency_buffer().
   Tensor recv_x;             // [E_local, R * M, H]: bf16, or fp8 e4m3 with use_fp8
   Tensor recv_x_scales;      // fp32 or uint8 (UE8M0) [E_local, R * M, H / 128], or in scale_layout (ScaleLayout)
   Tensor recv_count;         // int32 [E_local]: pairs received per local expert
@@ -380,6 +383,12 @@ class Buffer {
   // locally: traffic with r resumes once r has unmasked this rank too, else the next low-latency call masks
   // r again (host: at once; cuda: after a timeout). Normal dispatch/combine ignore the mask: a missing rank
   // there is Error(kTimeout).
+  // cuda backend: the three calls write the mask at once, not in stream order: make them while no low-latency call
+  // of this buffer is in flight on any stream (a combine that sees the mask change midway can signal rows it sent
+  // only in part). After a timeout masked a rank that may still be running, lifting the mask needs
+  // clean_low_latency_buffer() on every rank, not clear_rank_mask() alone: the masked rank's late combine rows can
+  // land in the combine buffer a later call reads (the default combine indexes those rows by (token, k), not by
+  // their writer).
   // Hierarchical low-latency routing (LowLatencyRouting): the pairs of source s = (m, l) for rank d = (n, g) of
   // another node travel through the forwarder f = (n, l) only, both ways. They travel iff none of the three links
   // s-d, s-f and f-d is masked (by either end, in that call; f = d: the link s-d alone). Otherwise d receives count 0

@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads)
   const int src = m * G + relay.local_rank;
   LowLatencyControl* ctrl = control_of(peers, layout);
   if (ld_volatile_global(&ctrl->mask[dst]) != 0) return;  // nothing to a rank this forwarder masked
-  const uint64_t tag = ctrl->dispatch_seq[set] + 1;
+  const uint64_t tag = dispatch_tag(ctrl->dispatch_seq[set] + 1);
   char* own = relay.bases[peers.rank];
   const int64_t msg_bytes = rec.message_bytes(M);
   const char* msg = m == relay.node ? own + relay.off.pack + (N - 1) * msg_bytes

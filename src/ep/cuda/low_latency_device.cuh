@@ -86,6 +86,14 @@ __device__ __forceinline__ void record_failure(const LowLatencyPeers& peers, int
   if (peers.error != nullptr) record_error(peers.error, code, site, peers.rank, peer, expert, expected, observed);
 }
 
+// The 32-bit tag of the dispatch whose set's sequence number is `seq` (>= 1; the tag of the next dispatch is
+// dispatch_tag(dispatch_seq + 1)): in [1, 2^32 - 1], never 0, which zeroed signal words and stamps read. The signal
+// word keeps only 32 bits of it (`tag << 32 | count`), so a plain count would stop matching after 2^32 dispatches on
+// one set (~5 days of graph replays at 10 kHz), and its low 32 bits would match zeroed stamps at every 2^32-th.
+__device__ __forceinline__ uint32_t dispatch_tag(uint64_t seq) {
+  return static_cast<uint32_t>((seq - 1) % 0xffffffffull) + 1;
+}
+
 // Waits until the bits above tag_shift (the whole word with tag_shift = 0) equal `tag` (acquire: the sender's
 // rows, written before its release of the signal, are visible after a true return). Gives up when another block
 // masked the peer meanwhile (its timeout); on its own timeout it masks the peer locally and records the wait;
@@ -200,7 +208,7 @@ __device__ __forceinline__ bool same_dispatch(const LowLatencyPeers& peers, uint
 // missed some or all of source r's pairs (LowLatencyControl::recv_lost): the combine reversing it then sends r no rows
 // and signals kCombineNoRows.
 __device__ __forceinline__ bool dispatch_missed(const LowLatencyControl* ctrl, int dispatch_set, int r) {
-  return ctrl->recv_lost[dispatch_set][r] == static_cast<uint32_t>(ctrl->dispatch_seq[dispatch_set]);
+  return ctrl->recv_lost[dispatch_set][r] == dispatch_tag(ctrl->dispatch_seq[dispatch_set]);
 }
 
 // Whether a combine signal's rows count for this rank: from the same dispatch (a mismatch is recorded) and not

@@ -24,7 +24,7 @@ __device__ void dispatch_send_block(const LowLatencyPeers& peers, const LowLaten
   const int R = peers.num_ranks;
   LowLatencyControl* ctrl = control_of(peers, layout);
   if (ld_volatile_global(&ctrl->mask[dst]) != 0) return;
-  const uint64_t tag = ctrl->dispatch_seq[set] + 1;
+  const uint64_t tag = dispatch_tag(ctrl->dispatch_seq[set] + 1);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
 
@@ -199,7 +199,7 @@ __device__ void dispatch_recv_block(const LowLatencyPeers& peers, const LowLaten
   char* base = peers.bases[peers.rank];
   const LowLatencySet& s = layout.sets[set];
   LowLatencyControl* ctrl = control_of(peers, layout);
-  const uint64_t tag = ctrl->dispatch_seq[set] + 1;
+  const uint64_t tag = dispatch_tag(ctrl->dispatch_seq[set] + 1);
   if (threadIdx.x < R) {
     const int src = threadIdx.x;
     // NOTE: hierarchical routing: a source of another node signals through its forwarder `via` on this node; the

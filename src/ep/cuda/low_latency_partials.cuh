@@ -40,7 +40,7 @@ enum class WeightsLook { kFirst, kAgain, kWait, kLast };
 // comes back to r later). True: r is done in this block. Every thread calls it.
 __device__ bool partial_send_source(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
                                     const LowLatencyCombineLaunch& args, int r, int num_blocks, WeightsLook look,
-                                    uint64_t waited_since, uint64_t tag, uint64_t dispatch_tag, int64_t* resume,
+                                    uint64_t waited_since, uint64_t tag, uint64_t stamp, int64_t* resume,
                                     int* weights_state) {
   __shared__ int64_t rows[kLowLatencyMaxTopk];  // the unit's packed row per k, -1 without a pair
   __shared__ float weights[kLowLatencyMaxTopk];
@@ -59,7 +59,7 @@ __device__ bool partial_send_source(const LowLatencyPeers& peers, const LowLaten
     __syncthreads();
     if (threadIdx.x < kLowLatencyMaxTopk) {
       const int64_t entry = map[u * kLowLatencyMaxTopk + threadIdx.x];
-      const bool hit = (static_cast<uint64_t>(entry) >> 32) == dispatch_tag;
+      const bool hit = (static_cast<uint64_t>(entry) >> 32) == stamp;
       rows[threadIdx.x] = hit ? (entry & 0xffffffff) : -1;
       if (hit) any = true;
     }
@@ -137,7 +137,7 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
   const int64_t M = layout.max_tokens_per_rank;
   LowLatencyControl* ctrl = control_of(peers, layout);
   const uint64_t tag = ctrl->combine_seq[set] + 1;
-  const uint64_t dispatch_tag = ctrl->dispatch_seq[args.dispatch_set] & 0xffffffffu;  // the dispatch's stamp
+  const uint64_t stamp = dispatch_tag(ctrl->dispatch_seq[args.dispatch_set]);  // the dispatch's stamp
   const LowLatencySet& c = layout.sets[set];
   if (threadIdx.x < R) {
     const int r = threadIdx.x;
@@ -187,7 +187,7 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
   for (int i = 0; i < R; ++i) {
     const int r = (peers.rank + i) % R;
     if (!open[r] || no_rows(r) ||
-        partial_send_source(peers, layout, set, args, r, num_blocks, WeightsLook::kFirst, 0, tag, dispatch_tag, resume,
+        partial_send_source(peers, layout, set, args, r, num_blocks, WeightsLook::kFirst, 0, tag, stamp, resume,
                             weights_state)) {
       finish(r, weights_state[r] == 1);
     } else {
@@ -205,7 +205,7 @@ __device__ void partial_send_block(const LowLatencyPeers& peers, const LowLatenc
     for (int i = 0; i < R; ++i) {
       const int r = (peers.rank + i) % R;
       if ((deferred >> r & 1) != 0 && partial_send_source(peers, layout, set, args, r, num_blocks, look, since, tag,
-                                                          dispatch_tag, resume, weights_state)) {
+                                                          stamp, resume, weights_state)) {
         finish(r, weights_state[r] == 1);
         deferred &= ~(1u << r);
       }
