@@ -78,6 +78,13 @@ void check_plan(const DpGatherPlan& plan, const ParallelLayout& layout, const ch
   check_counts(plan.num_tokens, what);
   EPX_CHECK_ARG(plan.buffer_len >= 0 && plan.buffer_len <= kMaxDpBufferRows,
                 "{}: plan.buffer_len must be in [0, 2^40], got {}", what, plan.buffer_len);
+  // NOTE: MAX_LEN splits each slot over the attention-TP ranks (the cuda path's in-place all-gather gives rank i of a
+  // TP group rows [i * slot_len / tp, ...) of its slot), so the slot must divide evenly; a plan made with the default
+  // attn_tp_size = 1 for a layout with TP passed before and moved the wrong rows on the cuda backend.
+  EPX_CHECK_ARG(plan.mode != DpPaddingMode::kMaxLen || plan.slot_len % layout.attn_tp_size() == 0,
+                "{}: plan.slot_len = {} must be a multiple of layout.attn_tp_size() = {} for MAX_LEN: make the plan "
+                "with plan_dp_gather(counts, mode, layout.attn_tp_size())",
+                what, plan.slot_len, layout.attn_tp_size());
   int64_t expected = 0;
   for (size_t d = 0; d < width; ++d) {
     if (plan.mode == DpPaddingMode::kMaxLen) {

@@ -329,6 +329,15 @@ TEST(DpGather, RejectsBadArgumentsOnEveryRank) {
         dp_gather(g0, layout, edited, lv, TensorView::of(global.data(), DType::kFloat32, {7, 1}));
       },
       ErrorCode::kInvalidArgument, "plan.buffer_len must be 5");
+  // MAX_LEN with attention TP: a slot that the TP ranks cannot split evenly (a plan made with the default
+  // attn_tp_size = 1) is refused on every backend (the cuda path splits the slot over the TP ranks).
+  const auto tp = ParallelLayout::create({.world_size = 2, .attn_tp_size = 2});
+  const auto plan_tp1 = plan_dp_gather(std::vector<int64_t>{3}, DpPaddingMode::kMaxLen);
+  expect_code(
+      [&] {
+        dp_gather(g0, tp, plan_tp1, lv, TensorView::of(global.data(), DType::kFloat32, {3, kHidden}));
+      },
+      ErrorCode::kInvalidArgument, "plan.slot_len = 3 must be a multiple of layout.attn_tp_size() = 2");
   const auto cp = ParallelLayout::create({.world_size = 2, .attn_cp_size = 2});
   const auto plan1 = plan_dp_gather(std::vector<int64_t>{3}, DpPaddingMode::kMaxLen);
   expect_code(

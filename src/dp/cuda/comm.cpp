@@ -99,6 +99,10 @@ DpComm& dp_comm(Group& group) {
     if (it != registry().end()) {
       const Entry& e = *it->second;
       if (e.rank == group.rank() && e.num_ranks == group.num_ranks() && e.dp.device == group.device().index) {
+        EPX_CHECK(ErrorCode::kPeerFailure, e.dp.failed.empty(),
+                  "cuda rank {}: the DP communicator of this group failed earlier ({}) and cannot be used again: "
+                  "destroy the group and create a new one on every rank",
+                  group.rank(), e.dp.failed);
         return it->second->dp;
       }
       // A different group at a recycled address: its communicator belongs to a group that is gone.

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "epx/group.h"
 
@@ -37,11 +38,14 @@ struct DpComm {
   void* meta_host = nullptr;
   size_t meta_record_bytes = 0;
   bool meta_mapped = true;
+  // Why the communicator cannot be used again (empty while it can): a batch-metadata all-gather that timed out is
+  // still queued on it, owning meta_host, and every later collective of this communicator would queue behind it.
+  std::string failed;
 };
 
 // This group's communicator; the first call on a group is collective (every rank must make it).
 // Throws kNcclError, kCudaError, kUnsupported when NCCL cannot be loaded (cuda/nccl_loader.h), or
-// kTimeout when a peer does not join within the group's timeout.
+// kTimeout when a peer does not join within the group's timeout; kPeerFailure once DpComm::failed is set.
 DpComm& dp_comm(Group& group);
 
 // Raises kNcclError for a failed call. ncclInProgress (only from a nonblocking communicator) is polled

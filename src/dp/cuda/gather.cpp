@@ -238,7 +238,11 @@ void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size
     if (status == cudaSuccess) break;
     if (status != cudaErrorNotReady) check_cuda(status, "batch-metadata all-gather");
     if (std::chrono::steady_clock::now() > deadline) {
-      detail::raise(ErrorCode::kTimeout, "cuda rank {} waited {} ms in the batch-metadata all-gather for its peers",
+      dp.failed = fmt::format("a batch-metadata all-gather timed out after {} ms", dp.timeout_ms);
+      detail::raise(ErrorCode::kTimeout,
+                    "cuda rank {} waited {} ms in the batch-metadata all-gather for its peers; the DP communicator "
+                    "of this group cannot be used again (its all-gather stays queued): destroy the group and create "
+                    "a new one on every rank",
                     group.rank(), dp.timeout_ms);
     }
     std::this_thread::yield();
