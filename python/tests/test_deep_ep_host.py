@@ -156,6 +156,8 @@ def test_low_latency():
                                                             return_recv_hook=True)
             chook()
             assert combined.data_ptr() == out.data_ptr()
+            # The next combine's zero-copy input is the other tensor (the previous combine may still read this one).
+            assert buffer.get_next_low_latency_combine_buffer(handle).data_ptr() != staging.data_ptr()
             torch.testing.assert_close(combined.float(), x.float() * wsum, **tol)
 
         status = torch.zeros(R, dtype=torch.int32)
@@ -207,3 +209,26 @@ def test_static_helpers_and_errors():
     assert deep_ep.topk_idx_t == torch.int64
     with pytest.raises(RuntimeError):
         deep_ep.EventOverlap().current_stream_wait()
+
+
+def test_event_overlap_hook_release_and_utils():
+    """DeepEP's EventOverlap extras: a hook run once after the wait, ``with overlap(release_handle=True)``, the
+    ``deep_ep.utils`` module and ``__version__``."""
+    overlap = deep_ep.EventOverlap(deep_ep.EventHandle.completed())
+    calls = []
+    overlap.register_hook_after_wait(lambda: calls.append("hook"))
+    with pytest.raises(RuntimeError, match="already registered"):
+        overlap.register_hook_after_wait(lambda: None)
+    with overlap(release_handle=True):
+        calls.append("body")
+    assert calls == ["body", "hook"]
+    assert overlap.event is None
+    with pytest.raises(RuntimeError, match="no event"):
+        overlap.current_stream_wait()
+    kept = deep_ep.EventOverlap(deep_ep.EventHandle.completed())
+    kept.current_stream_wait()
+    kept.current_stream_wait()  # without release_handle the event stays
+    assert kept.event is not None
+    from epx.deep_ep.utils import EventHandle, EventOverlap
+    assert EventOverlap is deep_ep.EventOverlap and EventHandle is deep_ep.EventHandle
+    assert deep_ep.__version__.startswith("1.2.1")

@@ -22,8 +22,14 @@ from .config import Config  # noqa: E402
 from .events import EventHandle, EventOverlap  # noqa: E402
 from .handles import InternodeHandle, LowLatencyHandle, NormalHandle  # noqa: E402
 
+from . import utils  # noqa: E402,F401  (deep_ep.utils)
+
 #: dtype of top-k expert indices (DeepEP's ``deep_ep.topk_idx_t``); epx also accepts int32.
 topk_idx_t = torch.int64
+
+#: The DeepEP API this shim serves: the classic (V1) one of DeepEP's last V1 release, v1.2.1 (``+epx``: epx
+#: underneath). DeepEP's V2 names (``ElasticBuffer``, ...) are not here, so probes for them see V1.
+__version__ = "1.2.1+epx"
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "InternodeHandle", "LowLatencyHandle", "NormalHandle",
            "topk_idx_t"]

@@ -155,7 +155,10 @@ class Buffer:
         self._call_num_sms = _accepts(self.runtime.dispatch, "num_sms") and _accepts(self.runtime.combine, "num_sms")
         self._column_major_scales = epx_column_major_scales
         self._comm_stream = torch.cuda.Stream(device=self._device) if self._cuda else None
-        self._combine_staging: Optional[torch.Tensor] = None
+        # zero_copy combine inputs: two tensors used in turn, one per low-latency combine (as DeepEP's two buffer
+        # halves), so that filling the next one cannot race the previous combine still reading its own (async_finish).
+        self._combine_staging: List[Optional[torch.Tensor]] = [None, None]
+        self._num_ll_combines = 0
         self._warned_sms = False
 
     # ---- set-up helpers ------------------------------------------------------------------------------
@@ -203,7 +206,7 @@ class Buffer:
             torch.cuda.synchronize(self._device)
         self.runtime = None
         self._native = None
-        self._combine_staging = None
+        self._combine_staging = [None, None]
 
     # ---- static helpers ------------------------------------------------------------------------------
 
@@ -552,14 +555,18 @@ class Buffer:
 
     def get_next_low_latency_combine_buffer(self, handle: Any) -> torch.Tensor:
         """A bf16 [E_local, R * M, H] tensor to write expert outputs into; the next low_latency_combine with
-        zero_copy=True reads it instead of x. epx has no combine slot to expose: this is a tensor the shim
-        keeps (allocated on first use, reused while the shape holds), so zero_copy saves no copy in epx."""
+        zero_copy=True reads it instead of x. epx has no combine slot to expose: these are two tensors the shim
+        keeps and hands out in turn, one per combine (allocated on first use, reused while the shape holds), so
+        zero_copy saves no copy in epx, and the one for the next combine is never the one the previous combine
+        (async_finish) may still read."""
         self._alive()
         max_tokens, hidden, num_experts = int(handle[2]), int(handle[3]), int(handle[4])
         shape = (num_experts // self.group_size, self.group_size * max_tokens, hidden)
-        if self._combine_staging is None or tuple(self._combine_staging.shape) != shape:
-            self._combine_staging = torch.empty(shape, dtype=torch.bfloat16, device=self._device)
-        return self._combine_staging
+        slot = self._num_ll_combines % 2
+        staging = self._combine_staging[slot]
+        if staging is None or tuple(staging.shape) != shape:
+            staging = self._combine_staging[slot] = torch.empty(shape, dtype=torch.bfloat16, device=self._device)
+        return staging
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -577,13 +584,14 @@ class Buffer:
             raise ValueError("async_finish and return_recv_hook cannot both be set")
         native = native_low_latency_handle(handle)
         if zero_copy:
-            if self._combine_staging is None:
+            x = self._combine_staging[self._num_ll_combines % 2]
+            if x is None:
                 raise ValueError("zero_copy=True: call get_next_low_latency_combine_buffer(handle) and fill it first")
-            x = self._combine_staging
         launch = self._ll_launch(async_finish)
         res = runtime.low_latency_combine(x, topk_idx, topk_weights, native, return_recv_hook=return_recv_hook,
                                           out=out, wait_recv_cost_ns=combine_wait_recv_cost_stats,
                                           stream=launch.stream)
+        self._num_ll_combines += 1  # the next get_next_low_latency_combine_buffer hands out the other tensor
         ins = (x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats)
         event = self._finish(launch, async_finish, ins, (res.x,) if out is None else (),
                              keep=ins + (res.x, handle[0], handle[1]))

@@ -3,7 +3,7 @@ call returns: the event, plus tensors kept alive until the caller drops it)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -50,18 +50,41 @@ class EventOverlap:
     def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Tuple[Any, ...]] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
+        #: Called once, right after the next current_stream_wait() (register_hook_after_wait).
+        self.hook_after_wait: Optional[Callable[[], Any]] = None
+        self._release_on_exit = False
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """Makes torch's current stream wait for the event, then runs the registered hook (once); with
+        ``release_handle`` the event is dropped afterwards (a second wait then raises)."""
         if self.event is None:
             raise RuntimeError("EventOverlap has no event: the call was made without async_finish=True")
         self.event.current_stream_wait()
+        hook, self.hook_after_wait = self.hook_after_wait, None
+        if hook is not None:
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook: Callable[[], Any]) -> None:
+        """Runs ``hook`` right after the next current_stream_wait() (on the waiting stream's side, e.g. a sort
+        that needs the received data). One hook at a time."""
+        if self.hook_after_wait is not None:
+            raise RuntimeError("EventOverlap: a hook is already registered (it runs at the next wait)")
+        self.hook_after_wait = hook
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        """``with overlap(release_handle=True): ...``: the wait at the end of the block also drops the event."""
+        self._release_on_exit = release_handle
+        return self
 
     def __enter__(self) -> "EventOverlap":
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        release, self._release_on_exit = self._release_on_exit, False
         if self.event is not None:
-            self.event.current_stream_wait()
+            self.current_stream_wait(release_handle=release)
         return False
 
 
