@@ -19,14 +19,21 @@
 namespace epx::py {
 namespace {
 
-nb::object hook_of(std::function<void()> hook) {
+// The receive hook as a Python callable. It keeps alive what its kernel still uses when it runs: the Buffer (the C++
+// hook refers to its engine) and the call's arguments and outputs in `keep` (the receive reads the routing and the
+// weights, writes the output and adds into the statistics tensors; a caller that dropped one before calling the hook
+// would let its memory be reused under the kernel).
+nb::object hook_of(std::function<void()> hook, Buffer& buffer, std::vector<nb::object> keep) {
   if (!hook) return nb::none();
   auto shared = std::make_shared<std::function<void()>>(std::move(hook));
-  return nb::cpp_function([shared]() {
+  keep.push_back(nb::find(&buffer));
+  return nb::cpp_function([shared, keep = std::move(keep)]() {
     nb::gil_scoped_release release;
     (*shared)();
   });
 }
+
+nb::object kept(nb::handle h) { return nb::borrow<nb::object>(h); }
 
 Tensor as_tensor(nb::handle obj, const char* name) { return Tensor::wrap(to_view(obj, name), nullptr); }
 
@@ -125,7 +132,10 @@ nb::dict low_latency_dispatch(Buffer& buffer, nb::handle x, nb::handle topk_idx,
   out["recv_src_info"] = from_tensor(r.recv_src_info);
   out["recv_layout_range"] = from_tensor(r.recv_layout_range);
   out["handle"] = nb::cast(std::shared_ptr<const LowLatencyHandle>(r.handle));
-  out["recv_hook"] = hook_of(std::move(r.recv_hook));
+  out["recv_hook"] =
+      hook_of(std::move(r.recv_hook), buffer,
+              {kept(x), kept(topk_idx), kept(cumulative_recv_counts), kept(wait_recv_cost_ns), out["recv_x"],
+               out["recv_x_scales"], out["recv_count"], out["recv_src_info"], out["recv_layout_range"], out["handle"]});
   return out;
 }
 
@@ -146,7 +156,9 @@ nb::dict low_latency_combine(Buffer& buffer, nb::handle x, nb::handle topk_idx, 
       [&](const LowLatencyCombineArgs& a) { return buffer.low_latency_combine(a); });
   nb::dict out;
   out["x"] = from_tensor(r.x);
-  out["recv_hook"] = hook_of(std::move(r.recv_hook));
+  out["recv_hook"] = hook_of(
+      std::move(r.recv_hook), buffer,
+      {kept(x), kept(topk_idx), kept(topk_weights), kept(handle), kept(out_arg), kept(wait_recv_cost_ns), out["x"]});
   return out;
 }
 

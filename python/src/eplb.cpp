@@ -246,9 +246,10 @@ void bind_location(nb::module_& m) {
       .def_static(
           "upload",
           [](const ExpertLocation& location, int device, nb::handle stream) {
-            nb::gil_scoped_release release;  // the upload waits for its copy
+            const Stream s = to_stream(stream);  // Python (a torch stream's .cuda_stream): with the GIL
+            nb::gil_scoped_release release;      // the upload waits for its copy
             return std::const_pointer_cast<DeviceReplicaTable>(
-                DeviceReplicaTable::upload(location, Device::cuda(device), to_stream(stream)));
+                DeviceReplicaTable::upload(location, Device::cuda(device), s));
           },
           nb::arg("location"), nb::arg("device"), nb::arg("stream") = nb::none())
       .def_prop_ro("num_layers", &DeviceReplicaTable::num_layers)

@@ -4,6 +4,7 @@ Routing: every rank draws its own tokens; token t of rank r picks K distinct exp
 random, and about one token in five gets one -1 ("no expert") entry. Experts are split evenly over ranks.
 """
 
+import gc
 import time
 
 import numpy as np
@@ -198,6 +199,33 @@ def test_low_latency_packed_rows_and_combine(num_ranks):
         return True
 
     assert all(run(num_ranks, body))
+
+
+def test_low_latency_hooks_keep_the_buffer_alive():
+    """A receive hook refers to its buffer's engine: dropping the Buffer (and the call's result) before calling the
+    hook must not free it (it crashed before); the hooks still deliver."""
+    T, H, K, E, M = 8, 128, 4, 8, 8
+    inputs = [make_inputs(r, T, H, K, E, seed=5) for r in range(2)]
+
+    def body(rank, group):
+        x, idx, w = inputs[rank]
+        buffer = epx.Buffer(group, num_low_latency_bytes=epx.low_latency_buffer_size_hint(M, H, 2, E))
+        d = buffer.low_latency_dispatch(x, idx, M, E, return_recv_hook=True)
+        dispatch_hook, recv_x, handle = d.recv_hook, d.recv_x, d.handle
+        counts = d.recv_count
+        del d
+        dispatch_hook()
+        c = buffer.low_latency_combine(recv_x, idx, w, handle, return_recv_hook=True)
+        combine_hook, combined = c.recv_hook, c.x
+        del buffer, c
+        gc.collect()
+        combine_hook()
+        expect = x.astype(np.float32) * np.where(idx >= 0, w, 0).sum(1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(combined).astype(np.float32), expect, rtol=2 ** -6, atol=1e-5)
+        return int(np.asarray(counts).sum())
+
+    received = run(2, body)
+    assert sum(received) == sum(int((inp[1] >= 0).sum()) for inp in inputs)
 
 
 def test_low_latency_wait_recv_cost_ns_names_the_late_rank():

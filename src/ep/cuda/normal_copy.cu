@@ -51,6 +51,9 @@ __device__ bool peers_released(const CommArgs& comm, int32_t site) {
     if (d != me && !wait_geq(comm, sig(comm, s, comm.off_done, d * C + c), epoch - 1, site, d, c)) s_failed = true;
   }
   __syncthreads();
+  // NOTE: the copy engines behind this wait run anyway (the host enqueued them): tell the peers, whose staging they
+  // may now overwrite, so that their waits give up and their calls fail instead of reading it (docs/reliability.md).
+  if (s_failed && threadIdx.x == 0) abort_peers(comm);
   return !s_failed;
 }
 

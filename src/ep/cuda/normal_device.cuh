@@ -68,6 +68,16 @@ __device__ __forceinline__ uint64_t read_epoch(const CommArgs& comm) {
   return *reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_epoch);
 }
 
+// Writes every peer's abort word (their waits give up at once and name this rank). One thread calls it.
+__device__ void abort_peers(const CommArgs& comm) {
+  for (int d = 0; d < comm.num_ranks; ++d) {
+    if (d != comm.rank) {
+      *reinterpret_cast<volatile uint64_t*>(comm.peers[d] + comm.off_abort) = static_cast<uint64_t>(comm.rank) + 1;
+    }
+  }
+  __threadfence_system();
+}
+
 // True when source r's operation `epoch` belongs to the same dispatch as this rank's (the handle ids agree). Call
 // after an acquire that saw rows of r's operation `epoch` (r wrote its id before them, advance_epoch_kernel).
 // Otherwise records kErrHandleMismatch (record [0]: every wait of this rank gives up), writes every peer's abort
@@ -81,10 +91,7 @@ __device__ bool same_dispatch(const CommArgs& comm, uint64_t epoch, int r, uint6
   if (theirs == handle_id) return true;
   record_error(comm, kErrHandleMismatch, site, r, channel, static_cast<int64_t>(handle_id),
                static_cast<int64_t>(theirs));
-  for (int d = 0; d < R; ++d) {
-    if (d != me) *reinterpret_cast<volatile uint64_t*>(comm.peers[d] + comm.off_abort) = static_cast<uint64_t>(me) + 1;
-  }
-  __threadfence_system();
+  abort_peers(comm);
   return false;
 }
 
