@@ -358,7 +358,9 @@ class Buffer:
             res = runtime.dispatch(x, x_scales=x_scales, handle=native, num_worst_tokens=num_worst_tokens,
                                    stream=launch.stream, **sms)
             outs = (res.recv_x, res.recv_x_scales)
-            event = self._finish(launch, async_finish, (x, x_scales), outs, keep=(x, x_scales) + outs)
+            # keep: the native handle too (its device tensors live on the fresh dispatch's stream and must outlive this
+            # call on the comm stream, also when the caller drops the handle before waiting).
+            event = self._finish(launch, async_finish, (x, x_scales), outs, keep=(x, x_scales) + outs + (native,))
             recv = (res.recv_x, res.recv_x_scales) if x_scales is not None else res.recv_x
             return recv, None, None, None, None, event
 
@@ -447,7 +449,7 @@ class Buffer:
         res = runtime.combine(x, native, topk_weights, bias_0=bias_0, bias_1=bias_1, stream=launch.stream, **sms)
         ins = (x, topk_weights, bias_0, bias_1)
         outs = (res.x, res.topk_weights)
-        event = self._finish(launch, async_finish, ins, outs, keep=ins + outs)
+        event = self._finish(launch, async_finish, ins, outs, keep=ins + outs + (native,))  # native: as in dispatch
         return res.x, res.topk_weights, event
 
     def _require_internode(self, what: str) -> None:
