@@ -530,6 +530,10 @@ class Buffer:
             raise ValueError("use_ue8m0 needs round_scale=True")
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook cannot both be set")
+        if use_fp8 and use_ue8m0 and not self._column_major_scales and int(x.shape[-1]) % 512 != 0:
+            # NOTE: checked before the call: raising after it would leave this rank one collective call behind.
+            raise ValueError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, got "
+                             f"{int(x.shape[-1])}")
         launch = self._ll_launch(async_finish)
         res = runtime.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                            use_fp8=use_fp8, use_ue8m0=use_ue8m0, round_scale=round_scale,
@@ -542,9 +546,6 @@ class Buffer:
         # transpose of [E, S, R * M] memory) unless epx_column_major_scales=False.
         scales = res.recv_x_scales
         if use_fp8 and use_ue8m0 and not self._column_major_scales:
-            if scales.shape[-1] % 4 != 0:
-                raise ValueError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, got "
-                                 f"{scales.shape[-1] * 128}")
             scales = scales.view(torch.int32)  # uint8 exponents [E, R * M, H / 128] as words
         hook = res.recv_hook if return_recv_hook else None
         handle = LowLatencyHandle(res.recv_src_info, res.recv_layout_range, num_max_dispatch_tokens_per_rank,
