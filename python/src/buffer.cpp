@@ -35,6 +35,20 @@ nb::object hook_of(std::function<void()> hook, Buffer& buffer, std::vector<nb::o
 
 nb::object kept(nb::handle h) { return nb::borrow<nb::object>(h); }
 
+// Destroying a buffer waits for its peers (on the cuda backend a device sync and a barrier of the group): it must not
+// hold the GIL, or the other rank threads of this process could not reach their own destruction (each would wait out
+// the timeout). nanobind drops its reference with the GIL held; other last owners may not hold it.
+std::shared_ptr<Buffer> released_on_destroy(std::unique_ptr<Buffer> buffer) {
+  return std::shared_ptr<Buffer>(buffer.release(), [](Buffer* b) {
+    if (PyGILState_Check() != 0) {
+      nb::gil_scoped_release release;
+      delete b;
+    } else {
+      delete b;
+    }
+  });
+}
+
 Tensor as_tensor(nb::handle obj, const char* name) { return Tensor::wrap(to_view(obj, name), nullptr); }
 
 nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle topk_idx, nb::handle topk_weights,
@@ -257,7 +271,7 @@ void register_buffer(nb::module_& m) {
             options.node_partials = node_partials;
             options.allocator = python_allocator(std::move(allocator));
             nb::gil_scoped_release release;
-            return Buffer::create(std::move(group), options);
+            return released_on_destroy(Buffer::create(std::move(group), options));
           },
           nb::arg("group"), nb::arg("num_normal_bytes") = 0, nb::arg("num_low_latency_bytes") = 0,
           nb::arg("num_sms") = 24, nb::arg("allocator") = nb::none(), nb::arg("normal") = NormalConfig(),
