@@ -112,6 +112,14 @@ class OwnedCommTest : public ::testing::Test {
   void TearDown() override { g = nullptr; }
 
   static std::chrono::steady_clock::time_point in_ms(int64_t ms) { return detail::deadline_after_ms(ms); }
+  // Revokes `owned`, then expects its rebuild to fail for good with an error NCCL reports (not at the deadline).
+  static void expect_rebuild_fails(OwnedComm& owned) {
+    ASSERT_TRUE(owned.revoke());
+    bool timed_out = true;
+    EXPECT_EQ(owned.ready(in_ms(1'000), &timed_out), nullptr);
+    EXPECT_FALSE(timed_out);
+    EXPECT_EQ(owned.state(), OwnedComm::State::kFailed);
+  }
 
   FakeNccl nccl_;
   NcclApi api_;
@@ -244,11 +252,7 @@ TEST_F(OwnedCommTest, RebuildThatNcclRejectsFailsForGoodWithItsError) {
   nccl_.split_returns = ncclSystemError;
   ncclComm_t comm = make_comm();
   OwnedComm owned(comm, 0, 1'000, api_);
-  ASSERT_TRUE(owned.revoke());
-  bool timed_out = true;
-  EXPECT_EQ(owned.ready(in_ms(1'000), &timed_out), nullptr);
-  EXPECT_FALSE(timed_out);
-  EXPECT_EQ(owned.state(), OwnedComm::State::kFailed);
+  expect_rebuild_fails(owned);
   EXPECT_EQ(fake(comm)->aborts, 1);
   EXPECT_NE(owned.failure().find("ncclCommSplit failed: some error"), std::string::npos) << owned.failure();
 }
@@ -264,11 +268,7 @@ TEST_F(OwnedCommTest, ChildThatFailsItsCreationIsAbortedWithTheParent) {
     nccl_.outcome_on_child = on_child;
     ncclComm_t comm = make_comm();
     OwnedComm owned(comm, 0, 1'000, api_);
-    ASSERT_TRUE(owned.revoke());
-    bool timed_out = true;
-    EXPECT_EQ(owned.ready(in_ms(1'000), &timed_out), nullptr);
-    EXPECT_FALSE(timed_out);
-    EXPECT_EQ(owned.state(), OwnedComm::State::kFailed);
+    expect_rebuild_fails(owned);
     ASSERT_EQ(nccl_.comms.size(), 2u);
     EXPECT_EQ(nccl_.comms[0]->aborts, 1);
     EXPECT_EQ(nccl_.comms[1]->aborts, 1);
