@@ -64,20 +64,6 @@ void check_nccl(ncclResult_t result, const char* what) {
 //   revoked and rebuilt in the next collective (OwnedComm), or aborted where that cannot be done.
 // A borrowed communicator (create_cuda_group(comm)) is never aborted by epx: after a failure its
 // all-gather may still be in flight, and the caller must abort it (see docs/reliability.md).
-// How long a failed NCCL group waits for its stream to drain after the revoke (or the abort) ended NCCL's work.
-constexpr int64_t kDrainMs = 10'000;
-
-// Polls `stream` until its work finished (or failed) or `ms` passed; true unless the deadline passed first.
-bool stream_drained(cudaStream_t stream, int64_t ms) {
-  const auto deadline = detail::deadline_after_ms(ms);
-  cudaError_t state = cudaStreamQuery(stream);
-  while (state == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-    state = cudaStreamQuery(stream);
-  }
-  if (state != cudaErrorNotReady) cudaGetLastError();
-  return state != cudaErrorNotReady;
-}
 
 class NcclCudaGroup final : public CudaGroup {
  public:
@@ -163,12 +149,13 @@ class NcclCudaGroup final : public CudaGroup {
   [[noreturn]] void fail(ErrorCode code, const std::string& what) override {
     if (owned_ != nullptr) {
       bool revoked = owned_->revoke();
+      constexpr int64_t kDrainMs = 10'000;  // how long the stream may take to drain once NCCL's work was ended
       // NOTE: bounded, not cudaStreamSynchronize: the revoke should have ended the NCCL kernel the stream waits
       // behind; if the stream still does not drain, the communicator is aborted for good (which ends NCCL's kernels).
-      if (!stream_drained(stream_, kDrainMs) && revoked) {
+      if (!stream_idle_by(stream_, detail::deadline_after_ms(kDrainMs)) && revoked) {
         owned_->fail_for_good(fmt::format("the group's stream did not drain within {} ms of ncclCommRevoke", kDrainMs));
         revoked = false;
-        stream_drained(stream_, kDrainMs);
+        stream_idle_by(stream_, detail::deadline_after_ms(kDrainMs));
       }
       if (revoked) {
         detail::raise(code,

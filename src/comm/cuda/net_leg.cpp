@@ -187,6 +187,9 @@ class NcclExchange final : public ByteExchange {
     } catch (const Error& e) {
       (void)api.GroupEnd();
       group_.fail(e.code(), fmt::format("the {} failed while posting its sends and receives: {}", what, e.what()));
+    } catch (...) {  // e.g. std::bad_alloc: the group still ends, the error is the caller's
+      (void)api.GroupEnd();
+      throw;
     }
     const ncclResult_t ended = api.GroupEnd();
     if (ended == ncclInProgress) {

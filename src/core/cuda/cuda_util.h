@@ -3,10 +3,12 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <initializer_list>
 #include <utility>
 
 #include "core/check.h"
+#include "core/timeout.h"
 
 namespace epx::cuda {
 
@@ -98,5 +100,14 @@ class DeviceGuard {
   int previous_ = 0;
   int device_ = 0;
 };
+
+// Polls `stream` (every 20 us) until its work is done or failed (the error is cleared, not raised) or `deadline`
+// passed; true unless the deadline passed first. For waits that must stay bounded and cannot throw (failure paths).
+// Not on a stream under capture (the query would end the capture).
+inline bool stream_idle_by(cudaStream_t stream, std::chrono::steady_clock::time_point deadline) noexcept {
+  const bool idle = detail::poll_until(deadline, [&] { return cudaStreamQuery(stream) != cudaErrorNotReady; });
+  cudaGetLastError();
+  return idle;
+}
 
 }  // namespace epx::cuda

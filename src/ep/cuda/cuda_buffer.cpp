@@ -337,10 +337,7 @@ void CudaBuffer::abort_call() noexcept {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (last_stream_ != nullptr && cudaStreamIsCapturing(last_stream_, &capture) == cudaSuccess &&
       capture == cudaStreamCaptureStatusNone) {
-    const auto until = detail::deadline_after_ms(group_->timeout_ms());
-    while (cudaStreamQuery(last_stream_) == cudaErrorNotReady && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    stream_idle_by(last_stream_, detail::deadline_after_ms(group_->timeout_ms()));
   }
   cudaGetLastError();
   // Peers' kernels of this call poll their abort word with their timeout checks; it is zeroed by the reset.
@@ -357,10 +354,7 @@ void CudaBuffer::abort_call() noexcept {
     request_reset();
   }
   // Bounded: the stream has nothing else to do, so the writes finish in microseconds.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  while (cudaStreamQuery(abort_stream_) == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+  stream_idle_by(abort_stream_, std::chrono::steady_clock::now() + std::chrono::seconds(1));
 }
 
 void CudaBuffer::wait_reset_step(uint64_t step, const char* what) {
