@@ -31,7 +31,9 @@ struct NormalRegionLayout {
   int64_t off_copy_counter = 0;  // uint32: finished blocks of the copy-engine receive kernel (local only)
   int64_t off_ce_tail = 0;       // uint64 [R src]: rows the source's copy engine delivered, tagged
   int64_t off_abort = 0;         // uint64: 1 + the rank that left the current call before it started, else 0
-  int64_t off_handle_id = 0;     // uint64 [2][R src]: the dispatch id of the source's operation, by epoch parity
+  // uint64 [2][R src][2]: the dispatch id of the source's operation and its shape word (ep/call_shape.h), by epoch
+  // parity
+  int64_t off_handle_id = 0;
   int64_t signals_used = 0;      // bytes the signals above take, <= kNormalSignalBytes
   int64_t off_ring = 0;          // = kNormalSignalBytes: rings [R src][C] of ring_slab_bytes each
   int64_t ring_bytes = 0;        // region bytes past the signal area

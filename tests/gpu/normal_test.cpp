@@ -1300,6 +1300,117 @@ TEST_F(NormalGpuTest, MismatchedHandlesAreReported) {
   }
 }
 
+// Ranks whose calls take arguments of different kinds (docs/reliability.md, "Per-call shapes"): every rank fails
+// that call within a few seconds (the peer's shape word, compared in notify or where its rows arrive), at least one
+// naming both shapes, then rounds match again. Both data paths.
+TEST_F(NormalGpuTest, MismatchedShapesAreReported) {
+  const auto devices = two_ranks();
+  CudaGroupOptions options;
+  options.timeout_ms = 20'000;
+  const int64_t T = 256, H = 1024, K = 4, E = 16;
+  const Case c = ep2_case(devices, T, H, K, E);
+  // op 0: fresh dispatch, topk_weights on rank 0 only; op 1: fresh dispatch, num_worst_tokens on rank 1 only;
+  // op 2: combine, topk_weights on rank 0 only; op 3: cached dispatch on rank 0, combine on rank 1 (same handle).
+  const char* const names[] = {"fresh dispatch, weights on rank 0 only", "fresh dispatch, worst tokens on rank 1 only",
+                               "combine, weights on rank 0 only", "cached dispatch against combine"};
+  constexpr int kOps = 4;
+  for (const bool copy_engines : {true, false}) {
+    auto groups = create_cuda_groups(devices, options);
+    const auto in = make_inputs(c, fresh_seed());
+    std::vector<std::vector<int>> codes(kOps, std::vector<int>(2, -1));
+    std::vector<std::vector<int64_t>> wait_ms(kOps, std::vector<int64_t>(2, -1));
+    std::vector<std::vector<std::string>> messages(kOps, std::vector<std::string>(2));
+    std::vector<int64_t> bad(2, -1);
+    run_host_ranks(groups, [&](int r, Group& g) {
+      cudaSetDevice(g.device().index);
+      cudaStream_t stream;
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      BufferOptions bo;
+      bo.normal.copy_engines = copy_engines;
+      auto buffer = Buffer::create(groups[r], bo);
+      Tensor x = upload(in[r].x.data(), in[r].x.size(), DType::kBFloat16, {T, H}, g.device(), stream);
+      Tensor topk = upload(in[r].topk64.data(), in[r].topk64.size() * 8, DType::kInt64, {T, K}, g.device(), stream);
+      Tensor weights =
+          upload(in[r].weights.data(), in[r].weights.size() * 4, DType::kFloat32, {T, K}, g.device(), stream);
+      DispatchArgs a;
+      a.x = x;
+      a.topk_idx = topk;
+      a.num_experts = E;
+      a.stream = stream;
+      DispatchArgs with_weights = a;
+      with_weights.topk_weights = weights;
+      int64_t wrong = 0;
+      for (int op = 0; op < kOps; ++op) {
+        DispatchResult d = buffer->dispatch(with_weights);  // the handle of ops 2 and 3
+        cudaStreamSynchronize(stream);
+        g.barrier();
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          if (op == 0) {
+            (void)buffer->dispatch(r == 0 ? with_weights : a);
+          } else if (op == 1) {
+            DispatchArgs worst = a;
+            worst.num_worst_tokens = r == 1 ? 2 * T : 0;
+            (void)buffer->dispatch(worst);
+          } else if (op == 2 || r == 1) {
+            CombineArgs ca;
+            ca.x = d.recv_x;
+            if (r == 0) ca.topk_weights = d.recv_topk_weights;
+            ca.handle = d.handle;
+            ca.stream = stream;
+            (void)buffer->combine(ca);
+          } else {
+            DispatchArgs cached;
+            cached.x = x;
+            cached.handle = d.handle;
+            cached.stream = stream;
+            (void)buffer->dispatch(cached);
+          }
+          cudaStreamSynchronize(stream);  // the kernels found it (or gave up at the peer's abort word)
+          (void)buffer->dispatch(a);      // and the recorded failure is raised here at the latest
+          ADD_FAILURE() << "rank " << r << ", " << names[op] << ": no error";
+        } catch (const Error& e) {
+          codes[op][r] = static_cast<int>(e.code());
+          messages[op][r] = e.what();
+          wait_ms[op][r] =
+              std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+        }
+        d = {};
+        const int64_t w =
+            recover_round(*buffer, a, in[r], T, H, K, E, {ErrorCode::kPeerFailure, ErrorCode::kInvalidArgument});
+        wrong += w == 0 ? 0 : 1;
+      }
+      bad[r] = wrong;
+      x = {};
+      topk = {};
+      weights = {};
+      buffer.reset();
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    });
+    for (int op = 0; op < kOps; ++op) {
+      SCOPED_TRACE(std::string(copy_engines ? "copy engines, " : "SM rings, ") + names[op]);
+      int found = 0;
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_TRUE(codes[op][r] == static_cast<int>(ErrorCode::kInvalidArgument) ||
+                    codes[op][r] == static_cast<int>(ErrorCode::kPeerFailure))
+            << "rank " << r << ": " << messages[op][r];
+        EXPECT_GE(wait_ms[op][r], 0);
+        EXPECT_LT(wait_ms[op][r], 5'000) << "rank " << r << " learned of the mismatch after " << wait_ms[op][r]
+                                         << " ms";
+        if (messages[op][r].find("passed arguments of different kinds") != std::string::npos) ++found;
+      }
+      // A fresh dispatch's notify compares every rank's word with every other's: each rank finds it itself.
+      if (op < 2) {
+        EXPECT_EQ(found, 2) << messages[op][0] << " | " << messages[op][1];
+      }
+      EXPECT_GE(found, 1) << messages[op][0] << " | " << messages[op][1];
+    }
+    EXPECT_EQ(bad[0], 0);
+    EXPECT_EQ(bad[1], 0);
+  }
+}
+
 TEST_F(NormalGpuTest, BadArgumentsThrowBeforeAnyCollective) {
   auto groups = create_cuda_groups({0});
   auto buffer = Buffer::create(groups[0]);

@@ -19,6 +19,7 @@
 #include "core/limits.h"
 #include "core/timeout.h"
 #include "ep/backends.h"
+#include "ep/call_shape.h"
 #include "ep/cuda/hierarchical_engine.h"
 #include "ep/cuda/low_latency_engine.h"
 #include "ep/cuda/normal_engine.h"
@@ -267,11 +268,24 @@ void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
                   "or a combine; the call's outputs are invalid; {}",
                   e.rank, e.rank, e.peer, e.expected, e.observed, wait_site_name(e.where), reset_note);
   }
+  if (rec[0].code == kErrShapeMismatch) {
+    request_reset();
+    const auto& e = rec[0];
+    detail::raise(ErrorCode::kInvalidArgument,
+                  "cuda rank {}: rank {} and rank {} passed arguments of different kinds to the same normal call (seen "
+                  "in {}): rank {}: {}; rank {}: {}. Every rank must make the same call (fresh dispatch, cached "
+                  "dispatch or combine) with the same dtypes, hidden size, x_scales width, topk_idx width and dtype, "
+                  "topk_weights presence, num_experts and num_worst_tokens mode, idle ranks too (pass empty tensors "
+                  "of those shapes); the call's outputs are invalid; {}",
+                  e.rank, e.rank, e.peer, wait_site_name(e.where), e.rank,
+                  ep::describe_call_shape(static_cast<uint64_t>(e.expected)), e.peer,
+                  ep::describe_call_shape(static_cast<uint64_t>(e.observed)), reset_note);
+  }
   if (rec[0].code == kErrPeerAborted) {
     request_reset();  // the leaving rank asked for it already; the same generation
     detail::raise(ErrorCode::kPeerFailure,
                   "cuda rank {}: peer rank {} left the call (before it started, or on finding mismatched "
-                  "handles; its own error says why; {} waited in {}); {}",
+                  "handles or call shapes; its own error says why; {} waited in {}); {}",
                   rank_, rec[0].peer, rank_, wait_site_name(rec[0].where), reset_note);
   }
   if (rec[0].code == kErrTimeout) {

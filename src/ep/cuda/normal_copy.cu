@@ -178,12 +178,14 @@ __global__ void __launch_bounds__(kNormalThreads)
       const uint64_t* tail = sig(comm, me, comm.off_ce_tail, src);
       bool ok = true;
       int64_t need = end;
+      // The source's ids are checked before its fields are read (another call's fields sit elsewhere).
       if (whole) {
-        ok = wait_geq(comm, tail, ce_tag, kSiteCopyDispatchRows, src, 0);
+        ok = wait_geq(comm, tail, ce_tag, kSiteCopyDispatchRows, src, 0) &&
+             same_dispatch(comm, epoch, src, a.handle_id, a.shape_word, kSiteCopyDispatchRows, 0);
         need = ok ? static_cast<int64_t>(*reinterpret_cast<const volatile int32_t*>(src_ids + end - 1)) + 1 : 0;
       }
       s_abort = !ok || !wait_geq(comm, tail, ce_tag + static_cast<uint64_t>(need), kSiteCopyDispatchRows, src, 0) ||
-                !same_dispatch(comm, epoch, src, a.handle_id, kSiteCopyDispatchRows, 0);
+                (!whole && !same_dispatch(comm, epoch, src, a.handle_id, a.shape_word, kSiteCopyDispatchRows, 0));
     }
     __syncthreads();
     if (s_abort) return;
@@ -261,7 +263,7 @@ __global__ void __launch_bounds__(kReduceThreads)
       const int64_t need = a.excl_pos[r * (T + 1) + t1];  // rows of tokens < t1 that went to r
       if (need > 0 && (!wait_geq(comm, sig(comm, me, comm.off_ce_tail, r), ce_tag + static_cast<uint64_t>(need),
                                  kSiteCopyCombineRows, r, 0) ||
-                       !same_dispatch(comm, epoch, r, a.handle_id, kSiteCopyCombineRows, 0))) {
+                       !same_dispatch(comm, epoch, r, a.handle_id, a.shape_word, kSiteCopyCombineRows, 0))) {
         s_abort = true;
       }
     }

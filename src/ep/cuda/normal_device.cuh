@@ -35,8 +35,9 @@ __device__ __forceinline__ bool aborted(const CommArgs& comm) {
 // Record [0] for the failures that abort every other wait of this rank, [1] for the others (normal_kernels.h).
 __device__ void record_error(const CommArgs& comm, int32_t code, int32_t where, int32_t peer, int32_t channel,
                              int64_t expected, int64_t observed) {
-  record_error(comm.error + (code == kErrTimeout || code == kErrPeerAborted || code == kErrHandleMismatch ? 0 : 1),
-               code, where, comm.rank, peer, channel, expected, observed);
+  const bool aborts_waits =
+      code == kErrTimeout || code == kErrPeerAborted || code == kErrHandleMismatch || code == kErrShapeMismatch;
+  record_error(comm.error + (aborts_waits ? 0 : 1), code, where, comm.rank, peer, channel, expected, observed);
 }
 
 // True (and recorded) when a peer left the current call before it started, writing its rank into this rank's
@@ -78,19 +79,38 @@ __device__ void abort_peers(const CommArgs& comm) {
   __threadfence_system();
 }
 
-// True when source r's operation `epoch` belongs to the same dispatch as this rank's (the handle ids agree). Call
-// after an acquire that saw rows of r's operation `epoch` (r wrote its id before them, advance_epoch_kernel).
-// Otherwise records kErrHandleMismatch (record [0]: every wait of this rank gives up), writes every peer's abort
-// word (their waits give up at once and name this rank) and returns false. One thread calls it.
-__device__ bool same_dispatch(const CommArgs& comm, uint64_t epoch, int r, uint64_t handle_id, int32_t site,
-                              int32_t channel) {
-  const int R = comm.num_ranks, me = comm.rank;
-  if (r == me) return true;
-  const uint64_t theirs =
-      *reinterpret_cast<volatile const uint64_t*>(sig(comm, me, comm.off_handle_id, static_cast<int>(epoch & 1) * R + r));
-  if (theirs == handle_id) return true;
-  record_error(comm, kErrHandleMismatch, site, r, channel, static_cast<int64_t>(handle_id),
+// Source r's (handle id, shape word) of operation `epoch` in this rank's region (advance_epoch_kernel wrote them).
+__device__ __forceinline__ const volatile uint64_t* call_words(const CommArgs& comm, uint64_t epoch, int r) {
+  const int slot = static_cast<int>(epoch & 1) * comm.num_ranks + r;
+  return reinterpret_cast<const volatile uint64_t*>(sig(comm, comm.rank, comm.off_handle_id, 2 * slot));
+}
+
+// Records kErrShapeMismatch when source r's operation `epoch` has another shape word than `shape_word`; returns
+// whether they agree.
+__device__ bool same_shape(const CommArgs& comm, uint64_t epoch, int r, uint64_t shape_word, int32_t site,
+                           int32_t channel) {
+  const uint64_t theirs = call_words(comm, epoch, r)[1];
+  if (theirs == shape_word) return true;
+  record_error(comm, kErrShapeMismatch, site, r, channel, static_cast<int64_t>(shape_word),
                static_cast<int64_t>(theirs));
+  return false;
+}
+
+// True when source r's operation `epoch` belongs to the same dispatch as this rank's (the handle ids agree) and has
+// the same shape word. Call after an acquire that saw rows of r's operation `epoch` (r wrote both words before
+// them, advance_epoch_kernel). Otherwise records kErrHandleMismatch or kErrShapeMismatch (record [0]: every wait
+// of this rank gives up), writes every peer's abort word (their waits give up at once and name this rank) and
+// returns false. One thread calls it.
+__device__ bool same_dispatch(const CommArgs& comm, uint64_t epoch, int r, uint64_t handle_id, uint64_t shape_word,
+                              int32_t site, int32_t channel) {
+  if (r == comm.rank) return true;
+  const uint64_t theirs = call_words(comm, epoch, r)[0];
+  if (theirs != handle_id) {
+    record_error(comm, kErrHandleMismatch, site, r, channel, static_cast<int64_t>(handle_id),
+                 static_cast<int64_t>(theirs));
+  } else if (same_shape(comm, epoch, r, shape_word, site, channel)) {
+    return true;
+  }
   abort_peers(comm);
   return false;
 }

@@ -10,6 +10,7 @@
 #include "core/cuda/cuda_util.h"
 #include "core/limits.h"
 #include "core/timeout.h"
+#include "ep/call_shape.h"
 #include "ep/early_copies.h"
 #include "ep/validate.h"
 
@@ -176,7 +177,7 @@ void NormalEngine::read_counts(const NormalDispatchHandle& h, Stream stream, con
 }
 
 std::shared_ptr<NormalDispatchHandle> NormalEngine::begin_fresh(const DispatchArgs& args,
-                                                                const ep::DispatchShape& shape,
+                                                                const ep::DispatchShape& shape, uint64_t shape_word,
                                                                 NormalCallHooks& hooks) {
   const int64_t T = shape.num_tokens;
   Stream stream = args.stream;
@@ -213,24 +214,25 @@ std::shared_ptr<NormalDispatchHandle> NormalEngine::begin_fresh(const DispatchAr
   handle->recv_expert_counts = empty(DType::kInt32, {num_local_experts}, stream);
   handle->rank_prefix = empty(DType::kInt32, {R, R}, stream);
   hooks.mark_enqueued();
-  launch_advance_epoch(comm_, handle->id, stream);
+  launch_advance_epoch(comm_, handle->id, shape_word, stream);
   return handle;
 }
 
-void NormalEngine::notify(NormalDispatchHandle& h, const DispatchArgs& args, unsigned early_mask,
+void NormalEngine::notify(NormalDispatchHandle& h, const DispatchArgs& args, unsigned early_mask, uint64_t shape_word,
                           NormalCallHooks& hooks) {
   Stream stream = args.stream;
   const int num_local_experts = h.plan.meta.num_local_experts;
   launch_notify(comm_, h.chan_start.data_as<int32_t>(), h.num_tokens_per_expert.data_as<const int32_t>(),
                 num_local_experts, args.expert_alignment, h.plan.num_tokens,
-                config_.whole_copies && config_.copy_engines, early_mask, h.recv_meta.data_as<int32_t>(),
+                config_.whole_copies && config_.copy_engines, early_mask, shape_word, h.recv_meta.data_as<int32_t>(),
                 h.recv_expert_counts.data_as<int32_t>(), h.rank_prefix.data_as<int32_t>(), stream);
   check_cuda(cudaGetLastError(), "notify launch");
   // The per-expert counts were notify's only use of the layout's counts (the caller's, or this call's own).
   h.num_tokens_per_expert = Tensor();
   if (args.num_worst_tokens == 0) {
     read_counts(h, stream, "cudaStreamSynchronize (notify)");
-    if (errors_[0].code != kErrNone) hooks.raise_recorded_errors();  // a timeout: no data kernel follows
+    // A timeout, or shapes that differ (every rank found it): no data kernel follows.
+    if (errors_[0].code != kErrNone) hooks.raise_recorded_errors();
     h.plan.learn_counts(meta_host_, config_, rank_);
   }
 }
@@ -305,6 +307,21 @@ DispatchResult NormalEngine::dispatch(const DispatchArgs& args, NormalCallHooks&
   step.ring_rows = ring_rows_for(step.row_bytes);
   Stream stream = args.stream;
   DeviceGuard guard(device_);
+  ep::NormalCallShape call_shape;
+  call_shape.kind = cached ? ep::NormalCallKind::kCachedDispatch : ep::NormalCallKind::kFreshDispatch;
+  call_shape.x_dtype = args.x.dtype;
+  call_shape.hidden = H;
+  if (args.x_scales.defined()) {
+    call_shape.scales_dtype = args.x_scales.dtype;
+    call_shape.scale_columns = args.x_scales.shape[1];
+  }
+  call_shape.num_topk = K;
+  call_shape.topk_int64 = !shape.is_cached && args.topk_idx.dtype == DType::kInt64;
+  call_shape.has_weights = K > 0 && args.topk_weights.defined();
+  call_shape.num_experts = cached ? 0 : args.num_experts;
+  call_shape.fixed_rows = args.num_worst_tokens > 0;
+  call_shape.captured = capturing(stream);
+  const uint64_t shape_word = ep::encode_call_shape(call_shape);
   hooks.begin_collective(stream, /*keep_invalid_topk=*/cached == nullptr);
   timeline_.mark("call", stream);
 
@@ -313,9 +330,9 @@ DispatchResult NormalEngine::dispatch(const DispatchArgs& args, NormalCallHooks&
   if (cached) {
     handle = std::make_shared<NormalDispatchHandle>(*cached);
     hooks.mark_enqueued();
-    launch_advance_epoch(comm_, handle->id, stream);
+    launch_advance_epoch(comm_, handle->id, shape_word, stream);
   } else {
-    handle = begin_fresh(args, shape, hooks);
+    handle = begin_fresh(args, shape, shape_word, hooks);
   }
   DispatchPlan& plan = handle->plan;
 
@@ -349,6 +366,7 @@ DispatchResult NormalEngine::dispatch(const DispatchArgs& args, NormalCallHooks&
   k.ring_rows = step.ring_rows;
   k.row_bytes = step.row_bytes;
   k.handle_id = handle->id;
+  k.shape_word = shape_word;
 
   // Early copies (fresh, two ranks): the whole-x copy to the peer starts now, before notify and its host sync, into
   // staging laid out from the buffer's size alone (slot_rows), as the copy-engine path lays it out after notify.
@@ -365,7 +383,7 @@ DispatchResult NormalEngine::dispatch(const DispatchArgs& args, NormalCallHooks&
     step.slot_bytes = early_slot_bytes;
     copy_->send_dispatch(comm_, k, plan, step.fields, step.slot_bytes, nullptr, nullptr, num_sms, stream);
   }
-  if (!cached) notify(*handle, args, early, hooks);
+  if (!cached) notify(*handle, args, early, shape_word, hooks);
   if (args.num_worst_tokens == 0 && plan.num_recv < 0) {
     // A cached dispatch without num_worst_tokens after a worst-token dispatch: learn the counts now.
     read_counts(*handle, stream, "cudaStreamSynchronize (counts)");
@@ -487,8 +505,16 @@ CombineResult NormalEngine::combine(const CombineArgs& args, NormalCallHooks& ho
   k.ring_rows = step.ring_rows;
   k.row_bytes = step.row_bytes;
   k.handle_id = handle->id;
+  ep::NormalCallShape call_shape;
+  call_shape.kind = ep::NormalCallKind::kCombine;
+  call_shape.x_dtype = args.x.dtype;
+  call_shape.hidden = H;
+  call_shape.num_topk = K;
+  call_shape.has_weights = K > 0;
+  call_shape.captured = capturing(stream);
+  k.shape_word = ep::encode_call_shape(call_shape);
   hooks.mark_enqueued();
-  launch_advance_epoch(comm_, handle->id, stream);
+  launch_advance_epoch(comm_, handle->id, k.shape_word, stream);
   choose_combine_path(step, plan, H, K, stream);
 
   // Run: only enqueues. The copy-engine sends first: they need no outputs (as in dispatch).

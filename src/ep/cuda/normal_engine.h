@@ -86,12 +86,15 @@ class NormalEngine {
   Layout compute_layout(const TensorView& topk_idx, int64_t num_experts, Stream stream);
   // Rows of row_bytes in one (source, channel) ring; kInvalidArgument when fewer than kNormalMinRingRows fit.
   int64_t ring_rows_for(int64_t row_bytes) const;
-  // A fresh dispatch's routing up to notify: the layout (or a copy of the caller's), scan, epoch.
+  // A fresh dispatch's routing up to notify: the layout (or a copy of the caller's), scan, epoch (with the call's
+  // shape word, ep::encode_call_shape).
   std::shared_ptr<NormalDispatchHandle> begin_fresh(const DispatchArgs& args, const ep::DispatchShape& shape,
-                                                    NormalCallHooks& hooks);
-  // The fresh dispatch's notify (early_mask: the destinations whose whole-x copy already started); without
-  // num_worst_tokens it waits for notify and makes the plan from the counts.
-  void notify(NormalDispatchHandle& h, const DispatchArgs& args, unsigned early_mask, NormalCallHooks& hooks);
+                                                    uint64_t shape_word, NormalCallHooks& hooks);
+  // The fresh dispatch's notify (early_mask: the destinations whose whole-x copy already started), which also
+  // compares every rank's shape word with this one's; without num_worst_tokens it waits for notify and makes the
+  // plan from the counts.
+  void notify(NormalDispatchHandle& h, const DispatchArgs& args, unsigned early_mask, uint64_t shape_word,
+              NormalCallHooks& hooks);
   // The destinations (bits) whose whole-x copy a fresh dispatch with kernel arguments k starts before notify into
   // staging slots of slot_bytes (NormalConfig::early_copies; docs/normal-kernels.md, "Early copies"); 0: none.
   unsigned early_copy_mask(const DispatchArgs& args, const DispatchKernelArgs& k, int64_t slot_bytes) const;

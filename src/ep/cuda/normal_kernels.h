@@ -43,10 +43,11 @@ struct CommArgs {
   // copy-engine operation count (ce_tag: a host counter, so a stream can write it without a kernel).
   int64_t off_ce_tail;
   int64_t off_abort;  // uint64: 1 + a rank that left the call before it started (it writes every peer's word)
-  // uint64 [2][R src]: the id of the dispatch the source's operation belongs to (its handle's, or the new
-  // handle's), in slot [epoch & 1]: written by the source at the operation's start (launch_advance_epoch),
-  // compared by receivers with their own when they see the source's rows (same_dispatch). Two slots as for
-  // notify: a source is one operation ahead at most.
+  // uint64 [2][R src][2]: the id of the dispatch the source's operation belongs to (its handle's, or the new
+  // handle's) and the operation's shape word (ep/call_shape.h), in slot [epoch & 1]: written by the source at the
+  // operation's start (launch_advance_epoch), compared by receivers with their own when they see the source's rows
+  // (same_dispatch), and the shape words by notify. Two slots as for notify: a source is one operation ahead at
+  // most.
   int64_t off_handle_id;
   int64_t off_ring;    // rings [R src][C][ring_slab_bytes] of ring_rows x row_bytes; or the copy-engine staging slots
   int64_t ring_bytes;  // bytes available for rings
@@ -145,7 +146,8 @@ struct DispatchKernelArgs {
   bool worst_mode;       // rows past the received count get src_idx/topk_idx -1
   int64_t ring_rows;
   int64_t row_bytes;
-  uint64_t handle_id;  // the dispatch this one repeats (cached) or makes: every rank's must agree
+  uint64_t handle_id;   // the dispatch this one repeats (cached) or makes: every rank's must agree
+  uint64_t shape_word;  // ep::encode_call_shape of this call: every rank's must agree
 };
 
 struct CombineKernelArgs {
@@ -164,7 +166,8 @@ struct CombineKernelArgs {
   float* out_topk_weights;  // [T, K] or null
   int64_t ring_rows;
   int64_t row_bytes;
-  uint64_t handle_id;  // the dispatch this combine reverses: every rank's must agree
+  uint64_t handle_id;   // the dispatch this combine reverses: every rank's must agree
+  uint64_t shape_word;  // ep::encode_call_shape of this call: every rank's must agree
 };
 
 // Layout: counts and is_token_in_rank; an entry outside [-1, num_experts) is recorded in `error` and
@@ -190,16 +193,19 @@ void launch_scan(const uint8_t* is_token_in_rank, int64_t num_tokens, int num_ra
 // creation barrier.
 cudaError_t preload_normal_kernels();
 // Starts an operation: advances this rank's epoch and writes `handle_id` (the dispatch the operation belongs to)
-// into every peer's off_handle_id slot for the new epoch.
-void launch_advance_epoch(const CommArgs& comm, uint64_t handle_id, cudaStream_t stream);
+// and `shape_word` (ep::encode_call_shape of the call) into every peer's off_handle_id slot for the new epoch.
+void launch_advance_epoch(const CommArgs& comm, uint64_t handle_id, uint64_t shape_word, cudaStream_t stream);
 // Notify also tells each destination whether this rank sends it whole x (whole_copy with `whole`, or a bit of
 // early_mask: the destinations whose whole-x copy this rank started before notify), and whether this rank's
 // layout kernel recorded an invalid topk_idx entry (comm.error[1]); the lowest such rank lands in
-// recv_meta[failed_source()] on every rank (its bad entries are dropped, the protocol runs on).
+// recv_meta[failed_source()] on every rank (its bad entries are dropped, the protocol runs on). It compares every
+// source's shape word (launch_advance_epoch) with `shape_word`: a difference records kErrShapeMismatch in
+// comm.error[0] (every later wait of the rank gives up); every rank finds it, since each compares with all.
 // rank_prefix_matrix: int32 [R, R], [i][j] = tokens that ranks 0..i send to rank j (the same on every rank).
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
                    int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, unsigned early_mask,
-                   int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix, cudaStream_t stream);
+                   uint64_t shape_word, int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix,
+                   cudaStream_t stream);
 // SM path: 2 * min(C, max(1, num_sms / 2)) blocks, a sender and a receiver block per channel; with fewer
 // blocks than 2 * C each pair handles several channels in turn (the same order on every rank).
 void launch_dispatch(const CommArgs& comm, const DispatchKernelArgs& args, int num_sms, cudaStream_t stream);

@@ -6,7 +6,7 @@
 namespace epx::cuda {
 namespace {
 
-__global__ void advance_epoch_kernel(CommArgs comm, uint64_t handle_id) {
+__global__ void advance_epoch_kernel(CommArgs comm, uint64_t handle_id, uint64_t shape_word) {
   auto* p = reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_epoch);
   const uint64_t epoch = *p + 1;
   // NOTE: the slot of this parity at a peer was last read in operation epoch - 2, which the peer finished before it
@@ -14,7 +14,10 @@ __global__ void advance_epoch_kernel(CommArgs comm, uint64_t handle_id) {
   // rows of this operation (their signals are released by later kernels or stream writes of this stream).
   const int R = comm.num_ranks, me = comm.rank;
   for (int d = static_cast<int>(threadIdx.x); d < R; d += blockDim.x) {
-    if (d != me) st_release_sys(sig(comm, d, comm.off_handle_id, static_cast<int>(epoch & 1) * R + me), handle_id);
+    if (d == me) continue;
+    uint64_t* words = sig(comm, d, comm.off_handle_id, 2 * (static_cast<int>(epoch & 1) * R + me));
+    words[1] = shape_word;
+    st_release_sys(words, handle_id);
   }
   __syncthreads();
   if (threadIdx.x == 0) *p = epoch;
@@ -24,8 +27,8 @@ __global__ void advance_epoch_kernel(CommArgs comm, uint64_t handle_id) {
 
 __global__ void __launch_bounds__(256)
     notify_kernel(CommArgs comm, const int32_t* chan_start, const int32_t* per_expert, int num_local_experts,
-                  int expert_alignment, int64_t num_tokens, bool whole, unsigned early_mask, int32_t* recv_meta,
-                  int32_t* recv_expert_counts, int32_t* rank_prefix_matrix) {
+                  int expert_alignment, int64_t num_tokens, bool whole, unsigned early_mask, uint64_t shape_word,
+                  int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix) {
   __shared__ bool s_abort;
   const uint64_t epoch = read_epoch(comm);
   const int parity = static_cast<int>(epoch & 1);
@@ -67,7 +70,9 @@ __global__ void __launch_bounds__(256)
   if (threadIdx.x < R) {
     const int r = threadIdx.x;
     st_release_sys(sig(comm, r, comm.off_notify_flag, parity * R + me), epoch);
-    if (!wait_geq(comm, sig(comm, me, comm.off_notify_flag, parity * R + r), epoch, kSiteNotify, r, -1)) {
+    // NOTE: no abort of the peers on a shape mismatch: each rank compares with every source, so each finds it.
+    if (!wait_geq(comm, sig(comm, me, comm.off_notify_flag, parity * R + r), epoch, kSiteNotify, r, -1) ||
+        (r != me && !same_shape(comm, epoch, r, shape_word, kSiteNotify, -1))) {
       s_abort = true;
     }
   }
@@ -129,15 +134,16 @@ cudaError_t preload_notify_kernels() {
       {reinterpret_cast<const void*>(&advance_epoch_kernel), reinterpret_cast<const void*>(&notify_kernel)});
 }
 
-void launch_advance_epoch(const CommArgs& comm, uint64_t handle_id, cudaStream_t stream) {
-  advance_epoch_kernel<<<1, 32, 0, stream>>>(comm, handle_id);
+void launch_advance_epoch(const CommArgs& comm, uint64_t handle_id, uint64_t shape_word, cudaStream_t stream) {
+  advance_epoch_kernel<<<1, 32, 0, stream>>>(comm, handle_id, shape_word);
 }
 
 void launch_notify(const CommArgs& comm, const int32_t* chan_start, const int32_t* num_tokens_per_expert,
                    int num_local_experts, int expert_alignment, int64_t num_tokens, bool whole, unsigned early_mask,
-                   int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix, cudaStream_t stream) {
+                   uint64_t shape_word, int32_t* recv_meta, int32_t* recv_expert_counts, int32_t* rank_prefix_matrix,
+                   cudaStream_t stream) {
   notify_kernel<<<1, 256, 0, stream>>>(comm, chan_start, num_tokens_per_expert, num_local_experts, expert_alignment,
-                                       num_tokens, whole, early_mask, recv_meta, recv_expert_counts,
+                                       num_tokens, whole, early_mask, shape_word, recv_meta, recv_expert_counts,
                                        rank_prefix_matrix);
 }
 

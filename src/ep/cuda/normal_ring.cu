@@ -146,7 +146,8 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
         const uint64_t* tail = sig(comm, me, comm.off_tail, peer * C + channel);
         s_abort[group_id] =
             !wait_geq(comm, tail, tag + static_cast<uint64_t>(consumed + 1), kSiteDispatchRecvTail, peer, channel) ||
-            (consumed == 0 && !same_dispatch(comm, epoch, peer, a.handle_id, kSiteDispatchRecvTail, channel));
+            (consumed == 0 &&
+             !same_dispatch(comm, epoch, peer, a.handle_id, a.shape_word, kSiteDispatchRecvTail, channel));
         const int64_t avail = static_cast<int64_t>(ld_acquire_sys(tail) - tag);
         s_avail[group_id] = avail < num_rows ? avail : num_rows;
       }
@@ -256,7 +257,8 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
         // Rows of this operation from the rank: it must reverse the same dispatch (checked once per channel).
         if (v > tag && !s_checked[threadIdx.x]) {
           s_checked[threadIdx.x] = true;
-          if (!same_dispatch(comm, epoch, threadIdx.x, a.handle_id, kSiteCombineRecvTail, channel)) s_mismatch = true;
+          if (!same_dispatch(comm, epoch, threadIdx.x, a.handle_id, a.shape_word, kSiteCombineRecvTail, channel))
+            s_mismatch = true;
         }
       }
       if (threadIdx.x == 0) s_first_missing = kNormalThreads;

@@ -25,9 +25,9 @@ struct ErrorRecord {
   int64_t observed;  // the value seen last (timeouts); the bad value (topk_idx) or rows received (overflow)
 };
 
-// Normal path: kErrTimeout, kErrPeerAborted and kErrHandleMismatch go to record [0] (they abort every other wait of the rank), the
-// others to [1]. Low-latency path: one record per buffer, kErrTimeout (the peer is masked, nothing aborts) or
-// kErrExpertOverflow.
+// Normal path: kErrTimeout, kErrPeerAborted, kErrHandleMismatch and kErrShapeMismatch go to record [0] (they abort
+// every other wait of the rank), the others to [1]. Low-latency path: one record per buffer, kErrTimeout (the peer is
+// masked, nothing aborts) or kErrExpertOverflow.
 enum ErrorKind : int32_t {
   kErrNone = 0,
   kErrTimeout = 1,
@@ -39,6 +39,10 @@ enum ErrorKind : int32_t {
   // it, expected/observed are the two handle ids. Normal path: record [0] (aborts the rank's waits, and the peers'
   // through their abort words); low-latency combine: the buffer's record (the expert's rows are left out).
   kErrHandleMismatch = 6,
+  // Normal path: a peer's operation has another shape word (ep/call_shape.h: call kind, dtypes, hidden size, scales,
+  // top-k, weights, num_experts, worst-token mode, capture) than this rank's; `peer` names it, expected/observed are
+  // this rank's word and the peer's. Record [0], as kErrHandleMismatch.
+  kErrShapeMismatch = 7,
 };
 
 enum WaitSite : int32_t {
