@@ -15,8 +15,9 @@ struct Field {
   uint64_t get(uint64_t word) const { return (word >> bit) & ((uint64_t{1} << width) - 1); }
 };
 
-constexpr Field kKind{0, 2}, kXDtype{2, 4}, kScalesDtype{6, 4}, kTopk{10, 5}, kTopkInt64{15, 1}, kWeights{16, 1},
-    kFixedRows{17, 1}, kCaptured{18, 1}, kExperts{19, 14}, kScaleColumns{33, 14}, kHidden{47, 17};
+constexpr Field kKind{0, 2},  // kCallKindMask
+    kXDtype{2, 4}, kScalesDtype{6, 4}, kTopk{10, 5}, kTopkInt64{15, 1}, kWeights{16, 1}, kFixedRows{17, 1},
+    kCaptured{18, 1}, kExperts{19, 14}, kScaleColumns{33, 14}, kHidden{47, 17};
 
 uint64_t clamp(int64_t v) { return v > 0 ? static_cast<uint64_t>(v) : 0; }
 

@@ -15,6 +15,8 @@
 namespace epx::ep {
 
 enum class NormalCallKind : uint8_t { kFreshDispatch = 1, kCachedDispatch = 2, kCombine = 3 };
+// The word's lowest bits hold the kind (the kernels read it: a fresh dispatch's notify waits for its peers' notify).
+inline constexpr uint64_t kCallKindMask = 3;
 
 struct NormalCallShape {
   NormalCallKind kind = NormalCallKind::kFreshDispatch;

@@ -27,7 +27,7 @@ NormalRegionLayout NormalRegionLayout::make(int num_ranks, int num_channels, int
   l.off_copy_counter = take(8);
   l.off_ce_tail = take(8 * int64_t{num_ranks});
   l.off_abort = take(8);
-  l.off_handle_id = take(8 * 2 * int64_t{num_ranks} * 2);
+  l.off_handle_id = take(8 * 2 * int64_t{num_ranks} * kCallWords);
   l.signals_used = off;
   EPX_CHECK(ErrorCode::kInternal, off <= kNormalSignalBytes, "the normal signal area needs {} bytes, has {}", off,
             kNormalSignalBytes);

@@ -20,6 +20,9 @@ inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 // started before notify (EarlyCopies), else 0.
 inline constexpr int kNotifyInts = 5 + kNormalMaxChannels + kNormalMaxLocalExperts + kNormalMaxRanks;
 
+// Words per (parity, source) in the handle-id area: the dispatch id, the shape word, the epoch.
+inline constexpr int kCallWords = 3;
+
 // Byte offsets inside a rank's region (identical on every rank). Signals are uint64.
 struct NormalRegionLayout {
   int64_t off_epoch = 0;         // uint64: this rank's operation counter (local only)
@@ -31,8 +34,8 @@ struct NormalRegionLayout {
   int64_t off_copy_counter = 0;  // uint32: finished blocks of the copy-engine receive kernel (local only)
   int64_t off_ce_tail = 0;       // uint64 [R src]: rows the source's copy engine delivered, tagged
   int64_t off_abort = 0;         // uint64: 1 + the rank that left the current call before it started, else 0
-  // uint64 [2][R src][2]: the dispatch id of the source's operation and its shape word (ep/call_shape.h), by epoch
-  // parity
+  // uint64 [2][R src][kCallWords]: the dispatch id of the source's operation, its shape word (ep/call_shape.h) and
+  // its epoch, by epoch parity
   int64_t off_handle_id = 0;
   int64_t signals_used = 0;      // bytes the signals above take, <= kNormalSignalBytes
   int64_t off_ring = 0;          // = kNormalSignalBytes: rings [R src][C] of ring_slab_bytes each

@@ -1310,10 +1310,12 @@ TEST_F(NormalGpuTest, MismatchedShapesAreReported) {
   const int64_t T = 256, H = 1024, K = 4, E = 16;
   const Case c = ep2_case(devices, T, H, K, E);
   // op 0: fresh dispatch, topk_weights on rank 0 only; op 1: fresh dispatch, num_worst_tokens on rank 1 only;
-  // op 2: combine, topk_weights on rank 0 only; op 3: cached dispatch on rank 0, combine on rank 1 (same handle).
+  // op 2: combine, topk_weights on rank 0 only; op 3: cached dispatch on rank 0, combine on rank 1 (same handle);
+  // op 4: fresh dispatch on rank 0, combine on rank 1 (rank 1 never comes to notify: rank 0's wait finds its words).
   const char* const names[] = {"fresh dispatch, weights on rank 0 only", "fresh dispatch, worst tokens on rank 1 only",
-                               "combine, weights on rank 0 only", "cached dispatch against combine"};
-  constexpr int kOps = 4;
+                               "combine, weights on rank 0 only", "cached dispatch against combine",
+                               "fresh dispatch against combine"};
+  constexpr int kOps = 5;
   for (const bool copy_engines : {true, false}) {
     auto groups = create_cuda_groups(devices, options);
     const auto in = make_inputs(c, fresh_seed());
@@ -1346,13 +1348,13 @@ TEST_F(NormalGpuTest, MismatchedShapesAreReported) {
         g.barrier();
         const auto start = std::chrono::steady_clock::now();
         try {
-          if (op == 0) {
+          if (op == 0 || (op == 4 && r == 0)) {
             (void)buffer->dispatch(r == 0 ? with_weights : a);
           } else if (op == 1) {
             DispatchArgs worst = a;
             worst.num_worst_tokens = r == 1 ? 2 * T : 0;
             (void)buffer->dispatch(worst);
-          } else if (op == 2 || r == 1) {
+          } else if (op == 2 || op == 4 || r == 1) {
             CombineArgs ca;
             ca.x = d.recv_x;
             if (r == 0) ca.topk_weights = d.recv_topk_weights;

@@ -10,11 +10,12 @@
 
 #include <cstdint>
 
-#include "core/bf16.h"
 #include "comm/cuda/device/error.cuh"
 #include "comm/cuda/device/grid.cuh"
 #include "comm/cuda/device/ordering.cuh"
 #include "comm/cuda/device/wait.cuh"
+#include "core/bf16.h"
+#include "ep/call_shape.h"
 #include "ep/cuda/normal_kernels.h"
 
 namespace epx::cuda {
@@ -79,10 +80,11 @@ __device__ void abort_peers(const CommArgs& comm) {
   __threadfence_system();
 }
 
-// Source r's (handle id, shape word) of operation `epoch` in this rank's region (advance_epoch_kernel wrote them).
+// Source r's (handle id, shape word, epoch) of operation `epoch` (or `epoch - 2`, same parity) in this rank's region
+// (advance_epoch_kernel wrote them, the epoch last with a release).
 __device__ __forceinline__ const volatile uint64_t* call_words(const CommArgs& comm, uint64_t epoch, int r) {
   const int slot = static_cast<int>(epoch & 1) * comm.num_ranks + r;
-  return reinterpret_cast<const volatile uint64_t*>(sig(comm, comm.rank, comm.off_handle_id, 2 * slot));
+  return reinterpret_cast<const volatile uint64_t*>(sig(comm, comm.rank, comm.off_handle_id, kCallWords * slot));
 }
 
 // Records kErrShapeMismatch when source r's operation `epoch` has another shape word than `shape_word`; returns
@@ -94,6 +96,20 @@ __device__ bool same_shape(const CommArgs& comm, uint64_t epoch, int r, uint64_t
   record_error(comm, kErrShapeMismatch, site, r, channel, static_cast<int64_t>(shape_word),
                static_cast<int64_t>(theirs));
   return false;
+}
+
+// While a fresh dispatch's notify waits for source r in operation `epoch`: true (recorded as kErrShapeMismatch, the
+// peers' abort words written) when r has started its operation `epoch` and it is not a fresh dispatch (a combine or
+// a cached dispatch: its notify flag never comes). A peer in a fresh dispatch of another shape is left to compare in
+// its own notify.
+__device__ bool peer_in_another_call(const CommArgs& comm, uint64_t epoch, int r, uint64_t shape_word, int32_t site,
+                                     int32_t channel) {
+  const volatile uint64_t* words = call_words(comm, epoch, r);
+  if (ld_acquire_sys(const_cast<const uint64_t*>(words + 2)) != epoch) return false;
+  if ((words[1] & ep::kCallKindMask) == static_cast<uint64_t>(ep::NormalCallKind::kFreshDispatch)) return false;
+  same_shape(comm, epoch, r, shape_word, site, channel);
+  abort_peers(comm);
+  return true;
 }
 
 // True when source r's operation `epoch` belongs to the same dispatch as this rank's (the handle ids agree) and has

@@ -43,11 +43,11 @@ struct CommArgs {
   // copy-engine operation count (ce_tag: a host counter, so a stream can write it without a kernel).
   int64_t off_ce_tail;
   int64_t off_abort;  // uint64: 1 + a rank that left the call before it started (it writes every peer's word)
-  // uint64 [2][R src][2]: the id of the dispatch the source's operation belongs to (its handle's, or the new
-  // handle's) and the operation's shape word (ep/call_shape.h), in slot [epoch & 1]: written by the source at the
-  // operation's start (launch_advance_epoch), compared by receivers with their own when they see the source's rows
-  // (same_dispatch), and the shape words by notify. Two slots as for notify: a source is one operation ahead at
-  // most.
+  // uint64 [2][R src][kCallWords]: the id of the dispatch the source's operation belongs to (its handle's, or the
+  // new handle's), the operation's shape word (ep/call_shape.h) and its epoch (released last), in slot [epoch & 1]:
+  // written by the source at the operation's start (launch_advance_epoch), compared by receivers with their own when
+  // they see the source's rows (same_dispatch), and the shape words by notify, also while it waits (a peer in
+  // another kind of call never comes to notify). Two slots as for notify: a source is one operation ahead at most.
   int64_t off_handle_id;
   int64_t off_ring;    // rings [R src][C][ring_slab_bytes] of ring_rows x row_bytes; or the copy-engine staging slots
   int64_t ring_bytes;  // bytes available for rings
