@@ -284,8 +284,9 @@ void CudaBuffer::raise_recorded_errors(bool keep_invalid_topk) {
   if (rec[0].code == kErrPeerAborted) {
     request_reset();  // the leaving rank asked for it already; the same generation
     detail::raise(ErrorCode::kPeerFailure,
-                  "cuda rank {}: peer rank {} left the call (before it started, or on finding mismatched "
-                  "handles or call shapes; its own error says why; {} waited in {}); {}",
+                  "cuda rank {}: peer rank {} left the call (before it started, on finding mismatched "
+                  "handles or call shapes, or when its wait for this rank's release gave up; its own error says why; "
+                  "{} waited in {}); {}",
                   rank_, rec[0].peer, rank_, wait_site_name(rec[0].where), reset_note);
   }
   if (rec[0].code == kErrTimeout) {

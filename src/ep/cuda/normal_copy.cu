@@ -23,6 +23,7 @@ __device__ void finish_copy_receive(const CommArgs& comm, uint64_t epoch) {
   __syncthreads();
   // NOTE: the finisher's fences order every block's reads of staging before the last block's release of done.
   if (threadIdx.x == 0) {
+    (void)staging_kept(comm, kSiteReceiveEnd, -1);
     s_last = last_block_arrives(reinterpret_cast<unsigned*>(comm.peers[comm.rank] + comm.off_copy_counter));
   }
   __syncthreads();

@@ -70,6 +70,16 @@ __device__ __forceinline__ uint64_t read_epoch(const CommArgs& comm) {
   return *reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_epoch);
 }
 
+// A receiver's check before it releases what it read (done): false (recorded as kErrPeerAborted at `site`) when a
+// peer wrote this rank's abort word while it read. A peer whose release wait gave up writes the abort words before
+// its copy engines, which the host enqueued and nothing stops, overwrite this rank's staging (peers_released): rows
+// read after such a copy landed come with the abort word visible here, so the call fails instead of returning them.
+// One thread calls it, after a barrier that follows the reads.
+__device__ bool staging_kept(const CommArgs& comm, int32_t site, int32_t channel) {
+  __threadfence();
+  return aborted(comm) || !peer_left(comm, site, channel);
+}
+
 // Writes every peer's abort word (their waits give up at once and name this rank). One thread calls it.
 __device__ void abort_peers(const CommArgs& comm) {
   for (int d = 0; d < comm.num_ranks; ++d) {

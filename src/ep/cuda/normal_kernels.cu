@@ -36,6 +36,8 @@ const char* wait_site_name(int32_t site) {
       return "low-latency combine receive (rows from the peer)";
     case kSiteCopyDispatchEarly:
       return "dispatch on SM rings (the peer's early copy landing)";
+    case kSiteReceiveEnd:
+      return "the end of a receive (rows it read may have been overwritten by the peer's copies)";
     default:
       return "unknown";
   }

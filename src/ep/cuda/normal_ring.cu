@@ -164,7 +164,10 @@ __global__ void __launch_bounds__(kNormalThreads) dispatch_kernel(CommArgs comm,
       if (leader) st_release_sys(sig(comm, peer, comm.off_head, me * C + channel), tag + static_cast<uint64_t>(avail));
       consumed = avail;
     }
-    if (leader) st_release_sys(sig(comm, peer, comm.off_done, me * C + channel), epoch);
+    if (leader) {
+      (void)staging_kept(comm, kSiteReceiveEnd, channel);
+      st_release_sys(sig(comm, peer, comm.off_done, me * C + channel), epoch);
+    }
 
     // Worst-token mode: mark the rows past the received count (receiver blocks share the work by channel).
     if (a.worst_mode && peer == 0) {
@@ -331,6 +334,7 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
       cursor += num_ready;
     }
     __syncthreads();
+    if (threadIdx.x == 0) (void)staging_kept(comm, kSiteReceiveEnd, channel);
     if (threadIdx.x < R) st_release_sys(sig(comm, threadIdx.x, comm.off_done, me * C + channel), epoch);
     __syncthreads();  // the shared state is reset by the next channel
   }

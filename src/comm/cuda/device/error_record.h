@@ -60,6 +60,7 @@ enum WaitSite : int32_t {
   kSiteLowLatencyDispatchRecv = 12,  // a low-latency dispatch receive waiting for a source's count signal
   kSiteLowLatencyCombineRecv = 13,   // a low-latency combine receive waiting for an expert's rows
   kSiteCopyDispatchEarly = 14,       // SM rings after a peer's early whole-x copy (waiting for it to land)
+  kSiteReceiveEnd = 15,              // a normal receive's end: a peer's abort word came while it read (staging_kept)
 };
 const char* wait_site_name(int32_t site);  // normal_kernels.cu
 
