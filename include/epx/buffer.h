@@ -62,6 +62,13 @@ struct LowLatencyConfig {
   // every w_k * y_k in ascending k, one rounding (the default, as DeepEP). The hierarchical
   // routing always reduces per node (docs/internode.md) and ignores it. Same on every rank. docs/low-latency.md.
   bool expert_side_reduction = false;
+  // A rank that does not come to a low-latency call within the group's timeout is masked (mask_rank) and the call
+  // completes without it (DeepEP's shrink semantics): its experts contribute nothing to the combine. false (default):
+  // a warning is logged. true: the rank is masked the same way and the call raises kTimeout naming it, on the host
+  // backend in the same call, on the cuda backend at this rank's next low-latency call (the kernels cannot stop the
+  // host); for callers that must not return a silent zero contribution (the DeepEP shim without enable_shrink). The
+  // mask stays: unmask_rank / clear_rank_mask once the peer is back. Per rank (not compared across ranks).
+  bool raise_on_timeout = false;
 };
 
 // Which way normal dispatch/combine move tokens (docs/internode.md). The same on every rank.

@@ -41,3 +41,19 @@ def test_above_the_normal_cap_a_cuda_buffer_is_low_latency_only():
     # The host backend has no cap; an explicit size is passed through (the cuda backend then names the cap).
     assert config.normal_buffer_bytes(0, cuda=False, num_ranks=cap + 8, num_sms=24) > 0
     assert config.normal_buffer_bytes(4096, cuda=True, num_ranks=cap + 8, num_sms=24) == 4096
+
+
+def test_enable_shrink_decides_whether_a_timeout_raises():
+    # Without enable_shrink DeepEP traps the GPU on a low-latency timeout: the shim raises instead of masking silently.
+    assert config.low_latency_config(None, enable_shrink=False).raise_on_timeout
+    assert not config.low_latency_config(None, enable_shrink=True).raise_on_timeout
+    assert not epx.LowLatencyConfig().raise_on_timeout  # epx's own default: mask and warn
+    mine = epx.LowLatencyConfig()
+    mine.expert_side_reduction = True
+    mine.combine_send_parts = 4
+    mine.token_rows_min_tokens = 0
+    mine.programmatic_launch = False
+    got = config.low_latency_config(mine, enable_shrink=False)
+    assert (got.expert_side_reduction, got.combine_send_parts, got.token_rows_min_tokens,
+            got.programmatic_launch, got.raise_on_timeout) == (True, 4, 0, False, True)
+    assert not mine.raise_on_timeout, "the caller's config is copied, not changed"

@@ -92,9 +92,11 @@ LowLatencyDispatchArgs dispatch_args(RankInput& d, const Case& c) {
   return a;
 }
 
-std::vector<std::unique_ptr<Buffer>> make_buffers(const std::vector<std::shared_ptr<Group>>& groups) {
+std::vector<std::unique_ptr<Buffer>> make_buffers(const std::vector<std::shared_ptr<Group>>& groups,
+                                                  bool raise_on_timeout = false) {
   BufferOptions options;
   options.num_low_latency_bytes = 1;  // the host backend sizes its own slots
+  options.low_latency.raise_on_timeout = raise_on_timeout;
   std::vector<std::unique_ptr<Buffer>> buffers;
   for (const auto& g : groups) buffers.push_back(Buffer::create(g, options));
   return buffers;
@@ -605,6 +607,55 @@ TEST(HostLowLatency, SilentRankIsMaskedAfterTimeout) {
     check_dispatch(in, c, r, step.dispatched[r], present);
     check_combine(in, c, r, step.combined[r].x, present);
   }
+}
+
+// LowLatencyConfig::raise_on_timeout: the silent rank is masked as without it, and the call raises kTimeout naming
+// it; the next calls run without it. A peer's deliberate mask (mask_rank) is no timeout: masked back, no error.
+TEST(HostLowLatency, RaiseOnTimeoutRaisesAndKeepsTheMask) {
+  testing::SeededRng rng;
+  Case c;
+  c.num_ranks = 3;
+  c.num_experts = 12;
+  c.num_topk = 4;
+  constexpr int kSilent = 2;
+  auto groups = create_host_groups(c.num_ranks, {.timeout_ms = 200});
+  auto buffers = make_buffers(groups, /*raise_on_timeout=*/true);
+  auto in = make_inputs(rng, c);
+  Step step(c.num_ranks);
+  std::vector<std::string> messages(c.num_ranks);
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    if (r == kSilent) return;  // never calls
+    try {
+      step.round(*buffers[r], in[r], c, r);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      messages[r] = e.what();
+    }
+  });
+  for (int r = 0; r < c.num_ranks; ++r) {
+    if (r == kSilent) continue;
+    EXPECT_NE(messages[r].find("rank 2 did not post within the group timeout"), std::string::npos) << messages[r];
+    EXPECT_EQ(buffers[r]->rank_mask(), (std::vector<bool>{false, false, true})) << "rank " << r;
+  }
+  in = make_inputs(rng, c);
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    if (r != kSilent) step.round(*buffers[r], in[r], c, r);
+  });
+  const std::vector<bool> present = {true, true, false};
+  for (int r = 0; r < c.num_ranks; ++r) {
+    if (r == kSilent) continue;
+    check_dispatch(in, c, r, step.dispatched[r], present);
+    check_combine(in, c, r, step.combined[r].x, present);
+  }
+  // A deliberate mask: ranks 0 and 1 of a new group mask rank 2, which finds itself masked and masks them back.
+  auto groups2 = create_host_groups(c.num_ranks, {.timeout_ms = 20'000});
+  auto buffers2 = make_buffers(groups2, /*raise_on_timeout=*/true);
+  in = make_inputs(rng, c);
+  testing::on_ranks(c.num_ranks, [&](int r) {
+    if (r != kSilent) buffers2[r]->mask_rank(kSilent);
+    step.round(*buffers2[r], in[r], c, r);
+  });
+  EXPECT_EQ(buffers2[kSilent]->rank_mask(), (std::vector<bool>{true, true, false}));
 }
 
 // unmask_rank clears one bit, locally: traffic resumes once both sides have unmasked each other.

@@ -29,7 +29,8 @@ import torch
 import epx
 from epx import _epx
 
-from .config import MAX_NVL_PEERS, MIN_BUFFER_SMS, Config, low_latency_routing, normal_buffer_bytes
+from .config import (MAX_NVL_PEERS, MIN_BUFFER_SMS, Config, low_latency_config, low_latency_routing,
+                     normal_buffer_bytes)
 from .events import EventHandle, EventOverlap, torch_event_of
 from .handles import (InternodeHandle, LowLatencyHandle, NormalHandle, native_dispatch_handle,
                       native_low_latency_handle)
@@ -71,8 +72,11 @@ class Buffer:
     (e.g. ``epx.host_groups(n, gpus_per_node=g)[r]`` for the host backend). num_nvl_bytes: peer memory of the
     normal path (0: epx's default size). num_rdma_bytes: with low_latency_mode, the low-latency memory
     (see get_low_latency_rdma_size_hint); otherwise unused (epx's internode normal path allocates its network
-    buffers per call). num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric,
-    enable_shrink: accepted and ignored (epx always uses NVLink within a node, and the rank mask is always there).
+    buffers per call). num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted and
+    ignored (epx always uses NVLink within a node). enable_shrink: the rank mask is always there; a rank that does not
+    come to a low-latency call within the timeout is masked either way, and without enable_shrink (DeepEP traps the
+    GPU there) the call, or this rank's next low-latency call on the cuda backend, also raises epx.TimeoutError
+    naming it (LowLatencyConfig.raise_on_timeout), so its missing contribution is never silent.
 
     Nodes (DeepEP's RDMA ranks): an epx.Group brings its topology (``group.topology``); a ProcessGroup's ranks
     are placed by host name: one host is one node, else every host must hold the same number of consecutive
@@ -147,7 +151,9 @@ class Buffer:
         # hierarchical one (docs/internode.md, "Low-latency across nodes"): its flat calls reach one host's GPUs.
         self.runtime: Optional[epx.Buffer] = epx.Buffer(epx_group, num_normal_bytes=normal_bytes,
                                                         num_low_latency_bytes=self._low_latency_bytes,
-                                                        num_sms=self._max_sms, low_latency=epx_low_latency,
+                                                        num_sms=self._max_sms,
+                                                        low_latency=low_latency_config(epx_low_latency,
+                                                                                       enable_shrink),
                                                         low_latency_routing=low_latency_routing(
                                                             epx_low_latency_routing, self._cuda),
                                                         node_partials=epx_node_partials)

@@ -36,6 +36,19 @@ def low_latency_routing(requested: "str | None", cuda: bool) -> str:
     return "auto" if cuda else "flat"
 
 
+def low_latency_config(requested: "epx.LowLatencyConfig | None", enable_shrink: bool) -> "epx.LowLatencyConfig":
+    """The shim's epx.LowLatencyConfig: the caller's epx_low_latency tuning (copied, not changed; None: epx's
+    defaults), with raise_on_timeout = not enable_shrink. epx masks a rank that does not come within the timeout either
+    way (its tokens then combine as zeros); DeepEP without shrink traps the GPU there, so the shim raises
+    epx.TimeoutError instead of returning that silently, and with enable_shrink masks as DeepEP's shrink mode does."""
+    config = epx.LowLatencyConfig()
+    if requested is not None:
+        for name in ("combine_send_parts", "token_rows_min_tokens", "programmatic_launch", "expert_side_reduction"):
+            setattr(config, name, getattr(requested, name))
+    config.raise_on_timeout = not enable_shrink
+    return config
+
+
 class Config:
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,

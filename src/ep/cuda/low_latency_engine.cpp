@@ -167,10 +167,18 @@ void LowLatencyEngine::report_device_events() {
                   "(a token chose the same expert twice); the excess pairs were dropped",
                   rank_, e.observed, e.channel, e.expected);
   }
-  log(LogLevel::kWarn, fmt::format("epx cuda rank {}: low-latency {} waited past the timeout for rank {} (expert {}, "
-                                   "expected tag {}, observed {:#x}); rank {} is now masked",
-                                   rank_, e.where == kSiteLowLatencyDispatchRecv ? "dispatch" : "combine", e.peer,
-                                   e.channel, e.expected, static_cast<uint64_t>(e.observed), e.peer));
+  const std::string message = fmt::format(
+      "epx cuda rank {}: low-latency {} waited past the timeout for rank {} (expert {}, expected tag {}, observed "
+      "{:#x}); rank {} is now masked",
+      rank_, e.where == kSiteLowLatencyDispatchRecv ? "dispatch" : "combine", e.peer, e.channel, e.expected,
+      static_cast<uint64_t>(e.observed), e.peer);
+  if (config_.raise_on_timeout) {
+    detail::raise(ErrorCode::kTimeout,
+                  "{}: the outputs of that call lack its contributions (LowLatencyConfig::raise_on_timeout); unmask it "
+                  "once it is back",
+                  message);
+  }
+  log(LogLevel::kWarn, message);
 }
 
 int* LowLatencyEngine::device_mask() const {

@@ -136,7 +136,7 @@ std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t 
   }
   const char* what = kind == static_cast<int>(LowLatencyKind::kDispatch) ? "dispatch" : "combine";
   std::vector<int> failed;
-  std::string failures;
+  std::string failures, newly_masked;
   for (int r = 0; r < num_ranks_; ++r) {
     if (mask_[r]) continue;
     if (status[r] == Status::kFound && found[r]->failed) {
@@ -146,6 +146,7 @@ std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t 
       continue;
     }
     const char* reason = nullptr;
+    bool masked_here = false;  // the peer masked this rank (mask_rank there): masked back, the mask protocol, no error
     if (status[r] == Status::kPending) {
       reason = "did not post within the group timeout";
     } else if (status[r] == Status::kGone) {
@@ -154,13 +155,19 @@ std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t 
       reason = "made a different call (out of step)";
     } else if (found[r]->mask[rank_]) {
       reason = "has masked this rank";
+      masked_here = true;
     }
     if (reason == nullptr) continue;
     found[r] = nullptr;
     mask_[r] = true;
+    if (!masked_here) newly_masked += fmt::format("{}rank {} {}", newly_masked.empty() ? "" : "; ", r, reason);
     log(LogLevel::kWarn,
         fmt::format("epx host rank {}: low-latency {} #{}: rank {} {}; masking it", rank_, what, seq, r, reason));
   }
+  EPX_CHECK(ErrorCode::kTimeout, newly_masked.empty() || !options_.low_latency.raise_on_timeout,
+            "host rank {}: low-latency {} #{}: {}; masked (LowLatencyConfig::raise_on_timeout); unmask it once it is "
+            "back",
+            rank_, what, seq, newly_masked);
   EPX_CHECK(ErrorCode::kPeerFailure, failed.empty(), "host rank {}: low-latency {} #{} failed on ranks {} ({})", rank_,
             what, seq, failed, failures);
   for (int r = 0; r < num_ranks_; ++r) {
