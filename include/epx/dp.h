@@ -136,8 +136,8 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 // Arguments rejected on one rank only (a wrong dtype, too few local rows, a plan for another layout): that rank
 // raises kInvalidArgument naming the argument, but first still takes part in the call's collective, so no
 // collective gets out of step and the next call works on every rank (docs/reliability.md, "Invalid arguments of
-// dp_gather / dp_scatter"). Host backend: it takes part with an error flag, and every peer raises kPeerFailure
-// naming it in the same call. Cuda backend (no host round trip per call): when layout, plan, global and
+// dp_gather / dp_scatter on one rank"). Host backend: it takes part with an error flag, and every peer raises
+// kPeerFailure naming it in the same call. Cuda backend (no host round trip per call): when layout, plan, global and
 // source / kind pass the checks it enqueues the same NCCL collective(s) with zero rows of its own (gather) or its
 // rows of global and nothing received (kReduceScatter); the peers are not told and their outputs of that call lack
 // its rows (gather). Otherwise it cannot know the peers' collective and marks the group's DP communicator failed on
