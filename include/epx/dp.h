@@ -133,6 +133,15 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 // Preconditions: layout.world_size() == group.num_ranks(), plan.num_tokens.size() == attn_dp_size,
 // the same plan on every rank (the host backend checks and throws kInvalidArgument on every rank; the
 // cuda backend does not check: a mismatch gives NCCL calls of different sizes, which is undefined).
+// Arguments rejected on one rank only (a wrong dtype, too few local rows, a plan for another layout): that rank
+// raises kInvalidArgument naming the argument, but first still takes part in the call's collective, so no
+// collective gets out of step and the next call works on every rank (docs/reliability.md, "Invalid arguments of
+// dp_gather / dp_scatter on one rank"). Host backend: it takes part with an error flag, and every peer raises
+// kPeerFailure naming it in the same call. Cuda backend (no host round trip per call): when layout, plan, global and
+// source / kind pass the checks it enqueues the same NCCL collective(s) with zero rows of its own (gather) or its
+// rows of global and nothing received (kReduceScatter); the peers are not told and their outputs of that call lack
+// its rows (gather). Otherwise it cannot know the peers' collective and marks the group's DP communicator failed on
+// this rank: its later DP calls raise kPeerFailure; recreate the group on every rank. kSlice has no collective.
 //
 // Attention context parallelism (attn_cp_size > 1; SGLang's dp_attention.py `_dp_gather` / `dp_scatter` with
 // `cp_shard_counts`). Without cp_shard_counts the CP ranks of a DP rank hold the same rows and CP rank 0's are
@@ -190,6 +199,25 @@ enum class DpScatterKind : uint8_t {
 void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                 const TensorView& local, DpScatterKind kind = DpScatterKind::kSlice, Stream stream = nullptr,
                 std::span<const int64_t> cp_shard_counts = {});
+
+// What a rank that cannot make its dp_gather / dp_scatter call at all (a binding that could not convert an argument)
+// knows of the call: null, undefined or empty where unknown.
+struct DpFailedCall {
+  const ParallelLayout* layout = nullptr;
+  const DpGatherPlan* plan = nullptr;
+  TensorView global;  // [plan.buffer_len, hidden] or [plan.buffer_len]
+  Stream stream = nullptr;
+  std::optional<DpGatherSource> source;  // dp_gather_fail
+  std::optional<DpScatterKind> kind;     // dp_scatter_fail
+};
+// Instead of dp_gather / dp_scatter: this rank takes part in the call its peers make as it does for arguments those
+// reject (see "Arguments rejected on one rank only" above); the host backend's peers raise kPeerFailure naming this
+// rank and `reason`. The cuda backend joins the peers' collective only if `call` names a valid layout, plan, global
+// and source (gather) or kind (scatter), else it marks the group's DP communicator failed on this rank. A scatter
+// whose kind is unknown or invalid joins nothing on any backend (the peers' kSlice has no collective, their
+// kReduceScatter has one: they wait out the timeout). Never throws; the caller raises its own error afterwards.
+void dp_gather_fail(Group& group, const std::string& reason, const DpFailedCall& call = {}) noexcept;
+void dp_scatter_fail(Group& group, const std::string& reason, const DpFailedCall& call = {}) noexcept;
 
 // ---- attention context parallelism: SGLang's zigzag split ------------------------------------------
 // SGLang (python/sglang/srt/layers/cp/zigzag.py, ZigzagCPStrategy) cuts every sequence of a prefill batch into

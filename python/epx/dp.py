@@ -168,6 +168,16 @@ def _empty_like(t: Any, rows: int) -> Any:
     return np.empty((max(rows, 1),) + shape[1:], dtype=np.asarray(t).dtype)[:rows]
 
 
+def _shards_arg(cp_shard_counts: Any) -> Any:
+    """cp_shard_counts as a list of ints, or as passed when it is none (the native call rejects it, naming it)."""
+    if cp_shard_counts is None:
+        return []
+    try:
+        return int_list(cp_shard_counts, "cp_shard_counts")
+    except Exception:
+        return cp_shard_counts
+
+
 def dp_gather(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: Any, out: Any = None,
               stream: Any = None, partial_sums: bool = False, cp_shard_counts: Optional[Sequence[int]] = None) -> Any:
     """Collective: the global batch [plan.buffer_len, hidden] on every rank.
@@ -182,9 +192,14 @@ def dp_gather(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, loc
     hold the same batch); with them (``[attn_cp_size]``, this DP rank's, e.g. ``plan_cp_split(...).num_tokens``)
     each CP rank's first ``cp_shard_counts[c]`` rows land back to back in CP rank order at the DP rank's offset.
     """
-    if out is None:
-        out = _empty_like(local, plan.buffer_len)
-    shards = [] if cp_shard_counts is None else int_list(cp_shard_counts, "cp_shard_counts")
+    # NOTE: nothing here raises before the native call: it converts every argument itself and, when one is rejected,
+    # still takes part in the collective (docs/reliability.md), so the ranks stay in step.
+    try:
+        if out is None:
+            out = _empty_like(local, plan.buffer_len)
+    except Exception:  # local or plan is rejected by the native call, naming it
+        out = None
+    shards = _shards_arg(cp_shard_counts)
     try:
         source = DpGatherSource.partial_sums if partial_sums else DpGatherSource.leader
     except Exception:  # no truth value: the native call rejects it, naming source, and still takes part
@@ -205,12 +220,20 @@ def dp_scatter(group: _epx.Group, layout: ParallelLayout, plan: DpGatherPlan, gl
     ``kind="slice"`` with ``cp_shard_counts`` (as for ``dp_gather``) returns only this CP rank's shard
     ``[cp_shard_counts[attn_cp_rank], hidden]``.
     """
-    shards = [] if cp_shard_counts is None else int_list(cp_shard_counts, "cp_shard_counts")
+    # NOTE: as in dp_gather, nothing raises before the native call but a kind that names no kind: with it this rank
+    # cannot tell whether its peers' call has a collective (kSlice has none), so it joins none.
+    kind = enum_arg(DpScatterKind, kind, "kind")
+    shards = _shards_arg(cp_shard_counts)
     if out is None:
-        coords = layout.coords(group.rank)
-        rows = plan.num_tokens[coords.attn_dp_rank] if not shards else shards[coords.attn_cp_rank]
-        out = _empty_like(global_buffer, rows)
-    _native.dp_scatter(group, layout, plan, to_arg(global_buffer), to_arg(out), enum_arg(DpScatterKind, kind, "kind"),
+        try:
+            coords = layout.coords(group.rank)
+            rows = plan.num_tokens[coords.attn_dp_rank]
+            if isinstance(shards, list) and len(shards) == layout.attn_cp_size and shards:
+                rows = max(shards[coords.attn_cp_rank], 0)
+            out = _empty_like(global_buffer, rows)
+        except Exception:  # the native call rejects the argument, naming it
+            out = None
+    _native.dp_scatter(group, layout, plan, to_arg(global_buffer), to_arg(out), kind,
                        cuda_stream_of(stream, global_buffer, out), shards)
     return out
 

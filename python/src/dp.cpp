@@ -119,6 +119,88 @@ void bind_layout(nb::module_& m) {
       });
 }
 
+// A bound object of type T (not None).
+template <typename T>
+const T* to_object(nb::handle obj, const char* name, const char* expected) {
+  T* ptr = nullptr;
+  if (obj.is_none() || !nb::try_cast(obj, ptr) || ptr == nullptr) wrong_type(name, expected, obj);
+  return ptr;
+}
+
+// None (empty) or a sequence of ints (list, tuple, numpy or torch integers).
+template <typename Int>
+std::vector<Int> to_int_list(nb::handle obj, const char* name) {
+  std::vector<Int> values;
+  if (obj.is_none()) return values;
+  if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr()) || !PySequence_Check(obj.ptr())) {
+    wrong_type(name, "None or a sequence of ints", obj);
+  }
+  const Py_ssize_t n = PySequence_Size(obj.ptr());
+  if (n < 0) throw nb::python_error();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    nb::object item = nb::steal(PySequence_GetItem(obj.ptr(), i));
+    if (!item.is_valid()) throw nb::python_error();
+    const std::string item_name = std::string(name) + "[" + std::to_string(i) + "]";
+    values.push_back(to_int<Int>(item, item_name.c_str()));
+  }
+  return values;
+}
+
+// dp_gather / dp_scatter: every argument converted inside the collective (collective_or_fail), so an argument
+// rejected on one rank still makes that rank take part in the call (dp_gather_fail / dp_scatter_fail) instead of
+// leaving its peers paired with its next call. What the cuda backend needs to join the peers' collective (layout,
+// plan, global, source / kind, stream) is converted first.
+struct GatherArgs {
+  const ParallelLayout* layout = nullptr;
+  const DpGatherPlan* plan = nullptr;
+  TensorView local;
+  TensorView global;
+  Stream stream = nullptr;
+  std::optional<DpGatherSource> source;
+  std::optional<DpScatterKind> kind;
+  std::vector<int64_t> cp_shard_counts;
+
+  DpFailedCall failed_call() const { return {layout, plan, global, stream, source, kind}; }
+};
+
+void convert_shape(GatherArgs& a, nb::handle layout, nb::handle plan, nb::handle global, nb::handle stream) {
+  a.layout = to_object<ParallelLayout>(layout, "layout", "an epx.dp.ParallelLayout");
+  a.plan = to_object<DpGatherPlan>(plan, "plan", "an epx.dp.DpGatherPlan");
+  a.global = to_view(global, "global_buffer");
+  a.stream = to_stream(stream);
+}
+
+void gather(Group& group, nb::handle layout, nb::handle plan, nb::handle local, nb::handle global_buffer,
+            nb::handle stream, nb::handle source, nb::handle cp_shard_counts) {
+  collective_or_fail<GatherArgs>(
+      [&](GatherArgs& a) {
+        a.source = to_enum<DpGatherSource>(source, "source", "an epx.dp.DpGatherSource");
+        convert_shape(a, layout, plan, global_buffer, stream);
+        a.local = to_view(local, "local");
+        a.cp_shard_counts = to_int_list<int64_t>(cp_shard_counts, "cp_shard_counts");
+      },
+      [&](const GatherArgs& a) {
+        dp_gather(group, *a.layout, *a.plan, a.local, a.global, a.stream, *a.source, a.cp_shard_counts);
+      },
+      [&](const std::string& reason, const GatherArgs& a) { dp_gather_fail(group, reason, a.failed_call()); });
+}
+
+void scatter(Group& group, nb::handle layout, nb::handle plan, nb::handle global_buffer, nb::handle local,
+             nb::handle kind, nb::handle stream, nb::handle cp_shard_counts) {
+  collective_or_fail<GatherArgs>(
+      [&](GatherArgs& a) {
+        // NOTE: the kind first: it says whether there is a collective to take part in at all.
+        a.kind = to_enum<DpScatterKind>(kind, "kind", "an epx.dp.DpScatterKind");
+        convert_shape(a, layout, plan, global_buffer, stream);
+        a.local = to_view(local, "local");
+        a.cp_shard_counts = to_int_list<int64_t>(cp_shard_counts, "cp_shard_counts");
+      },
+      [&](const GatherArgs& a) {
+        dp_scatter(group, *a.layout, *a.plan, a.global, a.local, *a.kind, a.stream, a.cp_shard_counts);
+      },
+      [&](const std::string& reason, const GatherArgs& a) { dp_scatter_fail(group, reason, a.failed_call()); });
+}
+
 void bind_gather(nb::module_& m) {
   nb::enum_<DpPaddingMode>(m, "DpPaddingMode", "How DP ranks' tokens sit in the global buffer.")
       .value("MAX_LEN", DpPaddingMode::kMaxLen, "Each DP rank padded to the max count; all-gather.")
@@ -161,46 +243,35 @@ void bind_gather(nb::module_& m) {
       .value("partial_sums", DpGatherSource::kPartialSums,
              "The sum of the TP ranks' rows (partial sums, e.g. before the o_proj all-reduce); either padding mode.");
 
-  m.def(
-      "dp_gather",
-      [](Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, nb::handle local,
-         nb::handle global_buffer, nb::handle stream, DpGatherSource source,
-         const std::vector<int64_t>& cp_shard_counts) {
-        const TensorView local_view = to_view(local, "local");
-        const TensorView global_view = to_view(global_buffer, "global_buffer");
-        const Stream s = to_stream(stream);
-        nb::gil_scoped_release release;
-        dp_gather(group, layout, plan, local_view, global_view, s, source, cp_shard_counts);
-      },
-      nb::arg("group"), nb::arg("layout"), nb::arg("plan"), nb::arg("local"), nb::arg("global_buffer"),
-      nb::arg("stream") = nb::none(), nb::arg("source") = DpGatherSource::kLeader,
-      nb::arg("cp_shard_counts") = std::vector<int64_t>{},
-      "Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] "
-      "rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source "
-      "partial_sums, either padding mode) at offsets[d]; other rows are zeroed. With attention CP and "
-      "cp_shard_counts ([attn_cp_size], this DP rank's) each CP rank's first cp_shard_counts[c] rows land back to "
-      "back in CP rank order. Contiguous. GIL released.");
+  m.def("dp_gather", &gather, nb::arg("group"), nb::arg("layout").none(), nb::arg("plan").none(),
+        nb::arg("local").none(), nb::arg("global_buffer").none(), nb::arg("stream").none() = nb::none(),
+        nb::arg("source").none() = DpGatherSource::kLeader, nb::arg("cp_shard_counts").none() = nb::none(),
+        // NOTE: every argument but the group is an nb::handle, converted inside the collective (see gather()).
+        nb::sig("def dp_gather(group: epx._epx.Group, layout: ParallelLayout, plan: DpGatherPlan, local: object, "
+                "global_buffer: object, stream: object | None = None, source: DpGatherSource = DpGatherSource.leader, "
+                "cp_shard_counts: collections.abc.Sequence[int] | None = None) -> None"),
+        "Collective: global_buffer [plan.buffer_len, H] on every rank receives each DP rank's first num_tokens[d] "
+        "rows of its leader's local (source leader) or of the sum over its attention-TP ranks' locals (source "
+        "partial_sums, either padding mode) at offsets[d]; other rows are zeroed. With attention CP and "
+        "cp_shard_counts ([attn_cp_size], this DP rank's) each CP rank's first cp_shard_counts[c] rows land back to "
+        "back in CP rank order. Contiguous. An argument rejected on this rank (TypeError or InvalidArgumentError "
+        "naming it) is raised after this rank took part in the call (host backend: every peer raises "
+        "PeerFailureError naming it in the same call). GIL released.");
 
   nb::enum_<DpScatterKind>(m, "DpScatterKind", "What dp_scatter's global buffer holds.")
       .value("slice", DpScatterKind::kSlice, "The same buffer on every rank: take this DP rank's rows.")
       .value("reduce_scatter", DpScatterKind::kReduceScatter, "Partial buffers: sum over ranks (fp32, rank order).");
 
-  m.def(
-      "dp_scatter",
-      [](Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, nb::handle global_buffer,
-         nb::handle local, DpScatterKind kind, nb::handle stream, const std::vector<int64_t>& cp_shard_counts) {
-        const TensorView global_view = to_view(global_buffer, "global_buffer");
-        const TensorView local_view = to_view(local, "local");
-        const Stream s = to_stream(stream);
-        nb::gil_scoped_release release;
-        dp_scatter(group, layout, plan, global_view, local_view, kind, s, cp_shard_counts);
-      },
-      nb::arg("group"), nb::arg("layout"), nb::arg("plan"), nb::arg("global_buffer"), nb::arg("local"),
-      nb::arg("kind") = DpScatterKind::kSlice, nb::arg("stream") = nb::none(),
-      nb::arg("cp_shard_counts") = std::vector<int64_t>{},
-      "Collective: local [>= num_tokens[my DP rank], H] receives this DP rank's rows of global_buffer (slice) or "
-      "of the sum of every rank's global_buffer (reduce_scatter); rows past the count are zeroed. slice with "
-      "cp_shard_counts: only this CP rank's shard. GIL released.");
+  m.def("dp_scatter", &scatter, nb::arg("group"), nb::arg("layout").none(), nb::arg("plan").none(),
+        nb::arg("global_buffer").none(), nb::arg("local").none(), nb::arg("kind").none() = DpScatterKind::kSlice,
+        nb::arg("stream").none() = nb::none(), nb::arg("cp_shard_counts").none() = nb::none(),
+        nb::sig("def dp_scatter(group: epx._epx.Group, layout: ParallelLayout, plan: DpGatherPlan, global_buffer: "
+                "object, local: object, kind: DpScatterKind = DpScatterKind.slice, stream: object | None = None, "
+                "cp_shard_counts: collections.abc.Sequence[int] | None = None) -> None"),
+        "Collective: local [>= num_tokens[my DP rank], H] receives this DP rank's rows of global_buffer (slice) or "
+        "of the sum of every rank's global_buffer (reduce_scatter); rows past the count are zeroed. slice with "
+        "cp_shard_counts: only this CP rank's shard. Rejected arguments as for dp_gather (slice has no collective; "
+        "a kind that does not convert joins none). GIL released.");
 
   nb::class_<ZigzagSplit>(m, "ZigzagSplit",
                           "SGLang's zigzag split of a prefill batch over the attention-CP ranks (plan_zigzag_split).")
@@ -306,22 +377,7 @@ void bind_gather(nb::module_& m) {
 }
 
 // The group ranks of `obj`: None (none) or a sequence of ints (list, tuple, numpy or torch integers).
-std::vector<int> to_rank_list(nb::handle obj, const char* name) {
-  std::vector<int> ranks;
-  if (obj.is_none()) return ranks;
-  if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr()) || !PySequence_Check(obj.ptr())) {
-    wrong_type(name, "None or a sequence of ints", obj);
-  }
-  const Py_ssize_t n = PySequence_Size(obj.ptr());
-  if (n < 0) throw nb::python_error();
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    nb::object item = nb::steal(PySequence_GetItem(obj.ptr(), i));
-    if (!item.is_valid()) throw nb::python_error();
-    const std::string item_name = std::string(name) + "[" + std::to_string(i) + "]";
-    ranks.push_back(to_int<int>(item, item_name.c_str()));
-  }
-  return ranks;
-}
+std::vector<int> to_rank_list(nb::handle obj, const char* name) { return to_int_list<int>(obj, name); }
 
 // BatchMetadataSync.sync: every argument converted inside the collective (collective_or_fail), so a wrong-typed
 // argument on one rank still takes part in the step (with an error flag) instead of leaving its peers paired

@@ -304,3 +304,64 @@ def test_gather_rejects_bad_tensors():
         dp.dp_gather(group, layout, plan, np.zeros((2, HIDDEN), np.float32), out=np.zeros((1, HIDDEN), np.float32))
     with pytest.raises(epx.InvalidArgumentError):
         dp.dp_scatter(group, layout, plan, np.zeros((2, HIDDEN), np.float32), kind="gather")
+
+
+def test_gather_scatter_bad_argument_on_one_rank_fails_that_call_everywhere():
+    # One rank passes an argument that does not convert (a str as local, a float64 local, a list as the plan, a
+    # str in cp_shard_counts): that rank raises the conversion error after taking part in the call with an error
+    # flag, the other three raise PeerFailureError naming it in the same call (not after the 60 s timeout), and
+    # the next gather and reduce-scatter are right on every rank. Routing: 4 ranks, pure DP, counts [3, 0, 5, 2].
+    counts = [3, 0, 5, 2]
+    layout = dp.ParallelLayout.pure_dp(4)
+    plan = dp.plan_dp_gather(counts, "SUM_LEN")
+    want = expected_global(plan, np.float32)
+    cases = [  # (bad rank, gather?, keyword arguments of the bad call, error type, message)
+        (2, True, {"local": "rows"}, epx.InvalidArgumentError, "local: expected an array"),
+        (3, True, {"local": np.zeros((2, HIDDEN), np.float64)}, epx.InvalidArgumentError,
+         "unsupported element type (DLPack code 2, 64 bits)"),
+        (0, True, {"plan": [3, 0, 5, 2]}, TypeError, "plan: expected an epx.dp.DpGatherPlan, got list"),
+        (1, False, {"cp_shard_counts": ["a"]}, TypeError, "cp_shard_counts[0]: expected an int, got str"),
+    ]
+
+    def body(rank, group):
+        seen = []
+        for bad_rank, gather, bad_args, _, _ in cases:
+            args = {"plan": plan}
+            if gather:
+                args["local"] = local_rows(rank, counts[rank], np.float32)
+            else:
+                args["global_buffer"] = want * np.float32(rank + 1)
+                args["kind"] = "reduce_scatter"
+            if rank == bad_rank:
+                args.update(bad_args)
+            start = time.monotonic()
+            try:
+                if gather:
+                    dp.dp_gather(group, layout, **args)
+                else:
+                    dp.dp_scatter(group, layout, **args)
+                seen.append(("ok", ""))
+            except epx.PeerFailureError as e:
+                seen.append(("peer", str(e)))
+            except (TypeError, ValueError) as e:
+                seen.append((type(e), str(e)))
+            assert time.monotonic() - start < 30
+            # The next calls pair up: the global batch, and the sum of (r + 1) x this rank's rows over r.
+            global_batch = dp.dp_gather(group, layout, plan, local_rows(rank, counts[rank], np.float32))
+            summed = dp.dp_scatter(group, layout, plan, global_batch * np.float32(rank + 1), kind="reduce_scatter")
+            seen.append((global_batch, summed))
+        return seen
+
+    results = epx.run_host_ranks(epx.host_groups(4, timeout_ms=60_000), body)
+    for rank in range(4):
+        for i, (bad_rank, _, _, error, message) in enumerate(cases):
+            kind, what = results[rank][2 * i]
+            if rank == bad_rank:
+                assert kind is error and message in what, (rank, kind, what)
+            else:
+                assert kind == "peer" and f"failed on ranks [{bad_rank}]" in what and message in what, (rank, what)
+            global_batch, summed = results[rank][2 * i + 1]
+            np.testing.assert_array_equal(global_batch, want)
+            off = plan.offsets[rank]
+            partials = [want[off:off + counts[rank]] * np.float32(r + 1) for r in range(4)]
+            np.testing.assert_array_equal(summed, sum(partials))  # fp32 sum in rank order

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <utility>
 
 #include "epx/dp.h"
@@ -26,16 +27,22 @@ inline std::pair<int64_t, int64_t> dp_cp_shard_rows(std::span<const int64_t> cp_
 }  // namespace epx::detail
 
 namespace epx::host {
-// Defined in src/dp/gather_host.cpp. Arguments already validated on this rank.
+// Defined in src/dp/host/gather.cpp. Arguments already validated on this rank.
 void dp_gather_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
                     const TensorView& global, DpGatherSource source, std::span<const int64_t> cp_shard_counts);
 void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                      const TensorView& local, DpScatterKind kind, std::span<const int64_t> cp_shard_counts);
+// This rank's gather / reduce-scatter failed before its collective: takes part with an error flag
+// (HostGroup::fail), so every peer raises kPeerFailure naming this rank and `reason`.
+void dp_fail_host(Group& group, const std::string& reason) noexcept;
 }  // namespace epx::host
 
 // Defined in src/dp/cuda/gather.cpp (CUDA builds only; call under #ifdef EPX_WITH_CUDA). Arguments
 // already validated on this rank. Enqueued on `stream`; the first call on a group creates its DP
-// communicator (collective, see dp/comm_cuda.h).
+// communicator (collective, see dp/cuda/comm.h).
+// An undefined `local` (and empty cp_shard_counts): this rank's call was rejected but layout, plan, global and
+// source / kind are valid, so it makes the same NCCL calls as its peers (dp_gather_fail, dp_scatter_fail):
+// gather contributes zero rows; kReduceScatter sends its rows of `global` and receives into scratch memory.
 namespace epx::cuda {
 void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
                     const TensorView& global, Stream stream, DpGatherSource source,
@@ -47,4 +54,8 @@ void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherP
 // [num_ranks * bytes], through one ncclAllGather and one device-to-host copy; blocks until done,
 // bounded by the group's timeout (kTimeout).
 void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size_t bytes);
+// This rank failed a DP collective it could not join: marks the group's DP communicator failed on this rank (made
+// failed if it does not exist yet), so this rank's later DP calls raise kPeerFailure instead of pairing with the
+// call its peers still wait in. Never throws.
+void dp_abandon_cuda(Group& group, const std::string& reason) noexcept;
 }  // namespace epx::cuda

@@ -1,6 +1,7 @@
 // Padding-mode choice, the gather plan, and the validated entry points of dp_gather / dp_scatter.
 #include <algorithm>
 #include <numeric>
+#include <string>
 
 #include "core/check.h"
 #include "core/limits.h"
@@ -69,6 +70,8 @@ DpGatherPlan plan_dp_gather(std::span<const int64_t> num_tokens_per_dp_rank, DpP
 
 namespace {
 
+constexpr std::initializer_list<DType> kDpDtypes = {DType::kBFloat16, DType::kFloat32, DType::kInt32, DType::kInt64};
+
 // A plan must have the shape plan_dp_gather gives it (callers may build or edit one by hand).
 void check_plan(const DpGatherPlan& plan, const ParallelLayout& layout, const char* what) {
   const size_t width = static_cast<size_t>(layout.attn_dp_size());
@@ -102,26 +105,45 @@ void check_plan(const DpGatherPlan& plan, const ParallelLayout& layout, const ch
                 to_string(plan.mode), plan.buffer_len);
 }
 
-void check_common(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
-                  const TensorView& global, std::span<const int64_t> cp_shard_counts, const char* what) {
+// What fixes the collective every rank makes (NCCL call, count, dtype): the layout, the plan and `global`. A rank
+// whose other arguments fail can still make it (dp_gather_fail, dp_scatter_fail).
+void check_shape(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
+                 const char* what) {
   EPX_CHECK_ARG(layout.world_size() == group.num_ranks(), "{}: layout.world_size() {} must equal group.num_ranks() {}",
                 what, layout.world_size(), group.num_ranks());
   check_plan(plan, layout, what);
   // NOTE: a 1-D tensor [rows] is a 2-D one [rows, 1] (input ids, positions); local and global have the same rank.
   EPX_CHECK_ARG(global.defined() && (global.ndim == 1 || global.ndim == 2),
                 "{}: global must be [buffer_len] or [buffer_len, hidden], got {}", what, global.describe());
-  const std::initializer_list<DType> dtypes = {DType::kBFloat16, DType::kFloat32, DType::kInt32, DType::kInt64};
   if (global.ndim == 2) {
-    check_tensor(global, "global", dtypes, {plan.buffer_len, -1});
-    check_tensor(local, "local", dtypes, {-1, global.shape[1]});
+    check_tensor(global, "global", kDpDtypes, {plan.buffer_len, -1});
   } else {
-    check_tensor(global, "global", dtypes, {plan.buffer_len});
-    check_tensor(local, "local", dtypes, {-1});
+    check_tensor(global, "global", kDpDtypes, {plan.buffer_len});
+  }
+  check_device(global, "global", group.device());
+}
+
+void check_source(DpGatherSource source) {
+  EPX_CHECK_ARG(source == DpGatherSource::kLeader || source == DpGatherSource::kPartialSums,
+                "dp_gather: source must be kLeader or kPartialSums, got {}", static_cast<int>(source));
+}
+
+void check_kind(DpScatterKind kind) {
+  EPX_CHECK_ARG(kind == DpScatterKind::kSlice || kind == DpScatterKind::kReduceScatter,
+                "dp_scatter: kind must be kSlice or kReduceScatter, got {}", static_cast<int>(kind));
+}
+
+// The rest: this rank's own rows (a shape-checked global).
+void check_local(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
+                 const TensorView& global, std::span<const int64_t> cp_shard_counts, const char* what) {
+  if (global.ndim == 2) {
+    check_tensor(local, "local", kDpDtypes, {-1, global.shape[1]});
+  } else {
+    check_tensor(local, "local", kDpDtypes, {-1});
   }
   EPX_CHECK_ARG(local.dtype == global.dtype, "{}: local and global must have the same dtype, got {} and {}", what,
                 local.describe(), global.describe());
   check_device(local, "local", group.device());
-  check_device(global, "global", group.device());
   const RankCoords me = layout.coords(group.rank());
   if (cp_shard_counts.empty()) {
     EPX_CHECK_ARG(local.shape[0] >= plan.num_tokens[me.attn_dp_rank],
@@ -146,14 +168,49 @@ void check_common(Group& group, const ParallelLayout& layout, const DpGatherPlan
                 me.attn_cp_rank, cp_shard_counts[me.attn_cp_rank], local.describe());
 }
 
+// The message of the exception in flight (inside a catch block).
+std::string current_reason() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+#ifdef EPX_WITH_CUDA
+// Whether `call` fixes the collective of a gather (with_source) or scatter (!with_source), without throwing.
+bool shape_known(Group& group, const DpFailedCall& call, bool with_source, const char* what) noexcept {
+  if (call.layout == nullptr || call.plan == nullptr || (with_source ? !call.source : !call.kind)) return false;
+  try {
+    check_shape(group, *call.layout, *call.plan, call.global, what);
+    if (with_source) {
+      check_source(*call.source);
+    } else {
+      check_kind(*call.kind);
+    }
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+#endif
+
 }  // namespace
 
 void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& local,
                const TensorView& global, Stream stream, DpGatherSource source,
                std::span<const int64_t> cp_shard_counts) {
-  check_common(group, layout, plan, local, global, cp_shard_counts, "dp_gather");
-  EPX_CHECK_ARG(source == DpGatherSource::kLeader || source == DpGatherSource::kPartialSums,
-                "dp_gather: source must be kLeader or kPartialSums, got {}", static_cast<int>(source));
+  try {
+    check_shape(group, layout, plan, global, "dp_gather");
+    check_source(source);
+    check_local(group, layout, plan, local, global, cp_shard_counts, "dp_gather");
+  } catch (...) {
+    // NOTE: a rank that skipped the collective would leave its peers waiting, or paired with its next call.
+    dp_gather_fail(group, current_reason(), {&layout, &plan, global, stream, source, std::nullopt});
+    throw;
+  }
   switch (group.backend()) {
     case Backend::kHost:
       return host::dp_gather_host(group, layout, plan, local, global, source, cp_shard_counts);
@@ -170,12 +227,17 @@ void dp_gather(Group& group, const ParallelLayout& layout, const DpGatherPlan& p
 
 void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& plan, const TensorView& global,
                 const TensorView& local, DpScatterKind kind, Stream stream, std::span<const int64_t> cp_shard_counts) {
-  check_common(group, layout, plan, local, global, cp_shard_counts, "dp_scatter");
-  EPX_CHECK_ARG(kind == DpScatterKind::kSlice || kind == DpScatterKind::kReduceScatter,
-                "dp_scatter: kind must be kSlice or kReduceScatter, got {}", static_cast<int>(kind));
-  EPX_CHECK_ARG(kind == DpScatterKind::kSlice || cp_shard_counts.empty(),
-                "dp_scatter: kReduceScatter takes no cp_shard_counts (every CP rank receives its DP rank's rows, as "
-                "SGLang's dp_reduce_scatter_tensor); take the shard with kSlice or zigzag_local_rows");
+  try {
+    check_shape(group, layout, plan, global, "dp_scatter");
+    check_kind(kind);
+    check_local(group, layout, plan, local, global, cp_shard_counts, "dp_scatter");
+    EPX_CHECK_ARG(kind == DpScatterKind::kSlice || cp_shard_counts.empty(),
+                  "dp_scatter: kReduceScatter takes no cp_shard_counts (every CP rank receives its DP rank's rows, as "
+                  "SGLang's dp_reduce_scatter_tensor); take the shard with kSlice or zigzag_local_rows");
+  } catch (...) {
+    dp_scatter_fail(group, current_reason(), {&layout, &plan, global, stream, std::nullopt, kind});
+    throw;
+  }
   switch (group.backend()) {
     case Backend::kHost:
       return host::dp_scatter_host(group, layout, plan, global, local, kind, cp_shard_counts);
@@ -188,6 +250,55 @@ void dp_scatter(Group& group, const ParallelLayout& layout, const DpGatherPlan& 
   }
   detail::raise(ErrorCode::kUnsupported, "dp_scatter: the {} backend has no implementation in this build",
                 to_string(group.backend()));
+}
+
+void dp_gather_fail(Group& group, const std::string& reason, const DpFailedCall& call) noexcept {
+  switch (group.backend()) {
+    case Backend::kHost:
+      return host::dp_fail_host(group, reason);
+    case Backend::kCuda:
+#ifdef EPX_WITH_CUDA
+      if (!shape_known(group, call, /*with_source=*/true, "dp_gather")) {
+        return cuda::dp_abandon_cuda(group, fmt::format("dp_gather failed before its collective: {}", reason));
+      }
+      try {
+        // An undefined local: the backend contributes zero rows of this rank's.
+        cuda::dp_gather_cuda(group, *call.layout, *call.plan, TensorView{}, call.global, call.stream, *call.source, {});
+      } catch (const std::exception& e) {
+        cuda::dp_abandon_cuda(
+            group, fmt::format("dp_gather failed ({}) and could not join its collective: {}", reason, e.what()));
+      } catch (...) {
+        cuda::dp_abandon_cuda(group, "dp_gather failed and could not join its collective");
+      }
+#endif
+      return;
+  }
+}
+
+void dp_scatter_fail(Group& group, const std::string& reason, const DpFailedCall& call) noexcept {
+  // NOTE: kSlice has no collective; with the kind unknown (or invalid) this rank cannot tell whether the peers'
+  // call has one, so it joins none.
+  if (call.kind != DpScatterKind::kReduceScatter) return;
+  switch (group.backend()) {
+    case Backend::kHost:
+      return host::dp_fail_host(group, reason);
+    case Backend::kCuda:
+#ifdef EPX_WITH_CUDA
+      if (!shape_known(group, call, /*with_source=*/false, "dp_scatter")) {
+        return cuda::dp_abandon_cuda(group, fmt::format("dp_scatter failed before its collective: {}", reason));
+      }
+      try {
+        // An undefined local: the backend sends this rank's rows of global and keeps nothing.
+        cuda::dp_scatter_cuda(group, *call.layout, *call.plan, call.global, TensorView{}, *call.kind, call.stream, {});
+      } catch (const std::exception& e) {
+        cuda::dp_abandon_cuda(
+            group, fmt::format("dp_scatter failed ({}) and could not join its collective: {}", reason, e.what()));
+      } catch (...) {
+        cuda::dp_abandon_cuda(group, "dp_scatter failed and could not join its collective");
+      }
+#endif
+      return;
+  }
 }
 
 }  // namespace epx

@@ -278,74 +278,56 @@ TEST(DpGather, RejectsBadArgumentsOnEveryRank) {
   std::vector<float> local(3 * kHidden), global(5 * kHidden);
   auto lv = TensorView::of(local.data(), DType::kFloat32, {3, kHidden});
   auto gv = TensorView::of(global.data(), DType::kFloat32, {5, kHidden});
-  Group& g0 = *groups[0];
-  auto expect_code = [](const std::function<void()>& fn, ErrorCode code, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error, expected " << needle;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), code) << e.what();
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+  // Rank 0's arguments are rejected on rank 0 only: it raises kInvalidArgument and, having taken part with an error
+  // flag, makes rank 1 (good arguments) raise kPeerFailure in the same call.
+  auto rejected = [&](const std::string& needle, const std::function<void(Group&)>& bad_call) {
+    testing::expect_rejected_on_rank(groups, 0, needle, [&](int rank, Group& group) {
+      if (rank == 0) return bad_call(group);
+      std::vector<float> l(2 * kHidden), gl(5 * kHidden);
+      dp_gather(group, layout, plan, TensorView::of(l.data(), DType::kFloat32, {2, kHidden}),
+                TensorView::of(gl.data(), DType::kFloat32, {5, kHidden}));
+    });
   };
-  // Checked on the calling rank before any communication.
-  expect_code(
-      [&] {
-        dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kFloat32, {2, kHidden}), gv);
-      },
-      ErrorCode::kInvalidArgument, "at least plan.num_tokens[0] = 3 rows");
-  expect_code(
-      [&] {
-        dp_gather(g0, layout, plan, lv, TensorView::of(global.data(), DType::kFloat32, {4, kHidden}));
-      },
-      ErrorCode::kInvalidArgument, "global dim 0 must be 5");
-  expect_code(
-      [&] {
-        dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kBFloat16, {3, kHidden}), gv);
-      },
-      ErrorCode::kInvalidArgument, "same dtype");
-  expect_code(
-      [&] {
-        dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kUInt8, {3, kHidden}), gv);
-      },
-      ErrorCode::kInvalidArgument, "local must be bf16 or fp32 or int32 or int64, got");
-  expect_code([&] { dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kFloat32, {3}), gv); },
-              ErrorCode::kInvalidArgument, "local must have 2 dims");
-  expect_code(
-      [&] {
-        dp_gather(g0, layout, plan, lv, TensorView::of(global.data(), DType::kFloat32, {5, 2, 3}));
-      },
-      ErrorCode::kInvalidArgument, "global must be [buffer_len] or [buffer_len, hidden]");
-  expect_code([&] { dp_gather(g0, ParallelLayout::pure_dp(4), plan, lv, gv); }, ErrorCode::kInvalidArgument,
-              "layout.world_size() 4 must equal group.num_ranks() 2");
+  rejected("at least plan.num_tokens[0] = 3 rows", [&](Group& g0) {
+    dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kFloat32, {2, kHidden}), gv);
+  });
+  rejected("global dim 0 must be 5", [&](Group& g0) {
+    dp_gather(g0, layout, plan, lv, TensorView::of(global.data(), DType::kFloat32, {4, kHidden}));
+  });
+  rejected("same dtype", [&](Group& g0) {
+    dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kBFloat16, {3, kHidden}), gv);
+  });
+  rejected("local must be bf16 or fp32 or int32 or int64, got", [&](Group& g0) {
+    dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kUInt8, {3, kHidden}), gv);
+  });
+  rejected("local must have 2 dims",
+           [&](Group& g0) { dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kFloat32, {3}), gv); });
+  rejected("global must be [buffer_len] or [buffer_len, hidden]", [&](Group& g0) {
+    dp_gather(g0, layout, plan, lv, TensorView::of(global.data(), DType::kFloat32, {5, 2, 3}));
+  });
+  rejected("layout.world_size() 4 must equal group.num_ranks() 2",
+           [&](Group& g0) { dp_gather(g0, ParallelLayout::pure_dp(4), plan, lv, gv); });
   DpGatherPlan edited = plan;
   edited.offsets[1] = 2;
-  expect_code([&] { dp_gather(g0, layout, edited, lv, gv); }, ErrorCode::kInvalidArgument,
-              "plan.offsets[1] must be 3 for SUM_LEN, got 2");
-  edited = plan;
-  edited.buffer_len = 7;
-  expect_code(
-      [&] {
-        dp_gather(g0, layout, edited, lv, TensorView::of(global.data(), DType::kFloat32, {7, 1}));
-      },
-      ErrorCode::kInvalidArgument, "plan.buffer_len must be 5");
+  rejected("plan.offsets[1] must be 3 for SUM_LEN, got 2", [&](Group& g0) { dp_gather(g0, layout, edited, lv, gv); });
+  DpGatherPlan longer = plan;
+  longer.buffer_len = 7;
+  rejected("plan.buffer_len must be 5", [&](Group& g0) {
+    dp_gather(g0, layout, longer, lv, TensorView::of(global.data(), DType::kFloat32, {7, 1}));
+  });
   // MAX_LEN with attention TP: a slot that the TP ranks cannot split evenly (a plan made with the default
   // attn_tp_size = 1) is refused on every backend (the cuda path splits the slot over the TP ranks).
   const auto tp = ParallelLayout::create({.world_size = 2, .attn_tp_size = 2});
   const auto plan_tp1 = plan_dp_gather(std::vector<int64_t>{3}, DpPaddingMode::kMaxLen);
-  expect_code(
-      [&] {
-        dp_gather(g0, tp, plan_tp1, lv, TensorView::of(global.data(), DType::kFloat32, {3, kHidden}));
-      },
-      ErrorCode::kInvalidArgument, "plan.slot_len = 3 must be a multiple of layout.attn_tp_size() = 2");
+  rejected("plan.slot_len = 3 must be a multiple of layout.attn_tp_size() = 2", [&](Group& g0) {
+    dp_gather(g0, tp, plan_tp1, lv, TensorView::of(global.data(), DType::kFloat32, {3, kHidden}));
+  });
   const auto cp = ParallelLayout::create({.world_size = 2, .attn_cp_size = 2});
   const auto plan1 = plan_dp_gather(std::vector<int64_t>{3}, DpPaddingMode::kMaxLen);
-  expect_code(
-      [&] {
-        dp_gather(g0, cp, plan1, lv, TensorView::of(global.data(), DType::kFloat32, {3, kHidden}), nullptr,
-                  DpGatherSource::kLeader, std::vector<int64_t>{3});
-      },
-      ErrorCode::kInvalidArgument, "cp_shard_counts must hold attn_cp_size = 2 counts");
+  rejected("cp_shard_counts must hold attn_cp_size = 2 counts", [&](Group& g0) {
+    dp_gather(g0, cp, plan1, lv, TensorView::of(global.data(), DType::kFloat32, {3, kHidden}), nullptr,
+              DpGatherSource::kLeader, std::vector<int64_t>{3});
+  });
 
   // Ranks that disagree on the plan all fail, none hangs.
   std::atomic<int> num_failed{0};
@@ -364,6 +346,149 @@ TEST(DpGather, RejectsBadArgumentsOnEveryRank) {
     }
   });
   EXPECT_EQ(num_failed.load(), 2);
+}
+
+// A rank whose dp_gather / dp_scatter arguments are rejected on that rank only still takes part in the call with an
+// error flag: it raises kInvalidArgument naming the argument and the bound, every peer kPeerFailure naming it and the
+// message, in the same call and long before the 60 s timeout; the next call, good on every rank, is correct
+// everywhere (before, the bad rank skipped the collective and its peers paired the call with its next one).
+// Routing: 4 ranks, pure DP (rank r = DP rank r, its own leader), counts [3, 0, 5, 2] (rank 1 idle). Bad ranks:
+// rank 2 passes a local of 4 rows for its 5; rank 1 (idle) a bf16 local beside its fp32 global; rank 3 uint8
+// local and global. Gather in both modes and reduce-scatter; after each failure a gather and a reduce-scatter,
+// fp32, with fresh data, every element checked on every rank.
+TEST(DpCollective, OneRankWithBadArgumentsFailsTheSameCallOnEveryRank) {
+  const auto layout = ParallelLayout::pure_dp(4);
+  auto groups = create_host_groups(4, {.timeout_ms = 60'000});
+  const std::vector<int64_t> counts{3, 0, 5, 2};
+  struct Bad {
+    int rank;
+    DType local_dtype;
+    DType global_dtype;
+    int64_t missing_rows;
+    std::string needle;
+  };
+  const std::vector<Bad> bads = {
+      {2, DType::kFloat32, DType::kFloat32, 1, "local must have at least plan.num_tokens[2] = 5 rows"},
+      {1, DType::kBFloat16, DType::kFloat32, 0, "local and global must have the same dtype"},
+      {3, DType::kUInt8, DType::kUInt8, 0, "global must be bf16 or fp32 or int32 or int64, got uint8"},
+  };
+  std::mt19937 rng(std::random_device{}());
+  int num_rounds = 0;
+  for (DpPaddingMode mode : {DpPaddingMode::kMaxLen, DpPaddingMode::kSumLen}) {
+    const auto plan = plan_dp_gather(counts, mode);
+    for (const Bad& bad : bads) {
+      for (const bool gather : {true, false}) {
+        const uint64_t seed = rng();
+        SCOPED_TRACE(::testing::Message() << to_string(mode) << (gather ? " gather" : " reduce-scatter")
+                                          << ", bad rank " << bad.rank << ", seed " << seed);
+        // Rank r's partial global buffer for the reduce-scatter (bf16-representable fp32 values).
+        auto partial = [&](int r) {
+          std::mt19937 g(static_cast<uint32_t>(seed + 1000 * r));
+          const auto bits = testing::random_bf16(g, static_cast<size_t>(plan.buffer_len * kHidden));
+          std::vector<float> v(bits.size());
+          for (size_t i = 0; i < bits.size(); ++i) v[i] = bf16_to_float(bits[i]);
+          return v;
+        };
+        std::atomic<int> num_checked{0};
+        run_host_ranks(groups, [&](int rank, Group& group) {
+          const int64_t count = counts[rank];
+          // The failing call.
+          const bool is_bad = rank == bad.rank;
+          const DType local_dtype = is_bad ? bad.local_dtype : DType::kFloat32;
+          const DType global_dtype = is_bad ? bad.global_dtype : DType::kFloat32;
+          const int64_t local_rows = count - (is_bad ? bad.missing_rows : 0);
+          std::vector<uint64_t> local_mem(static_cast<size_t>(std::max<int64_t>(local_rows * kHidden, 1)), 0);
+          std::vector<uint64_t> global_mem(static_cast<size_t>(std::max<int64_t>(plan.buffer_len * kHidden, 1)), 0);
+          const auto local = TensorView::of(local_mem.data(), local_dtype, {local_rows, kHidden});
+          const auto global = TensorView::of(global_mem.data(), global_dtype, {plan.buffer_len, kHidden});
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            if (gather) {
+              dp_gather(group, layout, plan, local, global);
+            } else {
+              dp_scatter(group, layout, plan, global, local, DpScatterKind::kReduceScatter);
+            }
+            ADD_FAILURE() << "rank " << rank << ": no error";
+          } catch (const Error& e) {
+            const std::string what = e.what();
+            EXPECT_EQ(e.code(), is_bad ? ErrorCode::kInvalidArgument : ErrorCode::kPeerFailure) << what;
+            EXPECT_NE(what.find(bad.needle), std::string::npos) << what;
+            if (!is_bad) {
+              EXPECT_NE(what.find("failed on ranks [" + std::to_string(bad.rank) + "]"), std::string::npos) << what;
+            }
+          }
+          EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20)) << "rank " << rank;
+
+          // The next gather: every rank's rows at their offsets, zero elsewhere.
+          const auto rows = dp_rows(seed, rank, count);
+          HostBuf in(DType::kFloat32, count, rows, kPoison);
+          HostBuf out(DType::kFloat32, plan.buffer_len, {}, -7.f);
+          dp_gather(group, layout, plan, in.view(), out.view());
+          for (int d = 0; d < 4; ++d) {
+            const auto src = dp_rows(seed, d, counts[d]);
+            const int64_t end = d + 1 < 4 ? plan.offsets[d + 1] : plan.buffer_len;
+            for (int64_t i = plan.offsets[d] * kHidden; i < end * kHidden; ++i) {
+              const int64_t j = i - plan.offsets[d] * kHidden;
+              const float want = j < counts[d] * kHidden ? src[j] : 0.f;
+              ASSERT_EQ(out.at(i), want) << "rank " << rank << " gathered element " << i;
+            }
+          }
+          // The next reduce-scatter: the fp32 sum over ranks in rank order of this rank's rows.
+          HostBuf part(DType::kFloat32, plan.buffer_len, partial(rank), 0.f);
+          HostBuf mine(DType::kFloat32, count + 1, {}, kPoison);  // one padding row, zeroed
+          dp_scatter(group, layout, plan, part.view(), mine.view(), DpScatterKind::kReduceScatter);
+          std::vector<float> sum(static_cast<size_t>(count * kHidden), 0.f);
+          for (int r = 0; r < 4; ++r) {
+            const auto p = partial(r);
+            for (size_t i = 0; i < sum.size(); ++i) sum[i] += p[plan.offsets[rank] * kHidden + i];
+          }
+          for (int64_t i = 0; i < mine.rows * kHidden; ++i) {
+            ASSERT_EQ(mine.at(i), i < count * kHidden ? sum[i] : 0.f) << "rank " << rank << " scattered element " << i;
+          }
+          ++num_checked;
+        });
+        ASSERT_EQ(num_checked.load(), 4);
+        ++num_rounds;
+      }
+    }
+  }
+  EXPECT_EQ(num_rounds, 2 * 3 * 2);
+}
+
+// kSlice has no collective: a rank whose slice is rejected raises alone, and its peers' slices and the next
+// collective are unaffected. Routing as above.
+TEST(DpScatter, RejectedSliceRaisesOnlyOnItsRank) {
+  const auto layout = ParallelLayout::pure_dp(4);
+  auto groups = create_host_groups(4, {.timeout_ms = 60'000});
+  const std::vector<int64_t> counts{3, 0, 5, 2};
+  const auto plan = plan_dp_gather(counts, DpPaddingMode::kSumLen);
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::atomic<int> num_checked{0};
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    std::vector<float> all;
+    for (int d = 0; d < 4; ++d) {
+      const auto rows = dp_rows(seed, d, counts[d]);
+      all.insert(all.end(), rows.begin(), rows.end());
+    }
+    HostBuf global(DType::kFloat32, plan.buffer_len, all, 0.f);
+    HostBuf local(DType::kFloat32, rank == 2 ? 4 : counts[rank], {}, kPoison);
+    if (rank == 2) {
+      testing::expect_invalid([&] { dp_scatter(group, layout, plan, global.view(), local.view()); },
+                              "local must have at least plan.num_tokens[2] = 5 rows");
+    } else {
+      dp_scatter(group, layout, plan, global.view(), local.view());
+      const auto rows = dp_rows(seed, rank, counts[rank]);
+      for (int64_t i = 0; i < counts[rank] * kHidden; ++i) ASSERT_EQ(local.at(i), rows[i]) << "rank " << rank;
+    }
+    // The next collective pairs up on every rank.
+    HostBuf in(DType::kFloat32, counts[rank], dp_rows(seed, rank, counts[rank]), kPoison);
+    HostBuf out(DType::kFloat32, plan.buffer_len, {}, -7.f);
+    dp_gather(group, layout, plan, in.view(), out.view());
+    for (int64_t i = 0; i < plan.buffer_len * kHidden; ++i) ASSERT_EQ(out.at(i), all[i]) << "rank " << rank;
+    ++num_checked;
+  });
+  EXPECT_EQ(num_checked.load(), 4);
 }
 
 // Integer tensors (input ids, positions), [rows, hidden] and 1-D [rows]: values past 2^24 (int32) and 2^53

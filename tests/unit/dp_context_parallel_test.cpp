@@ -270,31 +270,39 @@ TEST(DpGatherCp, RejectsBadShardsOnEveryRank) {
   std::vector<float> local(5 * kHidden), global(5 * kHidden);
   const auto lv = TensorView::of(local.data(), DType::kFloat32, {5, kHidden});
   const auto gv = TensorView::of(global.data(), DType::kFloat32, {5, kHidden});
-  Group& g0 = *groups[0];
-  // Checked on the calling rank before any communication.
-  testing::expect_invalid([&] { dp_gather(g0, layout, plan, lv, gv, nullptr, DpGatherSource::kLeader, Rows{5}); },
-                          "cp_shard_counts must hold attn_cp_size = 2 counts");
-  testing::expect_invalid(
-      [&] {
-        dp_gather(g0, layout, plan, lv, gv, nullptr, DpGatherSource::kLeader, Rows{3, 3});
-      },
-      "must sum to plan.num_tokens[0] = 5");
-  testing::expect_invalid(
-      [&] {
-        dp_gather(g0, layout, plan, lv, gv, nullptr, DpGatherSource::kLeader, Rows{-1, 6});
-      },
-      "cp_shard_counts[0] must be in [0, 2^40]");
-  testing::expect_invalid(
-      [&] {
-        dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kFloat32, {2, kHidden}), gv, nullptr,
-                  DpGatherSource::kLeader, Rows{3, 2});
-      },
-      "at least cp_shard_counts[0] = 3 rows");
-  testing::expect_invalid(
-      [&] {
+  // Rank 0's shards are rejected on rank 0 only: it raises kInvalidArgument and, having taken part with an error
+  // flag, makes rank 1 (good shards [3, 2]) raise kPeerFailure in the same call.
+  auto rejected = [&](const std::string& needle, const std::function<void(Group&)>& bad_call, bool scatter = false) {
+    testing::expect_rejected_on_rank(groups, 0, needle, [&](int rank, Group& group) {
+      if (rank == 0) return bad_call(group);
+      std::vector<float> l(5 * kHidden), gl(5 * kHidden);
+      const auto l_view = TensorView::of(l.data(), DType::kFloat32, {5, kHidden});
+      const auto gl_view = TensorView::of(gl.data(), DType::kFloat32, {5, kHidden});
+      if (scatter) {
+        dp_scatter(group, layout, plan, gl_view, l_view, DpScatterKind::kReduceScatter);
+      } else {
+        dp_gather(group, layout, plan, l_view, gl_view, nullptr, DpGatherSource::kLeader, Rows{3, 2});
+      }
+    });
+  };
+  rejected("cp_shard_counts must hold attn_cp_size = 2 counts",
+           [&](Group& g0) { dp_gather(g0, layout, plan, lv, gv, nullptr, DpGatherSource::kLeader, Rows{5}); });
+  rejected("must sum to plan.num_tokens[0] = 5", [&](Group& g0) {
+    dp_gather(g0, layout, plan, lv, gv, nullptr, DpGatherSource::kLeader, Rows{3, 3});
+  });
+  rejected("cp_shard_counts[0] must be in [0, 2^40]", [&](Group& g0) {
+    dp_gather(g0, layout, plan, lv, gv, nullptr, DpGatherSource::kLeader, Rows{-1, 6});
+  });
+  rejected("at least cp_shard_counts[0] = 3 rows", [&](Group& g0) {
+    dp_gather(g0, layout, plan, TensorView::of(local.data(), DType::kFloat32, {2, kHidden}), gv, nullptr,
+              DpGatherSource::kLeader, Rows{3, 2});
+  });
+  rejected(
+      "kReduceScatter takes no cp_shard_counts",
+      [&](Group& g0) {
         dp_scatter(g0, layout, plan, gv, lv, DpScatterKind::kReduceScatter, nullptr, Rows{3, 2});
       },
-      "kReduceScatter takes no cp_shard_counts");
+      /*scatter=*/true);
   // CP ranks of one DP rank that disagree on the shards all fail, none hangs.
   std::atomic<int> num_failed{0};
   run_host_ranks(groups, [&](int rank, Group& group) {

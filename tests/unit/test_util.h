@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "epx/error.h"
+#include "epx/group.h"
 #include "epx/quant.h"
 #include "epx/tensor.h"
 
@@ -94,6 +96,26 @@ inline void on_ranks(int num_ranks, const std::function<void(int rank)>& fn) {
   for (auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+}
+
+// Runs call(rank, group) on every rank of `groups` as threads: rank `bad` must raise kInvalidArgument whose message
+// contains `needle`, every other rank kPeerFailure naming rank `bad` and the same message (the bad rank took part in
+// the collective with an error flag, so the peers fail the same call instead of waiting for it).
+inline void expect_rejected_on_rank(const std::vector<std::shared_ptr<Group>>& groups, int bad,
+                                    const std::string& needle, const std::function<void(int, Group&)>& call) {
+  run_host_ranks(groups, [&](int rank, Group& group) {
+    try {
+      call(rank, group);
+      ADD_FAILURE() << "rank " << rank << ": no error; expected one mentioning '" << needle << "'";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(e.code(), rank == bad ? ErrorCode::kInvalidArgument : ErrorCode::kPeerFailure) << what;
+      EXPECT_NE(what.find(needle), std::string::npos) << what;
+      if (rank != bad) {
+        EXPECT_NE(what.find("failed on ranks [" + std::to_string(bad) + "]"), std::string::npos) << what;
+      }
+    }
+  });
 }
 
 #ifdef EPX_CLI_PATH

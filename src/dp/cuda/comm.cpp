@@ -8,10 +8,11 @@
 #include <mutex>
 #include <thread>
 
-#include "core/check.h"
-#include "core/timeout.h"
-#include "core/cuda/cuda_util.h"
 #include "comm/cuda/nccl_loader.h"
+#include "core/check.h"
+#include "core/cuda/cuda_util.h"
+#include "core/timeout.h"
+#include "dp/backends.h"
 
 namespace epx::cuda {
 
@@ -106,7 +107,7 @@ DpComm& dp_comm(Group& group) {
         return it->second->dp;
       }
       // A different group at a recycled address: its communicator belongs to a group that is gone.
-      nccl().CommAbort(it->second->dp.comm);
+      if (it->second->dp.comm != nullptr) nccl().CommAbort(it->second->dp.comm);
       registry().erase(it);
     }
   }
@@ -116,6 +117,25 @@ DpComm& dp_comm(Group& group) {
   auto& slot = registry()[&group];
   slot = std::move(entry);
   return slot->dp;
+}
+
+void dp_abandon_cuda(Group& group, const std::string& reason) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto& slot = registry()[&group];
+    if (slot == nullptr || slot->rank != group.rank() || slot->num_ranks != group.num_ranks() ||
+        slot->dp.device != group.device().index) {
+      // NOTE: no communicator yet (or one of a group at a recycled address): an entry without one, failed, so this
+      // rank does not bootstrap one with the peers' next call either.
+      if (slot != nullptr && slot->dp.comm != nullptr) nccl().CommAbort(slot->dp.comm);
+      slot = std::make_unique<Entry>();
+      slot->rank = group.rank();
+      slot->num_ranks = group.num_ranks();
+      slot->dp.device = group.device().index;
+    }
+    if (slot->dp.failed.empty()) slot->dp.failed = reason;
+  } catch (...) {  // out of memory: nothing better to do than leave the registry as it was
+  }
 }
 
 }  // namespace epx::cuda

@@ -19,12 +19,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <thread>
 #include <utility>
 
 #include "comm/cuda/nccl_loader.h"
 #include "core/check.h"
+#include "core/cuda/alloc.h"
 #include "core/cuda/cuda_util.h"
 #include "dp/backends.h"
 #include "dp/cuda/comm.h"
@@ -76,7 +78,9 @@ void dp_gather_cuda(Group& group, const ParallelLayout& layout, const DpGatherPl
   DpComm& dp = dp_comm(group);
   DeviceGuard guard(dp.device);
   const RankCoords me = layout.coords(group.rank());
-  const int64_t count = plan.num_tokens[me.attn_dp_rank];
+  // NOTE: an undefined local (a rejected call joining its peers' collective, dp_gather_fail) contributes no rows:
+  // the MAX_LEN path zeroes this rank's share, the all-reduce path writes nothing into the zeroed buffer.
+  const int64_t count = local.defined() ? plan.num_tokens[me.attn_dp_rank] : 0;
   const size_t elem = dtype_size(global.dtype);
   const size_t row_bytes = static_cast<size_t>(hidden) * elem;
   // MAX_LEN partial sums and attention CP (SGLang: an all-gather would take a block from every rank, CP ranks
@@ -141,7 +145,10 @@ void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherP
   const int64_t count = plan.num_tokens[me.attn_dp_rank];
   const size_t row_bytes = static_cast<size_t>(hidden) * dtype_size(global.dtype);
   DeviceGuard guard(group.device().index);
+  // An undefined local: a rejected call joining its peers' reduces (dp_scatter_fail); kSlice has none to join.
+  const bool joins_only = !local.defined();
   if (kind == DpScatterKind::kSlice) {
+    if (joins_only) return;
     // With shards (kSlice only, checked by dp_scatter): this CP rank's shard.
     const std::pair<int64_t, int64_t> rows =
         cp_shard_counts.empty()
@@ -156,11 +163,18 @@ void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherP
     return;
   }
   if (plan.buffer_len == 0 || hidden == 0) {  // nothing to reduce on any rank
-    zero_tail(local, count, stream);
+    if (!joins_only) zero_tail(local, count, stream);
     return;
   }
   DpComm& dp = dp_comm(group);
   const ncclDataType_t type = nccl_type(global.dtype);
+  // NOTE: stream-ordered scratch for this rank's own reduce, freed on `stream` after it (error path only).
+  std::shared_ptr<void> scratch;
+  void* recv = local.data;
+  if (joins_only) {
+    scratch = detail::cuda_allocate(static_cast<size_t>(count) * row_bytes, group.device(), stream);
+    recv = scratch.get();
+  }
   // NOTE: one ncclReduce per root in every mode. The path must not depend on anything but the plan
   // (a reduce-scatter straight into `local` would need slot_len rows there, which differs by rank), and
   // on 2x H200 the grouped reduces beat ncclReduceScatter of the same bytes at 4096 and 8192 tokens per
@@ -172,14 +186,14 @@ void dp_scatter_cuda(Group& group, const ParallelLayout& layout, const DpGatherP
     const int64_t n = plan.num_tokens[dp_rank] * hidden;
     if (n == 0) continue;
     // NOTE: recvbuff matters on the root only; the others pass their own local (possibly empty).
-    const ncclResult_t res = nccl().Reduce(row_ptr(global, plan.offsets[dp_rank]), local.data, static_cast<size_t>(n),
-                                           type, ncclSum, root, dp.comm, stream);
+    const ncclResult_t res = nccl().Reduce(row_ptr(global, plan.offsets[dp_rank]), recv, static_cast<size_t>(n), type,
+                                           ncclSum, root, dp.comm, stream);
     if (res != ncclSuccess && res != ncclInProgress && first_error == ncclSuccess) first_error = res;
   }
   const ncclResult_t end = nccl().GroupEnd();
   nccl_wait(dp, first_error, "ncclReduce (dp_scatter)");
   nccl_wait(dp, end, "ncclGroupEnd (dp_scatter)");
-  zero_tail(local, count, stream);
+  if (!joins_only) zero_tail(local, count, stream);
 }
 
 void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size_t bytes) {

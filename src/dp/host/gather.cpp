@@ -210,4 +210,9 @@ void dp_scatter_host(Group& group, const ParallelLayout& layout, const DpGatherP
   EPX_CHECK_ARG(mismatch.empty(), "dp_scatter: {}", mismatch);
 }
 
+void dp_fail_host(Group& group, const std::string& reason) noexcept {
+  auto* host_group = dynamic_cast<HostGroup*>(&group);
+  if (host_group != nullptr) host_group->fail(reason);
+}
+
 }  // namespace epx::host
