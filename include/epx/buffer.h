@@ -47,6 +47,10 @@ struct NormalConfig {
 // Tuning of the cuda backend's low-latency kernels (docs/low-latency.md). Same on every rank.
 struct LowLatencyConfig {
   int combine_send_parts = 2;  // blocks per local expert in the combine send: 1, 2, 4 or 8
+  // Flat combine send: a local expert whose dispatch received at most this many rows (all sources) is sent by one
+  // block without the parts' completion counter and its fences (the other parts return at once): the small batches'
+  // fixed cost. >= 0; 0: every expert uses combine_send_parts blocks. See docs/low-latency.md.
+  int combine_solo_max_rows = 1;
   // Flat dispatch from this max_tokens_per_rank on: a token's row crosses to a rank once (token-staged), below it
   // once per (token, expert) pair (fewer steps per call). >= 0; 0: always token-staged. See docs/low-latency.md.
   int token_rows_min_tokens = 64;

@@ -229,6 +229,7 @@ void register_buffer(nb::module_& m) {
                                "same on every rank.")
       .def(nb::init<>())
       .def_rw("combine_send_parts", &LowLatencyConfig::combine_send_parts)
+      .def_rw("combine_solo_max_rows", &LowLatencyConfig::combine_solo_max_rows)
       .def_rw("token_rows_min_tokens", &LowLatencyConfig::token_rows_min_tokens)
       .def_rw("programmatic_launch", &LowLatencyConfig::programmatic_launch)
       .def_rw("expert_side_reduction", &LowLatencyConfig::expert_side_reduction)

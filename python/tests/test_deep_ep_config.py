@@ -53,7 +53,8 @@ def test_enable_shrink_decides_whether_a_timeout_raises():
     mine.combine_send_parts = 4
     mine.token_rows_min_tokens = 0
     mine.programmatic_launch = False
+    mine.combine_solo_max_rows = 0
     got = config.low_latency_config(mine, enable_shrink=False)
     assert (got.expert_side_reduction, got.combine_send_parts, got.token_rows_min_tokens,
-            got.programmatic_launch, got.raise_on_timeout) == (True, 4, 0, False, True)
+            got.programmatic_launch, got.combine_solo_max_rows, got.raise_on_timeout) == (True, 4, 0, False, 0, True)
     assert not mine.raise_on_timeout, "the caller's config is copied, not changed"

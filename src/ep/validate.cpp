@@ -223,6 +223,8 @@ void validate_options(const BufferOptions& options) {
   const int parts = options.low_latency.combine_send_parts;
   EPX_CHECK_ARG(parts == 1 || parts == 2 || parts == 4 || parts == 8,
                 "low_latency.combine_send_parts must be 1, 2, 4 or 8, got {}", parts);
+  EPX_CHECK_ARG(options.low_latency.combine_solo_max_rows >= 0,
+                "low_latency.combine_solo_max_rows must be >= 0, got {}", options.low_latency.combine_solo_max_rows);
   EPX_CHECK_ARG(options.low_latency.token_rows_min_tokens >= 0,
                 "low_latency.token_rows_min_tokens must be >= 0, got {}", options.low_latency.token_rows_min_tokens);
 }
@@ -245,6 +247,8 @@ constexpr AgreedOption kAgreed[] = {
     {"normal.max_copy_chunks", [](const BufferOptions& o) { return int64_t{o.normal.max_copy_chunks}; }},
     {"low_latency.combine_send_parts",
      [](const BufferOptions& o) { return int64_t{o.low_latency.combine_send_parts}; }},
+    {"low_latency.combine_solo_max_rows",
+     [](const BufferOptions& o) { return int64_t{o.low_latency.combine_solo_max_rows}; }},
     {"low_latency.token_rows_min_tokens",
      [](const BufferOptions& o) { return int64_t{o.low_latency.token_rows_min_tokens}; }},
     {"low_latency.programmatic_launch",

@@ -56,7 +56,8 @@ void validate_low_latency_combine(const LowLatencyCombineArgs& args, const LowLa
                                   int64_t max_tokens_per_rank, int num_ranks, Device device);
 
 // BufferOptions ranges: num_sms in [1, kMaxNumSms], byte counts >= 0, normal.max_copy_chunks in
-// [1, kNormalMaxCopyChunks], low_latency.combine_send_parts in {1, 2, 4, 8}.
+// [1, kNormalMaxCopyChunks], low_latency.combine_send_parts in {1, 2, 4, 8},
+// low_latency.combine_solo_max_rows >= 0.
 void validate_options(const BufferOptions& options);
 
 // Whether normal dispatch/combine take the hierarchical routing: BufferOptions::normal_routing, kAuto resolved by the

@@ -352,7 +352,9 @@ class Rig {
             /*programmatic_launch=*/c_.programmatic_launch,
             /*expert_side=*/c_.expert_side,
             /*partial_send_blocks=*/shared_gpu_.send_blocks,
-            /*recv_blocks=*/shared_gpu_.recv_blocks};
+            /*recv_blocks=*/shared_gpu_.recv_blocks,
+            /*wait_cost=*/nullptr,
+            /*solo_max_rows=*/LowLatencyConfig{}.combine_solo_max_rows};
   }
 
   // Enqueues one full dispatch + combine on every present rank: the fused kernels, or the send and receive
@@ -1153,14 +1155,18 @@ TEST_F(LowLatencyKernels, Timing) {
     // from LowLatencyConfig::token_rows_min_tokens on), then dispatch, combine and dispatch+combine again with plain
     // launches (LowLatencyConfig::programmatic_launch = false; the others launch programmatically, the default). A
     // send half alone waits on nothing: its time is the sender's cost without the peer. Last, combine and
-    // dispatch+combine with the expert-side reduction (LowLatencyConfig::expert_side_reduction; programmatic).
-    constexpr int kNumTimings = 12;
+    // dispatch+combine with the expert-side reduction (LowLatencyConfig::expert_side_reduction; programmatic); and the
+    // combine with every expert sent by all its parts (LowLatencyConfig::combine_solo_max_rows = 0; the others use
+    // the default).
+    constexpr int kNumTimings = 13;
     double result[kNumTimings] = {};
     for (int which = 0; which < kNumTimings; ++which) {
       rig.clean();  // the send halves alone (3, 4, 6) leave unconsumed signals
       const bool programmatic = which < 7 || which >= 10;
-      const bool expert_side = which >= 10;
-      const int kind = which < 7 ? which : which < 10 ? which - 7 : which - 9;  // 7, 8, 9: as 0, 1, 2; 10, 11: 1, 2
+      const bool expert_side = which == 10 || which == 11;
+      const bool no_solo = which == 12;
+      // 7, 8, 9: as 0, 1, 2; 10, 11: 1, 2; 12: 1
+      const int kind = which < 7 ? which : which < 10 ? which - 7 : which < 12 ? which - 9 : 1;
       std::vector<cudaGraphExec_t> execs(c.num_ranks);
       for (int r = 0; r < c.num_ranks; ++r) {
         auto& d = rig.rank(r);
@@ -1176,6 +1182,7 @@ TEST_F(LowLatencyKernels, Timing) {
             LowLatencyCombineLaunch a = rig.combine_args(r, dset);
             a.programmatic_launch = programmatic;
             a.expert_side = expert_side;
+            if (no_solo) a.solo_max_rows = 0;
             return a;
           };
           if (kind == 3 || kind == 6) {
@@ -1233,9 +1240,9 @@ TEST_F(LowLatencyKernels, Timing) {
         "[ll timing] EP2 tokens=%ld hidden=7168 top8/256 fp8 dispatch %.1f us, bf16 combine %.1f us, "
         "round trip %.1f us; send halves alone: dispatch %.1f us, combine %.1f us; rows per pair: dispatch %.1f us, "
         "send half alone %.1f us; plain launches: dispatch %.1f us, combine %.1f us, round trip %.1f us; expert-side "
-        "reduction: combine %.1f us, round trip %.1f us\n",
+        "reduction: combine %.1f us, round trip %.1f us; no solo sends: combine %.1f us\n",
         static_cast<long>(tokens), result[0], result[1], result[2], result[3], result[4], result[5], result[6],
-        result[7], result[8], result[9], result[10], result[11]);
+        result[7], result[8], result[9], result[10], result[11], result[12]);
     json +=
         std::string(json.size() > 1 ? "," : "") + "{\"tokens\":" + std::to_string(tokens) +
         ",\"dispatch_us\":" + std::to_string(result[0]) + ",\"combine_us\":" + std::to_string(result[1]) +
@@ -1246,7 +1253,8 @@ TEST_F(LowLatencyKernels, Timing) {
         ",\"dispatch_no_pdl_us\":" + std::to_string(result[7]) + ",\"combine_no_pdl_us\":" + std::to_string(result[8]) +
         ",\"round_trip_no_pdl_us\":" + std::to_string(result[9]) +
         ",\"combine_expert_side_us\":" + std::to_string(result[10]) +
-        ",\"round_trip_expert_side_us\":" + std::to_string(result[11]) + "}";
+        ",\"round_trip_expert_side_us\":" + std::to_string(result[11]) +
+        ",\"combine_no_solo_us\":" + std::to_string(result[12]) + "}";
   }
   json += "]";
   if (const char* path = std::getenv("EPX_LL_TIMING_JSON")) std::ofstream(path) << json << "\n";

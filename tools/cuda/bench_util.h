@@ -42,6 +42,7 @@ inline void nccl_ok(ncclResult_t res, const char* what) {
 //   EPX_NORMAL_TIMELINE=1     normal.stage_timeline = true
 //   EPX_EARLY_COPIES=n        normal.early_copies = kNever (0), kAuto (1), kAlways (2)
 //   EPX_LL_COMBINE_PARTS=n    low_latency.combine_send_parts = n (1, 2, 4, 8)
+//   EPX_LL_SOLO_ROWS=n        low_latency.combine_solo_max_rows = n (0: off)
 //   EPX_LL_TOKEN_ROWS_MIN=n   low_latency.token_rows_min_tokens = n (>= 0)
 //   EPX_LL_PDL=0              low_latency.programmatic_launch = false (plain stream order)
 //   EPX_LL_EXPERT_SIDE=1      low_latency.expert_side_reduction = true (the combine sums per expert rank first)
@@ -72,6 +73,7 @@ inline BufferOptions tuned_from_env(BufferOptions options) {
     options.normal.early_copies = kModes[mode];
   }
   options.low_latency.combine_send_parts = number("EPX_LL_COMBINE_PARTS", options.low_latency.combine_send_parts);
+  options.low_latency.combine_solo_max_rows = number("EPX_LL_SOLO_ROWS", options.low_latency.combine_solo_max_rows);
   options.low_latency.token_rows_min_tokens =
       number("EPX_LL_TOKEN_ROWS_MIN", options.low_latency.token_rows_min_tokens);
   options.low_latency.programmatic_launch = flag("EPX_LL_PDL", options.low_latency.programmatic_launch);

@@ -43,7 +43,8 @@ def low_latency_config(requested: "epx.LowLatencyConfig | None", enable_shrink: 
     epx.TimeoutError instead of returning that silently, and with enable_shrink masks as DeepEP's shrink mode does."""
     config = epx.LowLatencyConfig()
     if requested is not None:
-        for name in ("combine_send_parts", "token_rows_min_tokens", "programmatic_launch", "expert_side_reduction"):
+        for name in ("combine_send_parts", "combine_solo_max_rows", "token_rows_min_tokens", "programmatic_launch",
+                     "expert_side_reduction"):
             setattr(config, name, getattr(requested, name))
     config.raise_on_timeout = not enable_shrink
     return config

@@ -114,6 +114,9 @@ struct LowLatencyCombineLaunch {
   // A cap on the receive blocks of either combine (0: none): ranks sharing a GPU pass shared_gpu_combine_grid's.
   int recv_blocks = 0;
   unsigned long long* wait_cost = nullptr;  // LowLatencyCombineArgs::wait_recv_cost_ns: per expert rank, as dispatch's
+  // LowLatencyConfig::combine_solo_max_rows: an expert with at most this many received rows is sent by its first part
+  // alone, without the parts' counter (the counter of each expert stays a multiple of send_parts).
+  int solo_max_rows = 0;
 };
 
 // The combine grids of ranks that share one GPU (`sharing` of them, counted by the GPU's UUID; this device current).

@@ -13,13 +13,17 @@ namespace {
 // ---- combine ------------------------------------------------------------------------------------------
 
 // Grid: `parts` blocks per local expert (a power of two), each taking every parts-th vector of the expert's
-// rows; the last block of an expert to finish (a monotonic per-expert counter) raises the expert's signals.
+// rows; the last block of an expert to finish (a monotonic per-expert counter) raises the expert's signals. An
+// expert with at most args.solo_max_rows received rows (every source counted, masked or not, so every part decides
+// alike) is sent by part 0 alone, which raises the signals after a barrier without the counter; the other parts return
+// at once. The counter then stays a multiple of `parts`.
 __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatencyLayout& layout, int set,
-                                   const LowLatencyCombineLaunch& args, int64_t block, int parts) {
+                                   const LowLatencyCombineLaunch& args, int64_t block, int grid_parts) {
   __shared__ int row_start[kLowLatencyMaxRanks + 1];  // prefix of the rows to send, by destination rank
   __shared__ int row_begin[kLowLatencyMaxRanks];      // packed row of rank r's first pair in x (the dispatch's)
-  const int64_t e_local = block / parts;
-  const int part = static_cast<int>(block % parts);
+  __shared__ bool solo;
+  const int64_t e_local = block / grid_parts;
+  const int part = static_cast<int>(block % grid_parts);
   const int R = peers.num_ranks;
   const int64_t M = layout.max_tokens_per_rank;
   const int64_t H = layout.hidden;
@@ -30,15 +34,19 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
   const LowLatencySet& c = layout.sets[set];
   if (threadIdx.x == 0) {
     const int64_t* ranges = at<int64_t>(base, d.layout_range) + e_local * R;
-    int rows = 0;
+    int rows = 0, received = 0;
     for (int r = 0; r < R; ++r) {
       row_start[r] = rows;
       row_begin[r] = static_cast<int>(ranges[r] >> 32);
+      received += static_cast<int>(ranges[r] & 0xffffffff);
       if (ld_volatile_global(&ctrl->mask[r]) == 0) rows += static_cast<int>(ranges[r] & 0xffffffff);
     }
     row_start[R] = rows;
+    solo = grid_parts == 1 || received <= args.solo_max_rows;
   }
   __syncthreads();
+  if (solo && part != 0) return;
+  const int parts = solo ? 1 : grid_parts;
   const int* src_info = at<int>(base, d.dispatch_src_info);
   const int* slot_k = at<int>(base, d.dispatch_slot_k);
   const auto* x = static_cast<const int4*>(args.x);
@@ -68,7 +76,14 @@ __device__ void combine_send_block(const LowLatencyPeers& peers, const LowLatenc
       if (first + u * kStride < items) at<int4>(peers.bases[dst_rank[u]], c.combine_data + dst_offset[u])[0] = v[u];
     }
   }
-  const bool last_part = last_of_parts(&ctrl->combine_parts_done[e_local], parts);
+  // NOTE: solo: the barrier orders the block's row stores before the release of each signal (as the normal path's
+  // groups do, device/ordering.cuh); no other block took part, so no counter and no fence.
+  bool last_part = true;
+  if (solo) {
+    __syncthreads();
+  } else {
+    last_part = last_of_parts(&ctrl->combine_parts_done[e_local], parts);
+  }
   if (last_part && threadIdx.x < R && ld_volatile_global(&ctrl->mask[threadIdx.x]) == 0) {
     const int r = threadIdx.x;
     // kCombineNoRows: this rank's dispatch receive missed r's pairs (r masked then, or a wait timed out), so none of

@@ -282,7 +282,8 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
                                        /*expert_side=*/relay_ == nullptr && config_.expert_side_reduction,
                                        /*partial_send_blocks=*/shared_gpu_.send_blocks,
                                        /*recv_blocks=*/shared_gpu_.recv_blocks,
-                                       /*wait_cost=*/wait_cost_of(args.wait_recv_cost_ns, relay_ != nullptr)};
+                                       /*wait_cost=*/wait_cost_of(args.wait_recv_cost_ns, relay_ != nullptr),
+                                       /*solo_max_rows=*/config_.combine_solo_max_rows};
   if (relay_) {
     relay_->send_combine(peers_, layout_, set, launch, stream);
     if (!args.return_recv_hook) {
