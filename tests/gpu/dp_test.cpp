@@ -279,19 +279,48 @@ TEST_F(DpGpuTest, AttentionTp2) {
   }
 }
 
-TEST_F(DpGpuTest, BadDeviceIsInvalidArgument) {
+// An argument rejected on one rank only (docs/reliability.md, "Invalid arguments of dp_gather / dp_scatter on one
+// rank"): rank 0's local lives on the host; it raises kInvalidArgument naming local, but first joins the call's NCCL
+// collective with zero rows, so rank 1's gather completes (rank 0's slot zeroed) and the next calls of both ranks are
+// in step (before, rank 0 skipped the collective and rank 1's next call paired with the wrong one).
+TEST_F(DpGpuTest, BadArgumentOnOneRankStillJoinsTheCollective) {
   const ParallelLayout layout = ParallelLayout::pure_dp(2);
   const DpGatherPlan plan = plan_dp_gather(std::vector<int64_t>{1, 1}, DpPaddingMode::kMaxLen);
-  std::vector<uint16_t> host(16);
-  Group& g = *cuda_groups()[0];
-  try {
-    dp_gather(g, layout, plan, TensorView::of(host.data(), DType::kBFloat16, {1, 8}),
-              TensorView::of(host.data(), DType::kBFloat16, {2, 8}, Device::cuda(0)));
-    FAIL() << "expected kInvalidArgument";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find("local"), std::string::npos) << e.what();
+  const int64_t H = 8;
+  std::vector<std::string> errors(kNumRanks);
+  std::vector<std::vector<uint16_t>> got(kNumRanks);
+  run_host_ranks(cuda_groups(), [&](int r, Group& g) {
+    const int dev = g.device().index;
+    cudaSetDevice(dev);
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<uint16_t> host(H, float_to_bf16(1.0f + r));
+    DeviceBuffer local(H * 2, dev), global(plan.buffer_len * H * 2, dev);
+    cudaMemcpyAsync(local.ptr, host.data(), H * 2, cudaMemcpyHostToDevice, stream);
+    testing::poison(global.ptr, plan.buffer_len * H * 2, stream);
+    const Device device = Device::cuda(dev);
+    const auto local_view = r == 0 ? TensorView::of(host.data(), DType::kBFloat16, {1, H})
+                                   : TensorView::of(local.ptr, DType::kBFloat16, {1, H}, device);
+    try {
+      dp_gather(g, layout, plan, local_view, TensorView::of(global.ptr, DType::kBFloat16, {plan.buffer_len, H}, device),
+                stream);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      errors[r] = e.what();
+    }
+    got[r].resize(plan.buffer_len * H);
+    cudaMemcpyAsync(got[r].data(), global.ptr, plan.buffer_len * H * 2, cudaMemcpyDeviceToHost, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    cudaStreamDestroy(stream);
+  });
+  EXPECT_NE(errors[0].find("local"), std::string::npos) << errors[0];
+  EXPECT_TRUE(errors[1].empty()) << errors[1];
+  for (int64_t h = 0; h < H; ++h) {
+    EXPECT_EQ(bf16_to_float(got[1][h]), 0.0f) << "rank 0's slot: zero rows of its own";
+    EXPECT_EQ(bf16_to_float(got[1][plan.offsets[1] * H + h]), 2.0f) << "rank 1's own row";
   }
+  // The next calls pair as they should.
+  run_case({pure_dp(), {3, 2}, DpPaddingMode::kMaxLen, DType::kBFloat16, 64});
 }
 
 TEST_F(DpGpuTest, MetadataSyncMatchesReduction) {
