@@ -427,8 +427,12 @@ class BatchMetadataSync {
   // with an error flag, so every peer's sync raises Error(kPeerFailure) naming this rank and `reason` at once;
   // it waits (bounded by the group's timeout) until every peer outside `inactive_ranks` has seen the flag, so
   // pass the step's list when it is known (entries outside [0, num_ranks) and this rank are ignored). Cuda
-  // backend: does nothing (an NCCL all-gather has no error flag: the peers wait for their timeout); with
+  // backend: takes part in the all-gather with an idle record whose status word flags the failure, so every peer's
+  // sync raises Error(kPeerFailure) naming this rank (without `reason`: the record has no room for text); with
   // attn_dp_size 1 there is no collective and nothing is done. Never throws; the caller raises its own error.
+  // Cuda backend, also: a rank's dp_gather / dp_scatter calls that were rejected on it and joined their peers'
+  // collective (the peers' outputs lack its rows, see dp_gather) are counted, and the group's next sync carries the
+  // count in its record: every peer's sync raises kPeerFailure naming it.
   void fail(const std::string& reason, std::span<const int> inactive_ranks = {}) noexcept;
 
   double carried_wait_s() const { return carried_wait_s_; }

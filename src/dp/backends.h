@@ -58,4 +58,10 @@ void dp_all_gather_records_cuda(Group& group, const void* send, void* recv, size
 // failed if it does not exist yet), so this rank's later DP calls raise kPeerFailure instead of pairing with the
 // call its peers still wait in. Never throws.
 void dp_abandon_cuda(Group& group, const std::string& reason) noexcept;
+// The rejected calls of this rank that joined their peers' collective (dp_gather_fail, dp_scatter_fail with
+// kReduceScatter): their peers' outputs lack this rank's rows. note_ counts one; take_ returns the count and restarts
+// it: the next batch-metadata sync carries it to every peer, which raises kPeerFailure (src/dp/metadata.cpp). Never
+// throw; 0 without a DP communicator.
+void dp_note_joined_failure_cuda(Group& group) noexcept;
+int64_t dp_take_joined_failures_cuda(Group& group) noexcept;
 }  // namespace epx::cuda

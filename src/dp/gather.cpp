@@ -264,6 +264,7 @@ void dp_gather_fail(Group& group, const std::string& reason, const DpFailedCall&
       try {
         // An undefined local: the backend contributes zero rows of this rank's.
         cuda::dp_gather_cuda(group, *call.layout, *call.plan, TensorView{}, call.global, call.stream, *call.source, {});
+        cuda::dp_note_joined_failure_cuda(group);
       } catch (const std::exception& e) {
         cuda::dp_abandon_cuda(
             group, fmt::format("dp_gather failed ({}) and could not join its collective: {}", reason, e.what()));
@@ -290,6 +291,7 @@ void dp_scatter_fail(Group& group, const std::string& reason, const DpFailedCall
       try {
         // An undefined local: the backend sends this rank's rows of global and keeps nothing.
         cuda::dp_scatter_cuda(group, *call.layout, *call.plan, call.global, TensorView{}, *call.kind, call.stream, {});
+        cuda::dp_note_joined_failure_cuda(group);
       } catch (const std::exception& e) {
         cuda::dp_abandon_cuda(
             group, fmt::format("dp_scatter failed ({}) and could not join its collective: {}", reason, e.what()));

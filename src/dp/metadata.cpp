@@ -1,4 +1,4 @@
-// The per-step batch-metadata sync of DP attention: one all-gather of a fixed 11-field record.
+// The per-step batch-metadata sync of DP attention: one all-gather of a fixed record (the 11 fields and a status word).
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -14,7 +14,13 @@ namespace epx {
 
 namespace {
 
-using Packed = std::array<int64_t, kBatchMetadataFields>;
+// The wire record: kBatchMetadataFields fields, then the sender's status word: its rejected DP calls that joined their
+// peers' collective since its previous sync (cuda: dp_take_joined_failures_cuda; the peers' outputs lacked its rows),
+// and kSyncFailedBit when it could not make this sync (fail()).
+constexpr size_t kWireWords = kBatchMetadataFields + 1;
+constexpr size_t kStatusWord = kBatchMetadataFields;
+constexpr int64_t kSyncFailedBit = int64_t{1} << 62;
+using Packed = std::array<int64_t, kWireWords>;
 
 constexpr int64_t kMaxForwardMode = static_cast<int64_t>(ForwardMode::kPrebuilt);
 
@@ -47,7 +53,17 @@ Packed pack(const BatchMetadata& m) {
           m.prefill_graph_max_prefix_len,
           m.can_run_draft_graph,
           m.is_health_check,
-          m.attention_pairs};
+          m.attention_pairs,
+          0};
+}
+
+// This rank's status word (kStatusWord); takes the count of its joined failures (sent once).
+int64_t take_status_word(Group& group) {
+#ifdef EPX_WITH_CUDA
+  if (group.backend() == Backend::kCuda) return cuda::dp_take_joined_failures_cuda(group);
+#endif
+  (void)group;
+  return 0;  // the host backend's peers learn of a rejected call in that call
 }
 
 BatchMetadata unpack(const Packed& p, int dp_rank) {
@@ -70,7 +86,7 @@ BatchMetadata unpack(const Packed& p, int dp_rank) {
 
 // Words of one published slot of the host exchange that leaves inactive ranks out: the record, then the
 // inactive-rank mask, one bit per rank.
-size_t host_slot_words(int num_ranks) { return kBatchMetadataFields + (static_cast<size_t>(num_ranks) + 63) / 64; }
+size_t host_slot_words(int num_ranks) { return kWireWords + (static_cast<size_t>(num_ranks) + 63) / 64; }
 
 // The all-gather of the host backend without the inactive ranks: they are skipped (not waited for), so a
 // dead rank costs nothing; the live ones wait for each other with the group's usual bounded wait.
@@ -90,22 +106,42 @@ void host_gather_records(Group& group, const Packed& mine, const std::vector<boo
   std::vector<int64_t> slot(words, 0);
   std::copy(mine.begin(), mine.end(), slot.begin());
   for (int r = 0; r < num_ranks; ++r) {
-    if (inactive[r]) slot[kBatchMetadataFields + r / 64] |= int64_t{1} << (r % 64);
+    if (inactive[r]) slot[kWireWords + r / 64] |= int64_t{1} << (r % 64);
   }
   const auto ptrs = host_group->exchange(host_group->publish_copy(slot.data(), words * sizeof(int64_t)), &inactive);
   std::string mismatch;
   for (int r = 0; r < num_ranks; ++r) {
     if (inactive[r]) continue;
     const auto* theirs = static_cast<const int64_t*>(ptrs[r]);
-    if (mismatch.empty() &&
-        !std::equal(slot.begin() + kBatchMetadataFields, slot.end(), theirs + kBatchMetadataFields)) {
+    if (mismatch.empty() && !std::equal(slot.begin() + kWireWords, slot.end(), theirs + kWireWords)) {
       mismatch = fmt::format("rank {} named other inactive ranks than rank {}", r, group.rank());
     }
-    std::copy(theirs, theirs + kBatchMetadataFields, gathered[r].begin());
+    std::copy(theirs, theirs + kWireWords, gathered[r].begin());
   }
   // NOTE: release before raising, so no peer waits on a rank that left.
   host_group->release(&inactive);
   EPX_CHECK_ARG(mismatch.empty(), "BatchMetadataSync::sync: {}", mismatch);
+}
+
+// Raises kPeerFailure for a peer whose status word says it could not make this sync or rejected dp_gather /
+// dp_scatter calls since its previous sync that joined this rank's collectives (cuda backend).
+void check_peer_status(const Group& group, const std::vector<int64_t>& status, const std::vector<bool>& inactive) {
+  std::string failed;
+  for (int r = 0; r < group.num_ranks(); ++r) {
+    if (r == group.rank() || inactive[r]) continue;
+    const int64_t word = status[r];
+    if ((word & kSyncFailedBit) != 0) {
+      failed += fmt::format("{}rank {} could not make this sync", failed.empty() ? "" : "; ", r);
+    }
+    const int64_t joined = word & ~kSyncFailedBit;
+    if (joined > 0) {
+      failed += fmt::format(
+          "{}rank {} rejected {} dp_gather / dp_scatter call(s) since its previous sync (it raised; "
+          "this rank's outputs of those calls lack its rows)",
+          failed.empty() ? "" : "; ", r, joined);
+    }
+  }
+  EPX_CHECK(ErrorCode::kPeerFailure, failed.empty(), "BatchMetadataSync::sync on rank {}: {}", group.rank(), failed);
 }
 
 }  // namespace
@@ -181,7 +217,8 @@ BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& loca
     // One DP rank: its attention-TP/CP ranks hold the same batch, so there is nothing to agree on.
     result.global = reduce_batch_metadata(std::span<const BatchMetadata>(&mine, 1));
   } else {
-    const Packed packed = pack(mine);
+    Packed packed = pack(mine);
+    packed[kStatusWord] = take_status_word(group_);
     std::vector<Packed> gathered(static_cast<size_t>(num_ranks));
     const auto start = std::chrono::steady_clock::now();
     if (!inactive_ranks.empty()) {
@@ -198,6 +235,9 @@ BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& loca
 #endif
     }
     result.step_wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::vector<int64_t> status(static_cast<size_t>(num_ranks));
+    for (int r = 0; r < num_ranks; ++r) status[r] = gathered[r][kStatusWord];
+    check_peer_status(group_, status, inactive);
     std::vector<BatchMetadata> records;
     records.reserve(num_dp);
     for (int d = 0; d < num_dp; ++d) {
@@ -224,7 +264,22 @@ BatchSyncResult BatchMetadataSync::sync(const std::optional<BatchMetadata>& loca
 void BatchMetadataSync::fail(const std::string& reason, std::span<const int> inactive_ranks) noexcept {
   if (layout_.attn_dp_size() == 1) return;
   auto* host_group = dynamic_cast<host::HostGroup*>(&group_);
-  if (host_group == nullptr) return;
+  if (host_group == nullptr) {
+#ifdef EPX_WITH_CUDA
+    // The NCCL all-gather has no error flag: an idle record whose status word says this rank failed, so every peer's
+    // sync raises kPeerFailure naming it (check_peer_status) instead of going on without its batch.
+    if (group_.backend() == Backend::kCuda) {
+      try {
+        Packed packed = pack(BatchMetadata::idle());
+        packed[kStatusWord] = take_status_word(group_) | kSyncFailedBit;
+        std::vector<Packed> gathered(static_cast<size_t>(group_.num_ranks()));
+        cuda::dp_all_gather_records_cuda(group_, packed.data(), gathered.data(), sizeof(Packed));
+      } catch (...) {  // a timeout or a failed communicator: the peers' sync fails on its own
+      }
+    }
+#endif
+    return;
+  }
   try {
     const int num_ranks = group_.num_ranks();
     std::vector<bool> inactive(static_cast<size_t>(num_ranks), false);

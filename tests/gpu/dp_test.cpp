@@ -319,6 +319,29 @@ TEST_F(DpGpuTest, BadArgumentOnOneRankStillJoinsTheCollective) {
     EXPECT_EQ(bf16_to_float(got[1][h]), 0.0f) << "rank 0's slot: zero rows of its own";
     EXPECT_EQ(bf16_to_float(got[1][plan.offsets[1] * H + h]), 2.0f) << "rank 1's own row";
   }
+  // The next batch-metadata sync tells rank 1 (its gather lacked rank 0's rows); the one after passes. Then rank 0
+  // fails a sync (BatchMetadataSync::fail): rank 1's sync raises at once, naming it.
+  std::vector<std::string> sync_errors(kNumRanks * 3);
+  run_host_ranks(cuda_groups(), [&](int r, Group& g) {
+    cudaSetDevice(g.device().index);
+    BatchMetadataSync sync(g, layout);
+    for (int step = 0; step < 3; ++step) {
+      try {
+        if (step == 2 && r == 0) {
+          sync.fail("test");
+          continue;
+        }
+        (void)sync.sync(BatchMetadata::idle());
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
+        sync_errors[step * kNumRanks + r] = e.what();
+      }
+    }
+  });
+  EXPECT_NE(sync_errors[1].find("rank 0 rejected 1 dp_gather"), std::string::npos) << sync_errors[1];
+  EXPECT_TRUE(sync_errors[0].empty()) << sync_errors[0];
+  EXPECT_TRUE(sync_errors[2].empty() && sync_errors[3].empty()) << sync_errors[2] << " | " << sync_errors[3];
+  EXPECT_NE(sync_errors[5].find("rank 0 could not make this sync"), std::string::npos) << sync_errors[5];
   // The next calls pair as they should.
   run_case({pure_dp(), {3, 2}, DpPaddingMode::kMaxLen, DType::kBFloat16, 64});
 }

@@ -119,6 +119,39 @@ DpComm& dp_comm(Group& group) {
   return slot->dp;
 }
 
+namespace {
+// The group's entry when it is this group's (rank, size, device), else null. Under registry_mutex().
+Entry* entry_of(Group& group) {
+  auto it = registry().find(&group);
+  if (it == registry().end() || it->second == nullptr) return nullptr;
+  Entry* e = it->second.get();
+  const bool same =
+      e->rank == group.rank() && e->num_ranks == group.num_ranks() && e->dp.device == group.device().index;
+  return same ? e : nullptr;
+}
+}  // namespace
+
+void dp_note_joined_failure_cuda(Group& group) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    if (Entry* e = entry_of(group)) ++e->dp.joined_failures;
+  } catch (...) {
+  }
+}
+
+int64_t dp_take_joined_failures_cuda(Group& group) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    Entry* e = entry_of(group);
+    if (e == nullptr) return 0;
+    const int64_t n = e->dp.joined_failures;
+    e->dp.joined_failures = 0;
+    return n;
+  } catch (...) {
+    return 0;
+  }
+}
+
 void dp_abandon_cuda(Group& group, const std::string& reason) noexcept {
   try {
     std::lock_guard<std::mutex> lock(registry_mutex());

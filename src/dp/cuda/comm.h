@@ -41,6 +41,9 @@ struct DpComm {
   // Why the communicator cannot be used again (empty while it can): a batch-metadata all-gather that timed out is
   // still queued on it, owning meta_host, and every later collective of this communicator would queue behind it.
   std::string failed;
+  // Rejected calls of this rank that joined their peers' collective since the last metadata sync took the count
+  // (dp_note_joined_failure_cuda, dp_take_joined_failures_cuda).
+  int64_t joined_failures = 0;
 };
 
 // This group's communicator; the first call on a group is collective (every rank must make it).
