@@ -68,10 +68,15 @@ struct LowLatencyConfig {
   bool expert_side_reduction = false;
   // A rank that does not come to a low-latency call within the group's timeout is masked (mask_rank) and the call
   // completes without it (DeepEP's shrink semantics): its experts contribute nothing to the combine. false (default):
-  // a warning is logged. true: the rank is masked the same way and the call raises kTimeout naming it, on the host
-  // backend in the same call, on the cuda backend at this rank's next low-latency call (the kernels cannot stop the
-  // host); for callers that must not return a silent zero contribution (the DeepEP shim without enable_shrink). The
-  // mask stays: unmask_rank / clear_rank_mask once the peer is back. Per rank (not compared across ranks).
+  // a warning is logged. true: the rank is masked the same way, and once this rank's round is complete (the end of a
+  // combine, after its receive; with a hook, the hook raises after it enqueued the receive) the call raises kTimeout
+  // naming it: on the host backend the combine of the round with the timeout, on the cuda backend (whose kernels
+  // record it) that combine or, when the record comes later, the next round's. Raising only at a combine keeps this
+  // rank's calls in step with its peers'. For callers that must not return a silent zero contribution (the DeepEP
+  // shim without enable_shrink). The cuda backend cannot tell a peer that masked this rank on purpose (mask_rank
+  // there) from a late one: this rank waits out the timeout for it and raises too; the host backend raises only for
+  // timeouts and ranks out of step. The mask stays: unmask_rank / clear_rank_mask once the peer is back;
+  // clean_low_latency_buffer drops a pending raise. Per rank (not compared across ranks).
   bool raise_on_timeout = false;
 };
 

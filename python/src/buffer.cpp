@@ -234,8 +234,8 @@ void register_buffer(nb::module_& m) {
       .def_rw("programmatic_launch", &LowLatencyConfig::programmatic_launch)
       .def_rw("expert_side_reduction", &LowLatencyConfig::expert_side_reduction)
       .def_rw("raise_on_timeout", &LowLatencyConfig::raise_on_timeout,
-              "A rank that does not come within the timeout is masked either way; True: the call (host) or this "
-              "rank's next low-latency call (cuda) also raises epx.TimeoutError naming it. Per rank.");
+              "A rank that does not come within the timeout is masked either way; True: the round's combine (cuda: "
+              "that round's or the next) also raises epx.TimeoutError naming it, once enqueued. Per rank.");
   nb::enum_<NormalRouting>(m, "NormalRouting",
                            "Which way normal dispatch/combine move tokens (BufferOptions::normal_routing, "
                            "docs/internode.md): auto (hierarchical when the group's topology has more than one "

@@ -609,8 +609,9 @@ TEST(HostLowLatency, SilentRankIsMaskedAfterTimeout) {
   }
 }
 
-// LowLatencyConfig::raise_on_timeout: the silent rank is masked as without it, and the call raises kTimeout naming
-// it; the next calls run without it. A peer's deliberate mask (mask_rank) is no timeout: masked back, no error.
+// LowLatencyConfig::raise_on_timeout: the silent rank is masked as without it, and the round's combine raises
+// kTimeout naming it once its output is written (the dispatch returns, so the ranks' calls stay in step); the next
+// rounds run without it. A peer's deliberate mask (mask_rank) is no timeout: masked back, no error.
 TEST(HostLowLatency, RaiseOnTimeoutRaisesAndKeepsTheMask) {
   testing::SeededRng rng;
   Case c;
@@ -625,17 +626,21 @@ TEST(HostLowLatency, RaiseOnTimeoutRaisesAndKeepsTheMask) {
   std::vector<std::string> messages(c.num_ranks);
   testing::on_ranks(c.num_ranks, [&](int r) {
     if (r == kSilent) return;  // never calls
+    step.dispatched[r] = buffers[r]->low_latency_dispatch(dispatch_args(in[r], c));
     try {
-      step.round(*buffers[r], in[r], c, r);
+      step.combine_identity(*buffers[r], in[r], c, r);
+      ADD_FAILURE() << "rank " << r << ": the combine raised nothing";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
       messages[r] = e.what();
     }
   });
+  const std::vector<bool> without_silent = {true, true, false};
   for (int r = 0; r < c.num_ranks; ++r) {
     if (r == kSilent) continue;
     EXPECT_NE(messages[r].find("rank 2 did not post within the group timeout"), std::string::npos) << messages[r];
     EXPECT_EQ(buffers[r]->rank_mask(), (std::vector<bool>{false, false, true})) << "rank " << r;
+    check_dispatch(in, c, r, step.dispatched[r], without_silent);
   }
   in = make_inputs(rng, c);
   testing::on_ranks(c.num_ranks, [&](int r) {

@@ -75,8 +75,8 @@ class Buffer:
     buffers per call). num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted and
     ignored (epx always uses NVLink within a node). enable_shrink: the rank mask is always there; a rank that does not
     come to a low-latency call within the timeout is masked either way, and without enable_shrink (DeepEP traps the
-    GPU there) the call, or this rank's next low-latency call on the cuda backend, also raises epx.TimeoutError
-    naming it (LowLatencyConfig.raise_on_timeout), so its missing contribution is never silent.
+    GPU there) the round's combine also raises epx.TimeoutError naming it once enqueued (cuda: that round's or the
+    next round's; LowLatencyConfig.raise_on_timeout), so its missing contribution is never silent.
 
     Nodes (DeepEP's RDMA ranks): an epx.Group brings its topology (``group.topology``); a ProcessGroup's ranks
     are placed by host name: one host is one node, else every host must hold the same number of consecutive

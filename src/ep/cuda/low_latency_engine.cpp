@@ -172,13 +172,18 @@ void LowLatencyEngine::report_device_events() {
       "{:#x}); rank {} is now masked",
       rank_, e.where == kSiteLowLatencyDispatchRecv ? "dispatch" : "combine", e.peer, e.channel, e.expected,
       static_cast<uint64_t>(e.observed), e.peer);
-  if (config_.raise_on_timeout) {
-    detail::raise(ErrorCode::kTimeout,
-                  "{}: the outputs of that call lack its contributions (LowLatencyConfig::raise_on_timeout); unmask it "
-                  "once it is back",
-                  message);
-  }
+  if (config_.raise_on_timeout) pending_timeout_ += (pending_timeout_.empty() ? "" : "; ") + message;
   log(LogLevel::kWarn, message);
+}
+
+void LowLatencyEngine::raise_pending_timeout() {
+  if (pending_timeout_.empty()) return;
+  const std::string what = std::move(pending_timeout_);
+  pending_timeout_.clear();
+  detail::raise(ErrorCode::kTimeout,
+                "{}; the outputs of the calls since lack its contributions (LowLatencyConfig::raise_on_timeout); "
+                "unmask it once it is back",
+                what);
 }
 
 int* LowLatencyEngine::device_mask() const {
@@ -288,22 +293,26 @@ LowLatencyCombineResult LowLatencyEngine::combine(const LowLatencyCombineArgs& a
     relay_->send_combine(peers_, layout_, set, launch, stream);
     if (!args.return_recv_hook) {
       relay_->receive_combine(peers_, layout_, set, launch, stream);
+      raise_pending_timeout();
       return result;
     }
     result.recv_hook = once([this, set, launch, stream] {
       DeviceGuard g(device_);
       relay_->receive_combine(peers_, layout_, set, launch, stream);
+      raise_pending_timeout();
     });
     return result;
   }
   if (!args.return_recv_hook) {
     launch_low_latency_combine(ll::Phase::kBoth, peers_, layout_, set, launch, stream);
+    raise_pending_timeout();
     return result;
   }
   launch_low_latency_combine(ll::Phase::kSend, peers_, layout_, set, launch, stream);
   result.recv_hook = once([this, set, launch, stream] {
     DeviceGuard g(device_);
     launch_low_latency_combine(ll::Phase::kRecv, peers_, layout_, set, launch, stream);
+    raise_pending_timeout();
   });
   return result;
 }
@@ -342,6 +351,7 @@ void LowLatencyEngine::clean() {
   if (relay_) relay_->clean();
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (clean_low_latency_buffer)");
   error_->code = kErrNone;
+  pending_timeout_.clear();  // the caller cleans after the failure: nothing left to report
   has_layout_ = false;
   num_dispatches_ = num_combines_ = 0;
   group_.barrier();

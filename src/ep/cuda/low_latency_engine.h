@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/cuda/cuda_group.h"
@@ -39,8 +40,12 @@ class LowLatencyEngine {
  private:
   // Fixes (M, H, E) at the first dispatch and checks later calls use the same ones.
   void ensure_layout(int64_t max_tokens, int64_t hidden, int64_t num_experts);
-  // Logs and clears a timeout the kernels recorded (the peer is already masked on the device).
+  // Logs and clears a timeout the kernels recorded (the peer is already masked on the device); with
+  // LowLatencyConfig::raise_on_timeout also keeps it in pending_timeout_.
   void report_device_events();
+  // Raises (once) pending_timeout_ as kTimeout. Called once a combine is enqueued (after its receive, with a hook),
+  // so the rank's calls stay in step with its peers'.
+  void raise_pending_timeout();
   int* device_mask() const;
 
   Group& group_;
@@ -61,6 +66,7 @@ class LowLatencyEngine {
   std::unique_ptr<LowLatencyRelay> relay_;  // hierarchical routing; null when flat
   // The combine grids when ranks share this GPU (shared_gpu_combine_grid; {0, 0}: the full grids).
   SharedGpuCombineGrid shared_gpu_;
+  std::string pending_timeout_;  // LowLatencyConfig::raise_on_timeout: timeouts not raised yet
 };
 
 }  // namespace epx::cuda

@@ -130,12 +130,13 @@ __device__ bool peer_in_another_call(const CommArgs& comm, uint64_t epoch, int r
 __device__ bool same_dispatch(const CommArgs& comm, uint64_t epoch, int r, uint64_t handle_id, uint64_t shape_word,
                               int32_t site, int32_t channel) {
   if (r == comm.rank) return true;
-  const uint64_t theirs = call_words(comm, epoch, r)[0];
-  if (theirs != handle_id) {
+  // NOTE: the shape first: a call of another kind (e.g. a fresh dispatch whose early copy arrived) has another id too,
+  // and the kind names the cause.
+  if (same_shape(comm, epoch, r, shape_word, site, channel)) {
+    const uint64_t theirs = call_words(comm, epoch, r)[0];
+    if (theirs == handle_id) return true;
     record_error(comm, kErrHandleMismatch, site, r, channel, static_cast<int64_t>(handle_id),
                  static_cast<int64_t>(theirs));
-  } else if (same_shape(comm, epoch, r, shape_word, site, channel)) {
-    return true;
   }
   abort_peers(comm);
   return false;

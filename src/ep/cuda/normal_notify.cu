@@ -85,8 +85,15 @@ __global__ void __launch_bounds__(256)
     if (!flag || (r != me && !same_shape(comm, epoch, r, shape_word, kSiteNotify, -1))) s_abort = true;
   }
   __syncthreads();
-  if (s_abort) return;
   const RecvMetaLayout m{R, C, num_local_experts};
+  if (s_abort) {
+    // NOTE: without the host's wait for these counts (num_worst_tokens, capture) the data kernels still run, and their
+    // waits give up only where they wait: an empty layout keeps the receivers from reading an unwritten one.
+    for (int i = threadIdx.x; i < m.size(); i += blockDim.x) recv_meta[i] = i == m.failed_source() ? -1 : 0;
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) rank_prefix_matrix[i] = 0;
+    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) recv_expert_counts[j] = 0;
+    return;
+  }
   const int32_t* mine = reinterpret_cast<const int32_t*>(comm.peers[me] + comm.off_notify) + parity * R * kNotifyInts;
   if (threadIdx.x == 0) {
     int32_t prefix = 0;

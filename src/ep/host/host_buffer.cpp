@@ -181,6 +181,7 @@ void HostBuffer::clean_low_latency_buffer() {
   ll_seq_ = 0;
   ++ll_epoch_;
   ll_max_tokens_ = 0;
+  pending_timeout_.clear();  // the caller cleans after the failure: nothing left to report
   for (auto& set : recv_sets_) set.owner_dispatch = 0;
   clear_rank_mask();
   group_->barrier();

@@ -78,6 +78,8 @@ class HostBuffer final : public Buffer {
   // The receive sides (host_low_latency_routing.cpp): the forwarders' legs computed from the call's posts.
   void finish_dispatch_receive(const std::shared_ptr<LowLatencyState>& state);
   void finish_combine_receive(const std::shared_ptr<LowLatencyState>& state);
+  // Raises (once) pending_timeout_ as kTimeout; the end of a combine's receive calls it.
+  void raise_pending_timeout();
 
   std::shared_ptr<Group> group_;
   HostGroup* host_group_;
@@ -94,6 +96,9 @@ class HostBuffer final : public Buffer {
   uint64_t ll_num_dispatches_ = 0;  // never reset: names a dispatch's buffer set
   int64_t ll_max_tokens_ = 0;       // fixed by the first low-latency dispatch
   LowLatencyRecvSet recv_sets_[2];
+  // LowLatencyConfig::raise_on_timeout: the ranks masked since the last raise, raised as kTimeout once this rank's
+  // low-latency round is complete (end of a combine's receive), so the call sequence stays in step with the peers.
+  std::string pending_timeout_;
 };
 
 }  // namespace epx::host

@@ -164,16 +164,26 @@ std::vector<std::shared_ptr<const LowLatencyPost>> HostBuffer::collect(uint64_t 
     log(LogLevel::kWarn,
         fmt::format("epx host rank {}: low-latency {} #{}: rank {} {}; masking it", rank_, what, seq, r, reason));
   }
-  EPX_CHECK(ErrorCode::kTimeout, newly_masked.empty() || !options_.low_latency.raise_on_timeout,
-            "host rank {}: low-latency {} #{}: {}; masked (LowLatencyConfig::raise_on_timeout); unmask it once it is "
-            "back",
-            rank_, what, seq, newly_masked);
+  if (!newly_masked.empty() && options_.low_latency.raise_on_timeout) {
+    pending_timeout_ +=
+        fmt::format("{}low-latency {} #{}: {}", pending_timeout_.empty() ? "" : "; ", what, seq, newly_masked);
+  }
   EPX_CHECK(ErrorCode::kPeerFailure, failed.empty(), "host rank {}: low-latency {} #{} failed on ranks {} ({})", rank_,
             what, seq, failed, failures);
   for (int r = 0; r < num_ranks_; ++r) {
     if (mask_[r]) found[r] = nullptr;
   }
   return found;
+}
+
+void HostBuffer::raise_pending_timeout() {
+  if (pending_timeout_.empty()) return;
+  const std::string what = std::move(pending_timeout_);
+  pending_timeout_.clear();
+  detail::raise(ErrorCode::kTimeout,
+                "host rank {}: {}; masked, and this round's outputs lack their contributions "
+                "(LowLatencyConfig::raise_on_timeout); unmask them once they are back",
+                rank_, what);
 }
 
 LowLatencyDispatchResult HostBuffer::low_latency_dispatch(const LowLatencyDispatchArgs& args) {

@@ -221,6 +221,7 @@ void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& 
       for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
     }
     state->received = true;
+    raise_pending_timeout();
     return;
   }
   const bool bf16_partials = options_.node_partials == NodePartials::kBFloat16;
@@ -252,6 +253,7 @@ void HostBuffer::finish_combine_receive(const std::shared_ptr<LowLatencyState>& 
     for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
   }
   state->received = true;
+  raise_pending_timeout();
 }
 
 }  // namespace epx::host
