@@ -50,13 +50,45 @@ __device__ bool peer_left(const CommArgs& comm, int32_t site, int32_t channel) {
   return true;
 }
 
+// Source r's (handle id, shape word, epoch) of operation `epoch` (or `epoch - 2`, same parity) in this rank's region
+// (advance_epoch_kernel wrote them, the epoch last with a release; r == this rank: its own, written locally).
+__device__ __forceinline__ const volatile uint64_t* call_words(const CommArgs& comm, uint64_t epoch, int r) {
+  const int slot = static_cast<int>(epoch & 1) * comm.num_ranks + r;
+  return reinterpret_cast<const volatile uint64_t*>(
+      reinterpret_cast<uint64_t*>(comm.peers[comm.rank] + comm.off_handle_id) + kCallWords * slot);
+}
+
+// Records kErrShapeMismatch when source r's operation `epoch` has another shape word than `shape_word`; returns
+// whether they agree.
+__device__ bool same_shape(const CommArgs& comm, uint64_t epoch, int r, uint64_t shape_word, int32_t site,
+                           int32_t channel) {
+  const uint64_t theirs = call_words(comm, epoch, r)[1];
+  if (theirs == shape_word) return true;
+  record_error(comm, kErrShapeMismatch, site, r, channel, static_cast<int64_t>(shape_word),
+               static_cast<int64_t>(theirs));
+  return false;
+}
+
+// While a wait of this rank's current operation is for `peer`: true (recorded as kErrShapeMismatch) when the peer has
+// started the same operation (its epoch word says so) with another shape word, i.e. another call kind or arguments
+// of other kinds: then what this rank waits for may never come (a fresh dispatch's notify flag from a peer in a
+// combine, a copy-engine signal from a peer that took the SM rings). No abort of the peers: each rank's waits find it
+// the same way. Polled with the timeout checks.
+__device__ bool peer_in_other_call(const CommArgs& comm, int peer, int32_t site, int32_t channel) {
+  if (peer < 0 || peer >= comm.num_ranks || peer == comm.rank) return false;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(comm.peers[comm.rank] + comm.off_epoch);
+  const volatile uint64_t* words = call_words(comm, epoch, peer);
+  if (ld_acquire_sys(const_cast<const uint64_t*>(words + 2)) != epoch) return false;
+  return !same_shape(comm, epoch, peer, call_words(comm, epoch, comm.rank)[1], site, channel);
+}
+
 // Spins until *p >= target (acquire). On budget expiry or a recorded failure elsewhere it records (if
 // first) and returns false. One thread calls it.
 __device__ bool wait_geq(const CommArgs& comm, const uint64_t* p, uint64_t target, int32_t site, int32_t peer,
                          int32_t channel) {
   return bounded_wait<256>(
       p, comm.timeout_ns, [&](uint64_t v) { return v >= target; },
-      [&] { return aborted(comm) || peer_left(comm, site, channel); },
+      [&] { return aborted(comm) || peer_left(comm, site, channel) || peer_in_other_call(comm, peer, site, channel); },
       [&](uint64_t v) {
         record_error(comm, kErrTimeout, site, peer, channel, static_cast<int64_t>(target), static_cast<int64_t>(v));
       });
@@ -88,38 +120,6 @@ __device__ void abort_peers(const CommArgs& comm) {
     }
   }
   __threadfence_system();
-}
-
-// Source r's (handle id, shape word, epoch) of operation `epoch` (or `epoch - 2`, same parity) in this rank's region
-// (advance_epoch_kernel wrote them, the epoch last with a release).
-__device__ __forceinline__ const volatile uint64_t* call_words(const CommArgs& comm, uint64_t epoch, int r) {
-  const int slot = static_cast<int>(epoch & 1) * comm.num_ranks + r;
-  return reinterpret_cast<const volatile uint64_t*>(sig(comm, comm.rank, comm.off_handle_id, kCallWords * slot));
-}
-
-// Records kErrShapeMismatch when source r's operation `epoch` has another shape word than `shape_word`; returns
-// whether they agree.
-__device__ bool same_shape(const CommArgs& comm, uint64_t epoch, int r, uint64_t shape_word, int32_t site,
-                           int32_t channel) {
-  const uint64_t theirs = call_words(comm, epoch, r)[1];
-  if (theirs == shape_word) return true;
-  record_error(comm, kErrShapeMismatch, site, r, channel, static_cast<int64_t>(shape_word),
-               static_cast<int64_t>(theirs));
-  return false;
-}
-
-// While a fresh dispatch's notify waits for source r in operation `epoch`: true (recorded as kErrShapeMismatch, the
-// peers' abort words written) when r has started its operation `epoch` and it is not a fresh dispatch (a combine or
-// a cached dispatch: its notify flag never comes). A peer in a fresh dispatch of another shape is left to compare in
-// its own notify.
-__device__ bool peer_in_another_call(const CommArgs& comm, uint64_t epoch, int r, uint64_t shape_word, int32_t site,
-                                     int32_t channel) {
-  const volatile uint64_t* words = call_words(comm, epoch, r);
-  if (ld_acquire_sys(const_cast<const uint64_t*>(words + 2)) != epoch) return false;
-  if ((words[1] & ep::kCallKindMask) == static_cast<uint64_t>(ep::NormalCallKind::kFreshDispatch)) return false;
-  same_shape(comm, epoch, r, shape_word, site, channel);
-  abort_peers(comm);
-  return true;
 }
 
 // True when source r's operation `epoch` belongs to the same dispatch as this rank's (the handle ids agree) and has

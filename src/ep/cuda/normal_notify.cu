@@ -13,8 +13,8 @@ __global__ void advance_epoch_kernel(CommArgs comm, uint64_t handle_id, uint64_t
   // released ours in epoch - 1 (our previous operation waited on that, notify's argument); the id lands before the
   // rows of this operation (their signals are released by later kernels or stream writes of this stream).
   const int R = comm.num_ranks, me = comm.rank;
+  // Every peer's slot [parity][me], and this rank's own (its waits compare a peer's shape word with it).
   for (int d = static_cast<int>(threadIdx.x); d < R; d += blockDim.x) {
-    if (d == me) continue;
     uint64_t* words = sig(comm, d, comm.off_handle_id, kCallWords * (static_cast<int>(epoch & 1) * R + me));
     words[0] = handle_id;
     words[1] = shape_word;
@@ -71,18 +71,12 @@ __global__ void __launch_bounds__(256)
   if (threadIdx.x < R) {
     const int r = threadIdx.x;
     st_release_sys(sig(comm, r, comm.off_notify_flag, parity * R + me), epoch);
-    // NOTE: a peer in a fresh dispatch with another shape comes here too and finds the difference itself (no abort
-    // of the peers then); a peer in another kind of call never comes, so the wait looks for its words and aborts it.
-    const bool flag = bounded_wait<256>(
-        sig(comm, me, comm.off_notify_flag, parity * R + r), comm.timeout_ns, [&](uint64_t v) { return v >= epoch; },
-        [&] {
-          return aborted(comm) || peer_left(comm, kSiteNotify, -1) ||
-                 (r != me && peer_in_another_call(comm, epoch, r, shape_word, kSiteNotify, -1));
-        },
-        [&](uint64_t v) {
-          record_error(comm, kErrTimeout, kSiteNotify, r, -1, static_cast<int64_t>(epoch), static_cast<int64_t>(v));
-        });
-    if (!flag || (r != me && !same_shape(comm, epoch, r, shape_word, kSiteNotify, -1))) s_abort = true;
+    // NOTE: no abort of the peers on a shape mismatch: each rank compares with every source, so each finds it; a peer
+    // in another kind of call never posts its flag, and the wait finds its words instead (peer_in_other_call).
+    if (!wait_geq(comm, sig(comm, me, comm.off_notify_flag, parity * R + r), epoch, kSiteNotify, r, -1) ||
+        (r != me && !same_shape(comm, epoch, r, shape_word, kSiteNotify, -1))) {
+      s_abort = true;
+    }
   }
   __syncthreads();
   const RecvMetaLayout m{R, C, num_local_experts};
