@@ -280,7 +280,10 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
       const int num_ready = s_first_missing;
       if (num_ready == 0) {
         if (threadIdx.x == 0) {
-          if (aborted(comm) || peer_left(comm, kSiteCombineRecvTail, channel)) {
+          bool other_call = false;
+          for (int r = 0; r < R && !other_call; ++r)
+            other_call = peer_in_other_call(comm, r, kSiteCombineRecvTail, channel);
+          if (other_call || aborted(comm) || peer_left(comm, kSiteCombineRecvTail, channel)) {
             s_stall_abort = true;
           } else if (global_ns() - stall_start > comm.timeout_ns) {
             // Name the first rank whose row is missing.
