@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Union
 
 from . import _epx
 from ._args import enum_arg
-from ._tensors import Allocations, Outputs, any_torch, cuda_stream_of, is_torch, to_arg
+from ._tensors import Allocations, Outputs, any_torch, cuda_stream_of, is_torch, to_arg, to_bf16_arg
 
 
 @dataclass
@@ -173,8 +173,8 @@ class Buffer:
     def combine(self, x: Any, handle: _epx.DispatchHandle, topk_weights: Any = None, *, bias_0: Any = None,
                 bias_1: Any = None, num_sms: int = 0, stream: Any = None) -> CombineResult:
         """Normal combine: out[t] = bf16(sum of the rows of t over the ranks it went to + biases), fp32 sums."""
-        out, conv = self._call(self._native.combine, (x,), x=to_arg(x), topk_weights=to_arg(topk_weights),
-                               bias_0=to_arg(bias_0), bias_1=to_arg(bias_1), handle=handle, num_sms=num_sms,
+        out, conv = self._call(self._native.combine, (x,), x=to_bf16_arg(x), topk_weights=to_arg(topk_weights),
+                               bias_0=to_bf16_arg(bias_0), bias_1=to_bf16_arg(bias_1), handle=handle, num_sms=num_sms,
                                stream=cuda_stream_of(stream, x))
         return CombineResult(x=conv(out["x"]), topk_weights=conv(out["topk_weights"]))
 
@@ -231,7 +231,7 @@ class Buffer:
         """Low-latency combine: out[t] = bf16(sum_k w[t,k] * x[expert][slot of (t,k)]), fp32 accumulation
         (LowLatencyConfig.expert_side_reduction: per expert rank first). wait_recv_cost_ns: optional int64
         [num_ranks], entry q grows by the nanoseconds the receive waited for expert rank q."""
-        res, conv = self._call(self._native.low_latency_combine, (x, topk_idx), x=to_arg(x),
+        res, conv = self._call(self._native.low_latency_combine, (x, topk_idx), x=to_bf16_arg(x),
                                topk_idx=to_arg(topk_idx), topk_weights=to_arg(topk_weights), handle=handle,
                                return_recv_hook=return_recv_hook, out=to_arg(out),
                                wait_recv_cost_ns=to_arg(wait_recv_cost_ns), stream=cuda_stream_of(stream, x))

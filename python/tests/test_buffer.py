@@ -137,6 +137,23 @@ def test_worst_tokens_and_alignment():
     assert min(run(num_ranks, body)) > 0
 
 
+def test_combine_takes_plain_uint16_rows_as_bf16():
+    # Without ml_dtypes epx returns bf16 outputs as plain uint16 arrays; combine (whose rows and biases can only be
+    # bf16) takes them as they are, as the README's quick start does.
+    num_ranks, T, H, K, E = 2, 12, 64, 2, 8
+    inputs = [make_inputs(r, T, H, K, E, seed=3) for r in range(num_ranks)]
+
+    def body(rank, group):
+        buffer = epx.Buffer(group)
+        x, idx, w = inputs[rank]
+        recv = buffer.dispatch(x, idx, w, num_experts=E)
+        marked = buffer.combine(recv.recv_x, recv.handle, bias_0=x)
+        plain = buffer.combine(recv.recv_x.view(np.uint16), recv.handle, bias_0=x.view(np.uint16))
+        np.testing.assert_array_equal(plain.x.view(np.uint16), marked.x.view(np.uint16))
+
+    run(num_ranks, body)
+
+
 def test_fp8_dispatch_carries_scales():
     num_ranks, T, H, K, E = 2, 8, 256, 2, 4
     rng = np.random.default_rng(3)
