@@ -4,5 +4,5 @@ Everything comes from epx.deep_ep (DeepEP's classic V1 API over epx); see docs/d
 """
 
 from epx.deep_ep import *  # noqa: F401,F403
-from epx.deep_ep import Buffer, Config, EventHandle, EventOverlap, topk_idx_t  # noqa: F401
+from epx.deep_ep import Buffer, Config, ElasticBuffer, EPHandle, EventHandle, EventOverlap, topk_idx_t  # noqa: F401
 from epx.deep_ep import __all__, __version__, utils  # noqa: F401

@@ -4,7 +4,8 @@
 What is here: ``Buffer`` (normal dispatch/combine on one node and, on a group of several nodes, DeepEP's
 internode mode over epx's hierarchical path; low-latency dispatch/combine, the mask-buffer calls, the static
 helpers), ``Config``, ``EventOverlap``, ``EventHandle`` and
-``topk_idx_t``. Every call keeps DeepEP's signature, return tuple and stream semantics; what epx does
+``topk_idx_t``; and the expert-parallel part of DeepEP's V2 API, ``ElasticBuffer`` and ``EPHandle``
+(dispatch/combine, expand mode, no-CPU-sync mode; not Engram, PP or AGRS). Every call keeps DeepEP's signature, return tuple and stream semantics; what epx does
 with each argument, and what differs, is listed in docs/deepep-migration.md.
 
 Needs PyTorch (DeepEP's API is torch-only); ``import epx`` itself does not.
@@ -20,6 +21,7 @@ except ImportError as _e:  # pragma: no cover - exercised only without torch
 from .buffer import Buffer  # noqa: E402
 from .config import Config  # noqa: E402
 from .events import EventHandle, EventOverlap  # noqa: E402
+from .elastic import ElasticBuffer, EPHandle  # noqa: E402
 from .handles import InternodeHandle, LowLatencyHandle, NormalHandle  # noqa: E402
 
 from . import utils  # noqa: E402,F401  (deep_ep.utils)
@@ -28,8 +30,9 @@ from . import utils  # noqa: E402,F401  (deep_ep.utils)
 topk_idx_t = torch.int64
 
 #: The DeepEP API this shim serves: the classic (V1) one of DeepEP's last V1 release, v1.2.1 (``+epx``: epx
-#: underneath). DeepEP's V2 names (``ElasticBuffer``, ...) are not here, so probes for them see V1.
+#: underneath), plus V2's ElasticBuffer dispatch/combine. The version stays V1's because V2's other features
+#: (Engram, PP, AGRS) are not here: code that checks the version for them keeps its V1 path.
 __version__ = "1.2.1+epx"
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "InternodeHandle", "LowLatencyHandle", "NormalHandle",
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "InternodeHandle", "LowLatencyHandle", "NormalHandle",
            "topk_idx_t"]
