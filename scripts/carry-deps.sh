@@ -2,7 +2,8 @@
 # Fills .carry/ (git-ignored) with what scripts/gpu-check.sh needs on the GPU machine, which has no
 # Debian -dev packages and no internet: the headers, CMake configs and libraries of the build/test
 # dependencies (copied from this Debian machine after scripts/install-deps.sh), and optionally the tests/
-# of a DeepEP V1 checkout for the compatibility suites: scripts/carry-deps.sh [path/to/DeepEP.git [tag]].
+# of a DeepEP V1 checkout for the compatibility suites, and DeepEP V2's tests/elastic and deep_ep/utils (its test
+# helpers, for scripts/deepep-v2-env.sh): scripts/carry-deps.sh [path/to/DeepEP.git [V1 tag [V2 revision]]].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.carry/deps
@@ -19,5 +20,7 @@ cp -aL /usr/lib/x86_64-linux-gnu/libfmt.so.* /usr/lib/x86_64-linux-gnu/libspdlog
 if [ $# -ge 1 ]; then
   rm -rf .carry/DeepEP && mkdir -p .carry/DeepEP
   git -C "$1" archive "${2:-v1.2.1}" tests | tar -x -C .carry/DeepEP
+  rm -rf .carry/DeepEP-v2 && mkdir -p .carry/DeepEP-v2
+  git -C "$1" archive "${3:-HEAD}" tests/elastic deep_ep/utils | tar -x -C .carry/DeepEP-v2
 fi
 du -sh .carry/*
