@@ -240,6 +240,13 @@ struct CombineArgs {
   TensorView topk_weights;  // [N, K] fp32; optional (summed back like x)
   TensorView bias_0;        // [T, H] bf16; optional, added once per token
   TensorView bias_1;        // [T, H] bf16; optional
+  // Optional: the topk_idx [T, K] (int64 or int32) of the dispatch that made `handle`. Given, the sum follows
+  // DeepEP V2's order (its combine reference) instead of the one CombineResult states: 0 + bias_0 + bias_1 first,
+  // then each rank's row in the order of the last top-k slot whose expert is on that rank (expert e is on rank
+  // e / (num_experts / R); entries outside [0, num_experts) name no rank); a rank the handle sent the token to that
+  // no slot names comes last, by ascending r. Then one rounding. Weights are summed as without it. Flat routing
+  // only: with the hierarchical one it is kUnsupported. Each rank chooses for itself (only its own sum changes).
+  TensorView order_topk_idx;
   std::shared_ptr<const DispatchHandle> handle;
   int num_sms = 0;  // as DispatchArgs::num_sms (need not match the dispatch's)
   Stream stream = nullptr;
@@ -258,7 +265,8 @@ struct CombineResult {
   // backends), which can move the bf16 result where the sum lies near a rounding boundary. Weights still come
   // back exactly. NodePartials::kBFloat16: each p_n is rounded to bf16 before it is added (acc = 0 + bf16(p_0) +
   // bf16(p_1) + ..., then the biases, one more rounding); the weights' partials stay fp32, so they still come back
-  // exactly. With one node and no biases that equals the fp32 result bit for bit.
+  // exactly. With one node and no biases that equals the fp32 result bit for bit. CombineArgs::order_topk_idx
+  // changes the order (flat routing), on every backend alike.
   Tensor x;             // [T, H] bf16
   Tensor topk_weights;  // [T, K] fp32, the same sum of topk_weights rows; only if given
 };

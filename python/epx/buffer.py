@@ -171,11 +171,14 @@ class Buffer:
             rank_prefix_matrix=conv(out["rank_prefix_matrix"]), handle=out["handle"])
 
     def combine(self, x: Any, handle: _epx.DispatchHandle, topk_weights: Any = None, *, bias_0: Any = None,
-                bias_1: Any = None, num_sms: int = 0, stream: Any = None) -> CombineResult:
-        """Normal combine: out[t] = bf16(sum of the rows of t over the ranks it went to + biases), fp32 sums."""
+                bias_1: Any = None, num_sms: int = 0, stream: Any = None, order_topk_idx: Any = None) -> CombineResult:
+        """Normal combine: out[t] = bf16(sum of the rows of t over the ranks it went to + biases), fp32 sums.
+
+        order_topk_idx: the dispatch's topk_idx, to add in DeepEP V2's order (the biases first, then each rank's row
+        by the last top-k slot whose expert is on it; flat routing only; include/epx/buffer.h CombineArgs)."""
         out, conv = self._call(self._native.combine, (x,), x=to_bf16_arg(x), topk_weights=to_arg(topk_weights),
                                bias_0=to_bf16_arg(bias_0), bias_1=to_bf16_arg(bias_1), handle=handle, num_sms=num_sms,
-                               stream=cuda_stream_of(stream, x))
+                               stream=cuda_stream_of(stream, x), order_topk_idx=to_arg(order_topk_idx))
         return CombineResult(x=conv(out["x"]), topk_weights=conv(out["topk_weights"]))
 
     def low_latency_dispatch(self, x: Any, topk_idx: Any, max_tokens_per_rank: int, num_experts: int, *,

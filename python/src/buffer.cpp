@@ -101,13 +101,14 @@ nb::dict dispatch(Buffer& buffer, nb::handle x, nb::handle x_scales, nb::handle 
 }
 
 nb::dict combine(Buffer& buffer, nb::handle x, nb::handle topk_weights, nb::handle bias_0, nb::handle bias_1,
-                 nb::handle handle, nb::handle num_sms, nb::handle stream) {
+                 nb::handle handle, nb::handle num_sms, nb::handle stream, nb::handle order_topk_idx) {
   CombineResult r = collective<CombineArgs>(
       [&](CombineArgs& a) {
         a.x = to_view(x, "x");
         a.topk_weights = to_view(topk_weights, "topk_weights");
         a.bias_0 = to_view(bias_0, "bias_0");
         a.bias_1 = to_view(bias_1, "bias_1");
+        a.order_topk_idx = to_view(order_topk_idx, "order_topk_idx");
         a.handle = to_handle<DispatchHandle>(handle, "handle", "an epx.DispatchHandle");
         a.num_sms = to_int<int>(num_sms, "num_sms");
         a.stream = to_stream(stream);
@@ -309,9 +310,10 @@ void register_buffer(nb::module_& m) {
                    "num_worst_tokens: int = 0, num_sms: int = 0, stream: object | None = None) -> dict"))
       .def("combine", &combine, arg("x"), arg("topk_weights") = nb::none(), arg("bias_0") = nb::none(),
            arg("bias_1") = nb::none(), arg("handle") = nb::none(), arg("num_sms") = 0, arg("stream") = nb::none(),
+           arg("order_topk_idx") = nb::none(),
            nb::sig("def combine(self, x: object, topk_weights: object | None = None, bias_0: object | None = None, "
                    "bias_1: object | None = None, handle: epx._epx.DispatchHandle | None = None, num_sms: int = 0, "
-                   "stream: object | None = None) -> dict"))
+                   "stream: object | None = None, order_topk_idx: object | None = None) -> dict"))
       .def("low_latency_dispatch", &low_latency_dispatch, arg("x"), arg("topk_idx"), arg("max_tokens_per_rank"),
            arg("num_experts"), arg("use_fp8") = false, arg("scale_format") = ScaleFormat::kFloat32,
            arg("round_scale") = false, arg("scale_layout") = ScaleLayout::kRowMajor, arg("return_recv_hook") = false,

@@ -137,6 +137,76 @@ def test_worst_tokens_and_alignment():
     assert min(run(num_ranks, body)) > 0
 
 
+def deepep_v2_sum(rows_by_rank, idx_row, local, biases):
+    """DeepEP V2's combine order for one token, written from its definition: fp32 0 + the biases, then each rank's row
+    by the last top-k slot whose expert is on it, one rounding to bf16."""
+    acc = np.zeros(biases[0].shape, np.float32)
+    for b in biases:
+        acc = acc + b.astype(np.float32)
+    last = {}
+    for k, e in enumerate(idx_row):
+        if e >= 0:
+            last[int(e) // local] = k
+    for r in sorted(rows_by_rank, key=lambda r: last[r]):
+        acc = acc + rows_by_rank[r].astype(np.float32)
+    return acc.astype(BF16)
+
+
+def test_combine_in_deepep_v2_order():
+    # CombineArgs::order_topk_idx: three ranks (so the order of the partials matters), rows whose sums round
+    # differently in another order, two small biases; every rank's result bit for bit against the definition.
+    num_ranks, T, H, K, E = 3, 40, 128, 4, 12
+    local = E // num_ranks
+    inputs = [make_inputs(r, T, H, K, E, seed=11) for r in range(num_ranks)]
+    rng = np.random.default_rng(5)
+    biases = [[(rng.standard_normal((T, H)) * 1e-6).astype(BF16) for _ in range(2)] for _ in range(num_ranks)]
+
+    def body(rank, group):
+        buffer = epx.Buffer(group)
+        x, idx, w = inputs[rank]
+        recv = buffer.dispatch(x, idx, w, num_experts=E)
+        # Every rank receives the same x row of a token; they return it times 1, -1 and a tiny factor, so the sum
+        # cancels and what survives depends on the order (bf16 values of similar size add exactly in any order).
+        y = (recv.recv_x.astype(np.float32) * [1.0, -1.0, 1.37e-6][rank]).astype(BF16)
+        ordered = buffer.combine(y, recv.handle, recv.recv_topk_weights, bias_0=biases[rank][0],
+                                 bias_1=biases[rank][1], order_topk_idx=idx)
+        plain = buffer.combine(y, recv.handle, recv.recv_topk_weights, bias_0=biases[rank][0], bias_1=biases[rank][1])
+        np.testing.assert_array_equal(ordered.topk_weights, plain.topk_weights)
+        with pytest.raises(ValueError, match="order_topk_idx"):
+            buffer.combine(y, recv.handle, order_topk_idx=idx[:-1])
+        return recv.recv_src_idx, recv.rank_prefix_matrix, y, ordered.x, plain.x
+
+    results = run(num_ranks, body)
+    differs = 0
+    for s in range(num_ranks):
+        x, idx, _ = inputs[s]
+        rows = [dict() for _ in range(T)]
+        for r in range(num_ranks):
+            src, prefix, y, _, _ = results[r]
+            begin = prefix[s - 1][r] if s > 0 else 0
+            for j in range(begin, prefix[s][r]):
+                rows[src[j]][r] = y[j]
+        want = np.stack([deepep_v2_sum(rows[t], idx[t], local, [b[t] for b in biases[s]]) for t in range(T)])
+        np.testing.assert_array_equal(results[s][3].view(np.uint16), want.view(np.uint16))
+        differs += int((results[s][3].view(np.uint16) != results[s][4].view(np.uint16)).sum())
+    assert differs > 0  # the default order rounds some sums differently: the option changed something
+
+
+def test_combine_order_needs_the_flat_routing():
+    num_ranks, T, H, K, E = 4, 8, 64, 2, 8
+    inputs = [make_inputs(r, T, H, K, E, seed=2) for r in range(num_ranks)]
+
+    def body(rank, group):
+        buffer = epx.Buffer(group, normal_routing="hierarchical")
+        x, idx, w = inputs[rank]
+        recv = buffer.dispatch(x, idx, num_experts=E)
+        with pytest.raises(epx.UnsupportedError, match="order_topk_idx .* needs the flat routing"):
+            buffer.combine(recv.recv_x, recv.handle, order_topk_idx=idx)
+        buffer.combine(recv.recv_x, recv.handle)  # the group stays usable
+
+    epx.run_host_ranks(epx.host_groups(num_ranks, gpus_per_node=2), body)
+
+
 def test_combine_takes_plain_uint16_rows_as_bf16():
     # Without ml_dtypes epx returns bf16 outputs as plain uint16 arrays; combine (whose rows and biases can only be
     # bf16) takes them as they are, as the README's quick start does.

@@ -299,6 +299,42 @@ def test_two_nodes():
         assert torch.equal(results[s][3], (inputs[s][1] >= 0).float())
 
 
+def test_combine_sums_in_deepep_order():
+    # DeepEP's reference order (fp32 0 + the bias, then each rank's row by the last top-k slot whose expert is on it,
+    # one rounding): three ranks return a token's row times 1, -1 and a tiny factor, so what survives the
+    # cancellation depends on the order; compared bit for bit.
+    num_ranks, num_experts = 3, 12
+    inputs = [make(r, num_experts) for r in range(num_ranks)]
+    bias = [(torch.randn(inputs[r][0].shape[0], H, generator=torch.Generator().manual_seed(r)) * 1e-6)
+            .to(torch.bfloat16) for r in range(num_ranks)]
+
+    def fn(rank, buffer):
+        x, idx, w = inputs[rank]
+        recv_x, _, recv_w, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=num_experts)
+        y = (recv_x.float() * [1.0, -1.0, 1.37e-6][rank]).to(torch.bfloat16)
+        combined, _, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias[rank])
+        return handle.recv_src_metadata, y, combined
+
+    results = run(fn, num_ranks=num_ranks)
+    local = num_experts // num_ranks
+    for s in range(num_ranks):
+        x, idx, _ = inputs[s]
+        want = torch.empty_like(x)
+        for t in range(x.shape[0]):
+            rows = {}
+            for r in range(num_ranks):
+                meta, y, _ = results[r]
+                hit = (meta[:, 0] == s * M + t).nonzero().flatten()
+                if hit.numel():
+                    rows[r] = y[int(hit[0])]
+            last = {int(e) // local: k for k, e in enumerate(idx[t].tolist()) if e >= 0}
+            acc = bias[s][t].float()
+            for r in sorted(rows, key=lambda r: last[r]):
+                acc = acc + rows[r].float()
+            want[t] = acc.to(torch.bfloat16)
+        assert torch.equal(results[s][2].view(torch.int16), want.view(torch.int16))
+
+
 def test_bad_arguments_name_the_argument():
     inputs = [make(r) for r in range(R)]
 

@@ -137,6 +137,12 @@ void validate_combine(const CombineArgs& args, int64_t num_tokens, int64_t num_r
   }
   check_optional(args.bias_0, "bias_0", DType::kBFloat16, {num_tokens, hidden}, device);
   check_optional(args.bias_1, "bias_1", DType::kBFloat16, {num_tokens, hidden}, device);
+  if (args.order_topk_idx.defined()) {
+    check_tensor(args.order_topk_idx, "order_topk_idx", {DType::kInt64, DType::kInt32}, {num_tokens, -1});
+    check_device(args.order_topk_idx, "order_topk_idx", device);
+    EPX_CHECK_ARG(args.order_topk_idx.shape[1] >= 1 && args.order_topk_idx.shape[1] <= kNormalMaxTopk,
+                  "order_topk_idx must have 1 to {} columns, got {}", kNormalMaxTopk, args.order_topk_idx.describe());
+  }
 }
 
 LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args, int num_ranks, Device device) {

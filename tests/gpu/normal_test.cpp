@@ -76,6 +76,7 @@ struct Case {
   NormalConfig normal;               // BufferOptions::normal of every rank
   int64_t num_normal_bytes = 0;      // BufferOptions::num_normal_bytes (0: the default size)
   int64_t expert_limit = 0;          // > 0: top-k ids drawn from [0, expert_limit) only (skewed routing)
+  bool deepep_order = false;         // CombineArgs::order_topk_idx = the dispatch's topk_idx
 };
 
 // Two ranks on `devices` with T tokens each, hidden H, top-K of E experts.
@@ -258,6 +259,7 @@ std::vector<RankOutput> run_case(const Case& c, const std::vector<RankInput>& in
         ca.bias_0 = d.bias_0;
         ca.bias_1 = d.bias_1;
       }
+      if (c.deepep_order) ca.order_topk_idx = d.topk;
       ca.handle = res.handle;
       ca.num_sms = c.call_num_sms;
       ca.stream = stream;
@@ -550,6 +552,25 @@ TEST_F(NormalGpuTest, FourRanksOnTwoGpus) {
   c.biases = true;
   c.expert_alignment = 4;
   run_and_compare(c);
+}
+
+// CombineArgs::order_topk_idx (DeepEP V2's summation order: the biases, then the ranks by their last top-k slot) on
+// both combine paths, four ranks, biases, int32 ids on one of them; bit for bit against the host backend.
+TEST_F(NormalGpuTest, CombineInDeepEpOrder) {
+  for (bool copy_engines : {true, false}) {
+    SCOPED_TRACE(copy_engines ? "copy-engine path" : "SM rings");
+    Case c;
+    c.devices = four_ranks();
+    c.tokens = {1024, 700, 0, 900};
+    c.hidden = 2048;
+    c.num_topk = 8;
+    c.num_experts = 64;
+    c.biases = true;
+    c.deepep_order = true;
+    c.topk_int32 = !copy_engines;
+    c.normal.copy_engines = copy_engines;
+    run_and_compare(c);
+  }
 }
 
 TEST_F(NormalGpuTest, FourRanksBigger) {

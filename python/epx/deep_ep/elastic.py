@@ -147,6 +147,10 @@ class ElasticBuffer:
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.num_scaleout_ranks, self.num_scaleup_ranks
         self.runtime: Optional[Buffer] = self._v1
+        # Combine sums in DeepEP V2's order wherever epx routes flat (epx.Buffer's order_topk_idx): one node, and on
+        # the cuda backend up to its flat rank cap.
+        self._deepep_order = self.num_scaleout_ranks == 1 and (
+            not self._v1._cuda or self.num_ranks <= epx.CUDA_FLAT_NORMAL_MAX_RANKS)
 
     # ---- life cycle, sizes, topology -----------------------------------------------------------------
 
@@ -495,9 +499,10 @@ class ElasticBuffer:
         x: one row per dispatched row, or in expand mode one row per expanded row; each rank first sums a token's
         expanded rows in top-k order in fp32 and rounds to bf16 (DeepEP's reduction within a rank), then epx combines.
         topk_weights: [rows, K] (entries of experts on other ranks are ignored) or, in expand mode, [expanded rows];
-        combined_topk_weights[t, k] is the weight from the rank of expert topk_idx[t, k] (0 for -1). Summation order
-        across ranks: epx's (ranks ascending, then bias_0, bias_1), not DeepEP's (biases first, then ranks by their
-        last top-k slot): equal up to fp32 reassociation, bit-identical with two ranks and no bias.
+        combined_topk_weights[t, k] is the weight from the rank of expert topk_idx[t, k] (0 for -1). Summation order:
+        DeepEP's (0 + the biases, then each rank's row by the last top-k slot whose expert is on it, one rounding;
+        epx.Buffer.combine's order_topk_idx) where epx routes flat; across nodes epx's hierarchical order (node
+        partials), equal to DeepEP's hybrid result up to fp32 reassociation.
         """
         v1 = self._alive()
         runtime = v1._alive()
@@ -539,8 +544,9 @@ class ElasticBuffer:
             else:
                 rows_x = x
                 weights = torch.where(local, topk_weights, 0.0) if topk_weights is not None else None
+            order = {"order_topk_idx": handle.topk_idx} if self._deepep_order else {}
             res = runtime.combine(rows_x, handle.epx_handle, weights, bias_0=bias_0, bias_1=bias_1,
-                                  stream=launch.stream, **sms)
+                                  stream=launch.stream, **order, **sms)
         ins = (x, topk_weights, bias_0, bias_1, rows_x, weights)
         outs = (res.x, res.topk_weights)
         event = v1._finish(launch, async_with_compute_stream, ins, outs, keep=ins + outs + (handle.epx_handle,))

@@ -273,19 +273,19 @@ __global__ void __launch_bounds__(kReduceThreads)
     for (int64_t tt = t0 + warp; tt < t1; tt += num_warps) {
       const char* rows[kNormalMaxRanks];
       const float* wrows[kNormalMaxRanks];
-      int num_src = 0;
-      for (int r = 0; r < R; ++r) {
-        if (!a.is_token_in_rank[tt * R + r]) continue;
+      int order[kNormalMaxRanks];
+      const int num_src = combine_rank_order(a, R, tt, order);
+      for (int j = 0; j < num_src; ++j) {
+        const int r = order[j];
         const int64_t li = a.excl_pos[r * (T + 1) + tt];
         if (r == me) {
-          rows[num_src] = reinterpret_cast<const char*>(a.x + (own_base + li) * H);
-          wrows[num_src] = a.topk_weights + (own_base + li) * K;
+          rows[j] = reinterpret_cast<const char*>(a.x + (own_base + li) * H);
+          wrows[j] = a.topk_weights + (own_base + li) * K;
         } else {
           const char* slot = stage_slot_of(comm, me, r, slot_bytes);
-          rows[num_src] = slot + li * H * 2;
-          wrows[num_src] = reinterpret_cast<const float*>(slot + weights_offset) + li * K;
+          rows[j] = slot + li * H * 2;
+          wrows[j] = reinterpret_cast<const float*>(slot + weights_offset) + li * K;
         }
-        ++num_src;
       }
       reduce_token<true>(a, tt, rows, wrows, num_src, lane);
     }

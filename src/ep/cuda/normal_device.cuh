@@ -16,6 +16,7 @@
 #include "comm/cuda/device/wait.cuh"
 #include "core/bf16.h"
 #include "ep/call_shape.h"
+#include "ep/combine_order.h"
 #include "ep/cuda/normal_kernels.h"
 
 namespace epx::cuda {
@@ -222,6 +223,29 @@ __device__ __forceinline__ void store_topk_out(const DispatchKernelArgs& a, int6
 
 // ---- combine ----------------------------------------------------------------------------------
 
+// The ranks token tt's rows come from, in summation order: ascending, or DeepEP V2's with a.order_topk
+// (ep::deepep_v2_rank_order). Every lane computes the same list. Returns their number.
+__device__ __forceinline__ int combine_rank_order(const CombineKernelArgs& a, int num_ranks, int64_t tt, int* order) {
+  const uint8_t* in_rank = a.is_token_in_rank + tt * num_ranks;
+  if (a.order_topk == nullptr) {
+    int n = 0;
+    for (int r = 0; r < num_ranks; ++r) {
+      if (in_rank[r]) order[n++] = r;
+    }
+    return n;
+  }
+  int last[kNormalMaxRanks];
+  const int64_t base = tt * a.order_stride_t;
+  return ep::deepep_v2_rank_order(
+      num_ranks, a.order_num_topk, a.experts_per_rank, [&](int r) { return in_rank[r] != 0; },
+      [&](int k) {
+        const int64_t i = base + k * a.order_stride_k;
+        return a.order_is_int64 ? static_cast<const int64_t*>(a.order_topk)[i]
+                                : static_cast<int64_t>(static_cast<const int32_t*>(a.order_topk)[i]);
+      },
+      last, order);
+}
+
 // One warp: out[tt] = bf16(sum of the rows (fp32, in the given order) + bias_0 + bias_1), and the same
 // sum of the top-k weights rows. Rows may be written by other GPUs or copy engines: loads skip L1.
 // kPairs: two source rows' loads in flight before either is added (more registers: blocks of at most
@@ -237,6 +261,7 @@ __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t
   constexpr int kUnroll = kPairs ? 6 : 4;
   const int64_t num_chunks = H / 8;
   const uint16_t* biases[2] = {a.bias_0, a.bias_1};
+  const bool bias_first = a.order_topk != nullptr;  // DeepEP V2's order: 0 + bias_0 + bias_1, then the rows
   for (int64_t v0 = lane; v0 < num_chunks; v0 += 32 * kUnroll) {
     float acc[kUnroll][8];
 #pragma unroll
@@ -263,6 +288,15 @@ __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t
         }
       }
     };
+    auto add_biases = [&] {
+      for (const uint16_t* bias : biases) {
+        if (bias == nullptr) continue;
+        int4 in[kUnroll];
+        load(reinterpret_cast<const int4*>(bias + tt * H), false, in);
+        add(in);
+      }
+    };
+    if (bias_first) add_biases();
     // The sum order stays j = 0, 1, 2, ... either way.
     for (int j = 0; j < num_src; j += kPairs ? 2 : 1) {
       int4 in0[kUnroll], in1[kUnroll];
@@ -271,12 +305,7 @@ __device__ __forceinline__ void reduce_token(const CombineKernelArgs& a, int64_t
       add(in0);
       if (kPairs && j + 1 < num_src) add(in1);
     }
-    for (const uint16_t* bias : biases) {
-      if (bias == nullptr) continue;
-      int4 in[kUnroll];
-      load(reinterpret_cast<const int4*>(bias + tt * H), false, in);
-      add(in);
-    }
+    if (!bias_first) add_biases();
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t v = v0 + 32 * u;

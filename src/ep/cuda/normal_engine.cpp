@@ -505,6 +505,14 @@ CombineResult NormalEngine::combine(const CombineArgs& args, NormalCallHooks& ho
   k.ring_rows = step.ring_rows;
   k.row_bytes = step.row_bytes;
   k.handle_id = handle->id;
+  if (args.order_topk_idx.defined()) {
+    k.order_topk = args.order_topk_idx.data;
+    k.order_is_int64 = args.order_topk_idx.dtype == DType::kInt64;
+    k.order_num_topk = static_cast<int>(args.order_topk_idx.shape[1]);
+    k.order_stride_t = args.order_topk_idx.strides[0];
+    k.order_stride_k = args.order_topk_idx.strides[1];
+    k.experts_per_rank = plan.meta.num_local_experts;
+  }
   ep::NormalCallShape call_shape;
   call_shape.kind = ep::NormalCallKind::kCombine;
   call_shape.x_dtype = args.x.dtype;

@@ -168,6 +168,14 @@ struct CombineKernelArgs {
   int64_t row_bytes;
   uint64_t handle_id;   // the dispatch this combine reverses: every rank's must agree
   uint64_t shape_word;  // ep::encode_call_shape of this call: every rank's must agree
+  // CombineArgs::order_topk_idx (DeepEP V2's order: the biases first, then the ranks by their last top-k slot), or
+  // null for the default order. [T, order_num_topk] with these element strides, int64 or int32.
+  const void* order_topk;
+  bool order_is_int64;
+  int order_num_topk;
+  int64_t order_stride_t;
+  int64_t order_stride_k;
+  int64_t experts_per_rank;  // expert e is on rank e / experts_per_rank
 };
 
 // Layout: counts and is_token_in_rank; an entry outside [-1, num_experts) is recorded in `error` and

@@ -310,14 +310,13 @@ __global__ void __launch_bounds__(kNormalThreads) combine_kernel(CommArgs comm, 
       stall_start = global_ns();
       for (int64_t tt = cursor + warp; tt < cursor + num_ready; tt += num_warps) {
         const char* rows[kNormalMaxRanks];
-        int num_src = 0;
-        for (int r = 0; r < R; ++r) {
-          if (a.is_token_in_rank[tt * R + r]) {
-            const int64_t li = a.excl_pos[r * (T + 1) + tt] - a.chan_start[r * (C + 1) + channel];
-            rows[num_src++] = comm.peers[me] + comm.off_ring +
-                              (static_cast<int64_t>(r) * C + channel) * comm.ring_slab_bytes +
-                              (li % a.ring_rows) * a.row_bytes;
-          }
+        int order[kNormalMaxRanks];
+        const int num_src = combine_rank_order(a, R, tt, order);
+        for (int j = 0; j < num_src; ++j) {
+          const int r = order[j];
+          const int64_t li = a.excl_pos[r * (T + 1) + tt] - a.chan_start[r * (C + 1) + channel];
+          rows[j] = comm.peers[me] + comm.off_ring + (static_cast<int64_t>(r) * C + channel) * comm.ring_slab_bytes +
+                    (li % a.ring_rows) * a.row_bytes;
         }
         const float* wrows[kNormalMaxRanks];
         for (int j = 0; j < num_src; ++j) wrows[j] = reinterpret_cast<const float*>(rows[j] + x_bytes);

@@ -14,6 +14,7 @@
 #include "core/bf16.h"
 #include "core/check.h"
 #include "ep/backends.h"
+#include "ep/combine_order.h"
 #include "ep/host/host_low_latency.h"
 #include "epx/routing.h"
 
@@ -391,6 +392,9 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
                   "handle must come from a normal dispatch of this host buffer (rank {})", rank_);
     ep::validate_combine(args, handle->routes->num_tokens, handle->num_rows, cpu);
     ep::resolve_num_sms(args.num_sms, options_.num_sms);  // checked only
+    EPX_CHECK(ErrorCode::kUnsupported, !hierarchical_ || !args.order_topk_idx.defined(),
+              "order_topk_idx (DeepEP V2's summation order) needs the flat routing; this buffer routes "
+              "hierarchically");
   });
   const Routes& routes = *handle->routes;
   const int64_t num_tokens = routes.num_tokens;
@@ -421,16 +425,31 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
                          mine.has_weights ? alloc(DType::kFloat32, {num_tokens, num_topk}) : Tensor(), args);
     float* out_w = output.out_w;
     std::vector<float> acc(hidden);
+    const TensorView& order_topk = args.order_topk_idx;
+    std::vector<int> order(num_ranks_), last(num_ranks_);
     for (int64_t t = 0; t < num_tokens; ++t) {
-      // NOTE: fixed fp32 order: ranks ascending, then bias_0, then bias_1 (see docs/host-backend.md).
       std::fill(acc.begin(), acc.end(), 0.f);
       const int32_t* rows = routes.send_row.data() + t * num_ranks_;
-      for (int r = 0; r < num_ranks_; ++r) {
-        if (rows[r] < 0) continue;
+      auto add_row = [&](int r) {
         const uint16_t* src = peers[r]->x + static_cast<int64_t>(rows[r]) * hidden;
         for (int64_t h = 0; h < hidden; ++h) acc[h] += detail::bf16_to_float(src[h]);
+      };
+      if (order_topk.defined()) {
+        // DeepEP V2's order (CombineArgs::order_topk_idx): the biases, then the ranks by their last top-k slot.
+        output.add_biases(t, acc);
+        const int n = ep::deepep_v2_rank_order(
+            num_ranks_, static_cast<int>(order_topk.shape[1]), routes.num_experts / num_ranks_,
+            [&](int r) { return rows[r] >= 0; }, [&](int k) { return topk_at(order_topk, t, k); }, last.data(),
+            order.data());
+        for (int j = 0; j < n; ++j) add_row(order[j]);
+        output.store(t, acc);
+      } else {
+        // NOTE: fixed fp32 order: ranks ascending, then bias_0, then bias_1 (see docs/host-backend.md).
+        for (int r = 0; r < num_ranks_; ++r) {
+          if (rows[r] >= 0) add_row(r);
+        }
+        output.finish(t, acc);
       }
-      output.finish(t, acc);
       for (int64_t k = 0; out_w != nullptr && k < num_topk; ++k) {
         float w = 0.f;
         for (int r = 0; r < num_ranks_; ++r) {

@@ -190,10 +190,18 @@ struct CombineOutput {
     bias_1 = args.bias_1.defined() ? args.bias_1.data_as<const uint16_t>() : nullptr;
     out_w = this->topk_weights.defined() ? this->topk_weights.data_as<float>() : nullptr;
   }
-  void finish(int64_t t, std::vector<float>& acc) const {
+  // acc += bias_0[t], then += bias_1[t] (those given).
+  void add_biases(int64_t t, std::vector<float>& acc) const {
     for (int64_t h = 0; h < hidden && bias_0 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_0[t * hidden + h]);
     for (int64_t h = 0; h < hidden && bias_1 != nullptr; ++h) acc[h] += detail::bf16_to_float(bias_1[t * hidden + h]);
+  }
+  // out[t] = bf16(acc): the one rounding.
+  void store(int64_t t, const std::vector<float>& acc) const {
     for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = detail::float_to_bf16(acc[h]);
+  }
+  void finish(int64_t t, std::vector<float>& acc) const {
+    add_biases(t, acc);
+    store(t, acc);
   }
   CombineResult result() && { return CombineResult{std::move(x), std::move(topk_weights)}; }
 
