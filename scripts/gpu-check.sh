@@ -142,9 +142,8 @@ if want deepep && [ -d "$ROOT/.carry/DeepEP/tests" ]; then
       "$PY" "$ROOT/.carry/DeepEP/tests/$suite" --num-processes 2
   done
 fi
-# DeepEP V2's test of ElasticBuffer against the shim, with DeepEP's own test helpers (scripts/deepep-v2-env.sh). The
-# first case has no bias; the later ones with biases compare combine bit for bit against DeepEP's summation order,
-# which epx's differs from (docs/deepep-migration.md, "DeepEP V2"), so the full run is expected to stop there.
+# DeepEP V2's test of ElasticBuffer against the shim, with DeepEP's own test helpers (scripts/deepep-v2-env.sh): the
+# first case alone, then all 72 (combine bit for bit in DeepEP's summation order: CombineArgs::order_topk_idx).
 if want deepep && [ -d "$ROOT/.carry/DeepEP-v2/tests/elastic" ]; then
   bash "$ROOT/scripts/deepep-v2-env.sh" "$ROOT/.carry/DeepEP-v2" "$BUILD/deepep-v2" >/dev/null
   for extra in --test-first-only ""; do
