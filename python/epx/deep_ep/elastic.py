@@ -37,6 +37,15 @@ def _not_in_epx(what: str) -> NotImplementedError:
                                "expert-parallel dispatch/combine is; docs/deepep-migration.md, 'DeepEP V2')")
 
 
+def _unsupported(what: str):
+    """A stand-in for a DeepEP V2 method epx does not implement: raises NotImplementedError naming the feature."""
+
+    def method(*args: Any, **kwargs: Any) -> Any:
+        raise _not_in_epx(what)
+
+    return method
+
+
 def _check_count(name: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or int(value) != value or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -179,21 +188,10 @@ class ElasticBuffer:
         return _align(int(epx.normal_buffer_size_hint(hidden, num_ranks, MIN_BUFFER_SMS, num_max_tokens_per_rank)),
                       BUFFER_ALIGNMENT)
 
-    @staticmethod
-    def get_engram_storage_size_hint(*args: Any, **kwargs: Any) -> Tuple[int, int]:
-        raise _not_in_epx("Engram")
-
-    @staticmethod
-    def get_pp_buffer_size_hint(*args: Any, **kwargs: Any) -> int:
-        raise _not_in_epx("pipeline-parallel send/recv")
-
-    @staticmethod
-    def get_agrs_num_max_session_bytes(*args: Any, **kwargs: Any) -> int:
-        raise _not_in_epx("all-gather reduce-scatter (AGRS)")
-
-    @staticmethod
-    def get_agrs_buffer_size_hint(*args: Any, **kwargs: Any) -> int:
-        raise _not_in_epx("all-gather reduce-scatter (AGRS)")
+    get_engram_storage_size_hint = staticmethod(_unsupported("Engram"))
+    get_pp_buffer_size_hint = staticmethod(_unsupported("pipeline-parallel send/recv"))
+    get_agrs_num_max_session_bytes = staticmethod(_unsupported("all-gather reduce-scatter (AGRS)"))
+    get_agrs_buffer_size_hint = staticmethod(_unsupported("all-gather reduce-scatter (AGRS)"))
 
     def get_physical_domain_size(self) -> Tuple[int, int]:
         """(nodes, ranks per node) of the group's topology."""
@@ -232,38 +230,11 @@ class ElasticBuffer:
     def get_comm_stream(self) -> torch.cuda.Stream:
         return self._alive().get_comm_stream()
 
-    def engram_write(self, *args: Any, **kwargs: Any) -> None:
-        raise _not_in_epx("Engram")
-
-    def engram_fetch(self, *args: Any, **kwargs: Any) -> Any:
-        raise _not_in_epx("Engram")
-
-    def pp_set_config(self, *args: Any, **kwargs: Any) -> None:
-        raise _not_in_epx("pipeline-parallel send/recv")
-
-    def pp_send(self, *args: Any, **kwargs: Any) -> None:
-        raise _not_in_epx("pipeline-parallel send/recv")
-
-    def pp_recv(self, *args: Any, **kwargs: Any) -> None:
-        raise _not_in_epx("pipeline-parallel send/recv")
-
-    def create_agrs_session(self, *args: Any, **kwargs: Any) -> None:
-        raise _not_in_epx("all-gather reduce-scatter (AGRS)")
-
-    def destroy_agrs_session(self, *args: Any, **kwargs: Any) -> None:
-        raise _not_in_epx("all-gather reduce-scatter (AGRS)")
-
-    def agrs_new_session(self, *args: Any, **kwargs: Any) -> Any:
-        raise _not_in_epx("all-gather reduce-scatter (AGRS)")
-
-    def agrs_set_config(self, *args: Any, **kwargs: Any) -> None:
-        raise _not_in_epx("all-gather reduce-scatter (AGRS)")
-
-    def agrs_get_inplace_tensor(self, *args: Any, **kwargs: Any) -> Any:
-        raise _not_in_epx("all-gather reduce-scatter (AGRS)")
-
-    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        raise _not_in_epx("all_gather (AGRS)")
+    engram_write = engram_fetch = _unsupported("Engram")
+    pp_set_config = pp_send = pp_recv = _unsupported("pipeline-parallel send/recv")
+    create_agrs_session = destroy_agrs_session = agrs_new_session = _unsupported("all-gather reduce-scatter (AGRS)")
+    agrs_set_config = agrs_get_inplace_tensor = _unsupported("all-gather reduce-scatter (AGRS)")
+    all_gather = _unsupported("all_gather (AGRS)")
 
     # ---- streams -------------------------------------------------------------------------------------
 
