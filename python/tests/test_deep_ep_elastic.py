@@ -398,3 +398,26 @@ def test_expand_combine_needs_multiple_reduction():
         buffer.combine(recv_x, handle)
 
     run(fn, allow_multiple_reduction=False)
+
+
+@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("sync", [True, False])
+def test_idle_rank_and_a_rank_that_receives_nothing(expand, sync):
+    # Rank 1 has no tokens; every token of rank 0 picks experts 0 and 1, both on rank 0, so rank 1 receives nothing.
+    def fn(rank, buffer):
+        tokens = 0 if rank == 1 else 5
+        x = torch.randn(tokens, H).to(torch.bfloat16)
+        idx = torch.tensor([[0, 1]] * tokens, dtype=torch.int64).reshape(tokens, 2)
+        w = torch.rand(tokens, 2)
+        recv_x, _, recv_w, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=4,
+                                                       do_expand=expand, do_cpu_sync=sync, expert_alignment=4)
+        received = [5 if rank == 0 else 0, 5 if rank == 0 else 0]  # pairs per local expert
+        if sync:
+            assert recv_x.shape[0] == (sum(-(-c // 4) * 4 for c in received) if expand else received[0])
+        assert int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == received[0]
+        y = torch.ones(recv_x.shape[0], H, dtype=torch.bfloat16)
+        combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
+        assert combined.shape == (tokens, H) and bool((combined.float() == (2 if expand else 1)).all())
+        assert torch.equal(combined_w, w)
+
+    run(fn, num_max_tokens_per_rank=8)
