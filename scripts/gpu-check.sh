@@ -146,10 +146,11 @@ fi
 # first case alone, then all 72 (combine bit for bit in DeepEP's summation order: CombineArgs::order_topk_idx).
 if want deepep && [ -d "$ROOT/.carry/DeepEP-v2/tests/elastic" ]; then
   bash "$ROOT/scripts/deepep-v2-env.sh" "$ROOT/.carry/DeepEP-v2" "$BUILD/deepep-v2" >/dev/null
+  procs=$(( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 ? 2 : 1 ))  # one process per GPU; one GPU runs one rank
   for extra in --test-first-only ""; do
-    timed "DeepEP V2 elastic/test_ep.py ${extra:-all cases} (shim)" 300 env \
+    timed "DeepEP V2 elastic/test_ep.py ${extra:-all cases}, $procs process(es) (shim)" 300 env \
       PYTHONPATH="$BUILD/deepep-v2:$BUILD/python" "$PY" "$ROOT/.carry/DeepEP-v2/tests/elastic/test_ep.py" \
-      --num-processes 2 --skip-perf-test $extra
+      --num-processes "$procs" --skip-perf-test $extra
   done
 fi
 
