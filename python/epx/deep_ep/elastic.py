@@ -355,8 +355,11 @@ class ElasticBuffer:
                                                    (1, _align(recv_sf.shape[0], SF_ROW_ALIGNMENT)),
                                                    dtype=recv_sf.dtype, device=recv_sf.device)
                 recv_sf = column_major.copy_(recv_sf)
+        # Every tensor the handle holds too (made on this call's stream, read later on others).
         outs = (recv_x, recv_sf, recv_topk_idx, recv_topk_weights, handle.recv_src_metadata,
-                handle.psum_num_recv_tokens_per_expert, handle.psum_num_recv_tokens_per_scaleup_rank)
+                handle.psum_num_recv_tokens_per_expert, handle.psum_num_recv_tokens_per_scaleup_rank,
+                handle.num_unaligned_recv_tokens_per_expert, handle.dst_buffer_slot_idx, handle.topk_idx,
+                handle._recv_topk_idx)
         ins = (x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats)
         event = v1._finish(launch, async_with_compute_stream, ins, outs, keep=ins + outs + (handle.epx_handle,))
         recv = (recv_x, recv_sf) if recv_sf is not None else recv_x
