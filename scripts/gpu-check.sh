@@ -143,7 +143,7 @@ if want deepep && [ -d "$ROOT/.carry/DeepEP/tests" ]; then
   done
 fi
 # DeepEP V2's test of ElasticBuffer against the shim, with DeepEP's own test helpers (scripts/deepep-v2-env.sh): the
-# first case alone, then all 72 (combine bit for bit in DeepEP's summation order: CombineArgs::order_topk_idx).
+# first case alone, then all 144 (combine bit for bit in DeepEP's summation order: CombineArgs::order_topk_idx).
 if want deepep && [ -d "$ROOT/.carry/DeepEP-v2/tests/elastic" ]; then
   bash "$ROOT/scripts/deepep-v2-env.sh" "$ROOT/.carry/DeepEP-v2" "$BUILD/deepep-v2" >/dev/null
   procs=$(( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 ? 2 : 1 ))  # one process per GPU; one GPU runs one rank

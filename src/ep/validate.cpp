@@ -145,6 +145,11 @@ void validate_combine(const CombineArgs& args, int64_t num_tokens, int64_t num_r
   }
 }
 
+void refuse_combine_order_on_hierarchical(const CombineArgs& args) {
+  EPX_CHECK(ErrorCode::kUnsupported, !args.order_topk_idx.defined(),
+            "order_topk_idx (DeepEP V2's summation order) needs the flat routing; this buffer routes hierarchically");
+}
+
 LowLatencyShape validate_low_latency_dispatch(const LowLatencyDispatchArgs& args, int num_ranks, Device device) {
   LowLatencyShape shape;
   const int64_t max_tokens = args.max_tokens_per_rank;

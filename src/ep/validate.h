@@ -37,6 +37,8 @@ int resolve_num_sms(int num_sms, int buffer_num_sms);
 // Normal combine. num_tokens: the handle's T; num_rows: rows of the dispatch's outputs (the received
 // count, or num_worst_tokens in worst-token mode).
 void validate_combine(const CombineArgs& args, int64_t num_tokens, int64_t num_rows, Device device);
+// A combine on the hierarchical routing: Error(kUnsupported) when args.order_topk_idx is given (flat routing only).
+void refuse_combine_order_on_hierarchical(const CombineArgs& args);
 
 // Shapes of a validated low-latency dispatch.
 struct LowLatencyShape {

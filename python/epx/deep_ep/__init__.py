@@ -5,7 +5,8 @@ What is here: ``Buffer`` (normal dispatch/combine on one node and, on a group of
 internode mode over epx's hierarchical path; low-latency dispatch/combine, the mask-buffer calls, the static
 helpers), ``Config``, ``EventOverlap``, ``EventHandle`` and
 ``topk_idx_t``; and the expert-parallel part of DeepEP's V2 API, ``ElasticBuffer`` and ``EPHandle``
-(dispatch/combine, expand mode, no-CPU-sync mode; not Engram, PP or AGRS). Every call keeps DeepEP's signature, return tuple and stream semantics; what epx does
+(dispatch/combine, expand mode, no-CPU-sync mode; not Engram, PP or AGRS). Every call keeps DeepEP's
+signature, return tuple and stream semantics; what epx does
 with each argument, and what differs, is listed in docs/deepep-migration.md.
 
 Needs PyTorch (DeepEP's API is torch-only); ``import epx`` itself does not.
@@ -34,5 +35,5 @@ topk_idx_t = torch.int64
 #: (Engram, PP, AGRS) are not here: code that checks the version for them keeps its V1 path.
 __version__ = "1.2.1+epx"
 
-__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "InternodeHandle", "LowLatencyHandle", "NormalHandle",
-           "topk_idx_t"]
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap", "InternodeHandle",
+           "LowLatencyHandle", "NormalHandle", "topk_idx_t"]

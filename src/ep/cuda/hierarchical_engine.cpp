@@ -390,9 +390,7 @@ CombineResult HierarchicalEngine::combine(const CombineArgs& args) {
     EPX_CHECK_ARG(!args.topk_weights.defined() || args.topk_weights.shape[1] <= kNormalMaxTopk,
                   "topk_weights has {} columns; the cuda backend allows <= {}", args.topk_weights.shape[1],
                   kNormalMaxTopk);
-    EPX_CHECK(ErrorCode::kUnsupported, !args.order_topk_idx.defined(),
-              "order_topk_idx (DeepEP V2's summation order) needs the flat routing; this buffer routes "
-              "hierarchically");
+    ep::refuse_combine_order_on_hierarchical(args);
   } catch (...) {
     local_error = std::current_exception();
   }

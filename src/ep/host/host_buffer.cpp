@@ -392,9 +392,7 @@ CombineResult HostBuffer::combine(const CombineArgs& args) {
                   "handle must come from a normal dispatch of this host buffer (rank {})", rank_);
     ep::validate_combine(args, handle->routes->num_tokens, handle->num_rows, cpu);
     ep::resolve_num_sms(args.num_sms, options_.num_sms);  // checked only
-    EPX_CHECK(ErrorCode::kUnsupported, !hierarchical_ || !args.order_topk_idx.defined(),
-              "order_topk_idx (DeepEP V2's summation order) needs the flat routing; this buffer routes "
-              "hierarchically");
+    if (hierarchical_) ep::refuse_combine_order_on_hierarchical(args);
   });
   const Routes& routes = *handle->routes;
   const int64_t num_tokens = routes.num_tokens;
