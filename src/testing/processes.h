@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -31,6 +33,29 @@ inline std::vector<int> wait_children(const std::vector<pid_t>& children,
     statuses[i] = status;
   }
   return statuses;
+}
+
+// The GPU of rank `rank` of `num_ranks` when each rank is a process of its own: rank % num_gpus (num_gpus >= 1).
+// Where ranks share a GPU (fewer GPUs than ranks), NCCL would refuse two ranks of one communicator on one GPU of one
+// host ("duplicate GPU"); so each rank then presents itself to NCCL as a host of its own (NCCL_HOSTID), and NCCL
+// connects the ranks over its network transport, the socket transport over loopback (NCCL_SOCKET_IFNAME=lo and no
+// InfiniBand, unless the environment says otherwise): two nodes of one GPU each, on one GPU. epx still sees one host
+// (its host id is the hostname and the kernel's boot id, core/host_id.h), so peer memory within a node still maps
+// through CUDA IPC. Call it in the rank's process before NCCL initializes there.
+inline int rank_process_device(int rank, int num_ranks, int num_gpus) {
+  if (num_gpus < num_ranks) {
+    setenv("NCCL_HOSTID", ("epx-test-host-of-rank-" + std::to_string(rank)).c_str(), 1);
+    setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+    setenv("NCCL_IB_DISABLE", "1", 0);
+  }
+  return rank % num_gpus;
+}
+
+// ", ranks share N GPU(s) ..." where rank_process_device makes ranks share GPUs, else empty: for a test's trace.
+inline std::string sharing_note(int num_ranks, int num_gpus) {
+  if (num_gpus >= num_ranks) return "";
+  return ", " + std::to_string(num_ranks) + " ranks share " + std::to_string(num_gpus) +
+         " GPU(s) as NCCL hosts of their own (sockets over loopback)";
 }
 
 }  // namespace epx::testing

@@ -217,7 +217,7 @@ TEST(HierarchicalLowLatencyNcclChild, Rank) {
   const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
   const std::vector<Case> cases = nccl_cases(num_ranks);
-  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, rank, cuda_options(cases[0]));
+  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, child->device, cuda_options(cases[0]));
   ASSERT_EQ(group->topology().num_nodes, 2);
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];
@@ -233,10 +233,11 @@ TEST(HierarchicalLowLatencyNcclChild, Rank) {
 
 TEST(HierarchicalLowLatencyNccl, TwoNodes) {
   const int gpus = num_gpus();
-  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs (one process per GPU on NCCL groups), " << gpus << " visible";
+  if (gpus == 0) GTEST_SKIP() << "no GPU";
   const int num_ranks = gpus >= 4 ? 4 : 2;
   const uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes");
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes" +
+               testing::sharing_note(num_ranks, gpus));
   testing::run_nccl_children(num_ranks, seed, "HierarchicalLowLatencyNcclChild", "Rank", kEnvPrefix);
 }
 
@@ -433,7 +434,7 @@ TEST(HierarchicalLowLatencyNcclGraphChild, Rank) {
   const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
   const std::vector<GraphCase> cases = graph_cases(num_ranks, child->seed);
-  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, rank, cuda_options(cases[0].c));
+  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, child->device, cuda_options(cases[0].c));
   ASSERT_EQ(group->topology().num_nodes, 2);
   for (size_t i = 0; i < cases.size(); ++i) {
     const uint64_t seed = child->seed + 100 * i;  // the same on every rank
@@ -445,10 +446,11 @@ TEST(HierarchicalLowLatencyNcclGraphChild, Rank) {
 
 TEST(HierarchicalLowLatencyNccl, TwoNodesGraph) {
   const int gpus = num_gpus();
-  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs (one process per GPU on NCCL groups), " << gpus << " visible";
+  if (gpus == 0) GTEST_SKIP() << "no GPU";
   const int num_ranks = gpus >= 4 ? 4 : 2;
   const uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes, captured");
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes, captured" +
+               testing::sharing_note(num_ranks, gpus));
   testing::run_nccl_children(num_ranks, seed, "HierarchicalLowLatencyNcclGraphChild", "Rank", kGraphEnvPrefix);
 }
 

@@ -290,7 +290,7 @@ TEST(HierarchicalNcclChild, Rank) {
   const auto in = make_inputs(c, child->seed);
   const auto want = run_case(c, in, host_groups(c), true);
   CudaGroupOptions options = cuda_options(c);
-  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, rank, options);
+  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, child->device, options);
   ASSERT_EQ(group->topology().num_nodes, 2);
   const RankOutput got = run_rank(c, in[rank], group, false);
   compare_rank(c, want[rank], got);
@@ -299,10 +299,11 @@ TEST(HierarchicalNcclChild, Rank) {
 
 TEST(HierarchicalNccl, TwoNodes) {
   const int gpus = num_gpus();
-  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs (one process per GPU on NCCL groups), " << gpus << " visible";
+  if (gpus == 0) GTEST_SKIP() << "no GPU";
   const int num_ranks = gpus >= 4 ? 4 : 2;
   const uint64_t seed = testing::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes");
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(num_ranks) + " ranks as 2 nodes" +
+               testing::sharing_note(num_ranks, gpus));
   testing::run_nccl_children(num_ranks, seed, "HierarchicalNcclChild", "Rank", kEnvPrefix);
 }
 
@@ -321,14 +322,14 @@ TEST(HierarchicalNcclChild, PeerNeverPosts) {
   const testing::NcclChildPass pass(*child);
   const int rank = child->rank;
   // This child's stream and buffers live on its GPU (the group and the exchange restore the current device).
-  ASSERT_EQ(cudaSetDevice(rank), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(child->device), cudaSuccess);
   const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
   constexpr int64_t kTimeoutMs = 3'000;
   CudaGroupOptions options;
   options.timeout_ms = kTimeoutMs;
   options.gpus_per_node = 1;
-  std::shared_ptr<Group> group = create_cuda_group(id, rank, 2, rank, options);
+  std::shared_ptr<Group> group = create_cuda_group(id, rank, 2, child->device, options);
   auto& cuda_group = dynamic_cast<cuda::CudaGroup&>(*group);
   ASSERT_NE(cuda_group.nccl_comm(), nullptr);
   std::unique_ptr<cuda::ByteExchange> exchange = cuda::make_byte_exchange(cuda_group);
@@ -421,7 +422,8 @@ TEST(HierarchicalNcclChild, PeerNeverPosts) {
 
 TEST(HierarchicalNccl, PeerThatNeverPostsTimesOut) {
   const int gpus = num_gpus();
-  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs (one process per GPU on NCCL groups), " << gpus << " visible";
+  if (gpus == 0) GTEST_SKIP() << "no GPU";
+  SCOPED_TRACE("2 ranks as 2 nodes" + testing::sharing_note(2, gpus));
   testing::run_nccl_children(2, 0, "HierarchicalNcclChild", "PeerNeverPosts", kEnvPrefix);
 }
 

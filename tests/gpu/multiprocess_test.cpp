@@ -3,7 +3,7 @@
 // before anything touches CUDA (a child cannot use CUDA that its parent initialized); rank 0 makes the NCCL
 // id and pipes it to the others; each child builds its communicator, runs the normal and the low-latency path with
 // identity experts, checks combine(dispatch(x)) exactly and exits with 0 (pass), 1 (mismatch), 2 (error)
-// or 77 (fewer GPUs than ranks). The parent bounds the wait and kills children that outlive it.
+// or 77 (no GPU; with one GPU both ranks share it, testing::rank_process_device). The parent bounds the wait and kills children that outlive it.
 // Routing: every rank draws K = 8 distinct experts of E = 64 per token, then sets ~10% of the slots to -1;
 // x holds small integers, so both round trips are exact (normal: x * ranks visited; low-latency with
 // weights 1/8: x * valid slots / 8).
@@ -132,6 +132,13 @@ int64_t run_rank(int rank, const ncclUniqueId& id) {
   return bad;
 }
 
+// The GPU fork_ranks chose for this child.
+int my_device() {
+  int device = 0;
+  cudaGetDevice(&device);
+  return device;
+}
+
 // Rank 0 makes the NCCL id (after the fork: making it may initialize CUDA) and sends it down a pipe.
 ncclUniqueId share_id(int rank, int pipe_fds[2]) {
   ncclUniqueId id;
@@ -152,10 +159,10 @@ ncclUniqueId share_id(int rank, int pipe_fds[2]) {
 }
 
 // Forks kRanks children that run body(rank, pipe) (exit codes: 0 pass, 1 mismatch, 2 error, 77 skip) and
-// returns their codes; children that outlive limit are killed (code -1). Every child skips when fewer than
-// min_gpus GPUs are visible; rank r runs on GPU r % count (a test whose peer never touches a GPU needs one).
-std::vector<int> fork_ranks(const std::function<int(int, int*)>& body, std::chrono::seconds limit,
-                            int min_gpus = kRanks) {
+// returns their codes; children that outlive limit are killed (code -1). Every child skips when no GPU is visible;
+// rank r runs on GPU r % count, the current device when body runs (my_device()). With one GPU both ranks share it as
+// NCCL hosts of their own (testing::rank_process_device): the group's communicator runs on sockets over loopback.
+std::vector<int> fork_ranks(const std::function<int(int, int*)>& body, std::chrono::seconds limit) {
   int pipe_fds[2];
   if (pipe(pipe_fds) != 0) return std::vector<int>(kRanks, -2);
   std::vector<pid_t> children;
@@ -167,8 +174,8 @@ std::vector<int> fork_ranks(const std::function<int(int, int*)>& body, std::chro
       int code = 0;
       try {
         int count = 0;
-        if (cudaGetDeviceCount(&count) != cudaSuccess || count < min_gpus) _exit(kExitSkip);
-        cudaSetDevice(rank % count);
+        if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) _exit(kExitSkip);
+        cudaSetDevice(testing::rank_process_device(rank, kRanks, count));
         code = body(rank, pipe_fds);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
@@ -199,7 +206,7 @@ TEST(MultiProcess, NcclGroupNormalAndLowLatency) {
         return bad == 0 ? 0 : 1;
       },
       std::chrono::seconds(120));
-  if (codes[0] == kExitSkip && codes[1] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
+  if (codes[0] == kExitSkip && codes[1] == kExitSkip) GTEST_SKIP() << "no GPU";
   for (int rank = 0; rank < kRanks; ++rank) {
     EXPECT_EQ(codes[rank], 0) << "rank " << rank << " (1 mismatch, 2 error, -1 killed)";
   }
@@ -250,7 +257,7 @@ TEST(MultiProcess, AbsentRankAtCreationTimesOut) {
             error_code_of([&] { create_cuda_group(id, 0, kRanks, 0, {.timeout_ms = kFaultTimeoutMs}); }, &ms);
         return expect_bounded_error("create_cuda_group", code, ms, {ErrorCode::kTimeout});
       },
-      std::chrono::seconds(60), /*min_gpus=*/1);  // rank 1 never touches its GPU
+      std::chrono::seconds(60));
   if (codes[0] == kExitSkip) GTEST_SKIP() << "no GPU";
   EXPECT_EQ(codes[0], 0) << "rank 0 (1 wrong error or too slow, -1 hung and killed)";
 }
@@ -261,7 +268,7 @@ TEST(MultiProcess, PeerThatLeavesMakesBarrierAndBufferFailInBoundedTime) {
   const auto codes = fork_ranks(
       [](int rank, int* pipe_fds) {
         const auto id = share_id_bytes(rank, pipe_fds);
-        auto group = create_cuda_group(id, rank, kRanks, rank, {.timeout_ms = kFaultTimeoutMs});
+        auto group = create_cuda_group(id, rank, kRanks, my_device(), {.timeout_ms = kFaultTimeoutMs});
         const int64_t T = 64, H = 1024, E = 16;
         BufferOptions options;
         options.num_sms = 8;
@@ -326,7 +333,7 @@ TEST(MultiProcess, PeerThatLeavesMakesBarrierAndBufferFailInBoundedTime) {
         return fails == 0 ? 0 : 1;
       },
       std::chrono::seconds(90));
-  if (codes[0] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
+  if (codes[0] == kExitSkip) GTEST_SKIP() << "no GPU";
   EXPECT_EQ(codes[0], 0) << "rank 0 (1 wrong error or too slow, 2 error, -1 hung and killed)";
   EXPECT_EQ(codes[1], 0) << "rank 1";
 }
@@ -408,7 +415,7 @@ TEST(MultiProcess, NormalTimeoutThenTheBufferResetsAndWorks) {
   const auto codes = fork_ranks(
       [](int rank, int* pipe_fds) {
         const auto id = share_id_bytes(rank, pipe_fds);
-        auto group = create_cuda_group(id, rank, kRanks, rank, {.timeout_ms = kFaultTimeoutMs});
+        auto group = create_cuda_group(id, rank, kRanks, my_device(), {.timeout_ms = kFaultTimeoutMs});
         int fails = 0;
         {
           TwoExpertRound r(group, rank);
@@ -431,7 +438,7 @@ TEST(MultiProcess, NormalTimeoutThenTheBufferResetsAndWorks) {
         return fails == 0 ? 0 : 1;
       },
       std::chrono::seconds(120));
-  if (codes[0] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
+  if (codes[0] == kExitSkip) GTEST_SKIP() << "no GPU";
   EXPECT_EQ(codes[0], 0) << "rank 0 (1 wrong result or error, 2 error, -1 hung and killed)";
   EXPECT_EQ(codes[1], 0) << "rank 1";
 }
@@ -446,7 +453,7 @@ TEST(MultiProcess, LatePeerThenTheGroupRebuildsItsCommunicator) {
   const auto codes = fork_ranks(
       [](int rank, int* pipe_fds) {
         const auto id = share_id_bytes(rank, pipe_fds);
-        auto group = create_cuda_group(id, rank, kRanks, rank, {.timeout_ms = kFaultTimeoutMs});
+        auto group = create_cuda_group(id, rank, kRanks, my_device(), {.timeout_ms = kFaultTimeoutMs});
         auto& cuda_group = dynamic_cast<cuda::CudaGroup&>(*group);
         int fails = 0;
         {
@@ -486,7 +493,7 @@ TEST(MultiProcess, LatePeerThenTheGroupRebuildsItsCommunicator) {
         return fails == 0 ? 0 : 1;
       },
       std::chrono::seconds(120));
-  if (codes[0] == kExitSkip) GTEST_SKIP() << "fewer than " << kRanks << " GPUs";
+  if (codes[0] == kExitSkip) GTEST_SKIP() << "no GPU";
   EXPECT_EQ(codes[0], 0) << "rank 0 (1 wrong result or error, 2 error, -1 hung and killed)";
   EXPECT_EQ(codes[1], 0) << "rank 1";
 }

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdint>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "epx/cuda.h"
+#include "testing/gpu_util.h"
 #include "testing/processes.h"
 
 namespace epx::testing {
@@ -34,10 +36,12 @@ struct NcclChild {
   int num_ranks = 0;
   uint64_t seed = 0;
   std::string id_file;
+  int device = 0;  // rank % visible GPUs; ranks that share a GPU are hosts of their own to NCCL (rank_process_device)
 };
 
-// The child's rank, rank count, seed and id file from `<prefix>_*`; nullopt when `<prefix>_RANK` is not set (the
-// binary runs as a parent or plainly).
+// The child's rank, rank count, seed and id file from `<prefix>_*`, and its GPU; nullopt when `<prefix>_RANK` is not
+// set (the binary runs as a parent or plainly). Call it first in a child test: where ranks share a GPU it sets the
+// environment NCCL reads (rank_process_device).
 inline std::optional<NcclChild> nccl_child(const std::string& prefix) {
   const char* rank = std::getenv((prefix + "_RANK").c_str());
   if (rank == nullptr) return std::nullopt;
@@ -50,6 +54,7 @@ inline std::optional<NcclChild> nccl_child(const std::string& prefix) {
   c.num_ranks = std::atoi(value("_RANKS").c_str());
   c.seed = std::strtoull(value("_SEED").c_str(), nullptr, 10);
   c.id_file = value("_ID_FILE");
+  c.device = rank_process_device(c.rank, c.num_ranks, std::max(1, num_gpus()));
   return c;
 }
 
@@ -92,8 +97,9 @@ inline std::vector<uint8_t> shared_nccl_id(int rank, const std::string& id_file)
   return id;
 }
 
-// Runs the test `child_suite.child_test` of this binary in num_ranks child processes (rank r on GPU r, which the
-// child passes to create_cuda_group), with `<env_prefix>_*` set as above and the id file
+// Runs the test `child_suite.child_test` of this binary in num_ranks child processes (rank r on GPU NcclChild::device,
+// which the child passes to create_cuda_group; with fewer GPUs than ranks, ranks share them as NCCL hosts of their
+// own), with `<env_prefix>_*` set as above and the id file
 // /tmp/<env_prefix in lower case>_nccl_id_<pid>, and expects each child to exit 0 within 240 s with its pass mark
 // (NcclChildPass; a child still running then is killed with the others). The children get the parent's environment
 // less GTEST_* (so that none writes the parent's reports or picks a shard). A child's own output (its gtest failures)
@@ -114,6 +120,8 @@ inline void run_nccl_children(int num_ranks, uint64_t seed, const std::string& c
   const std::string rank_var = env_prefix + "_RANK", ranks_var = env_prefix + "_RANKS", seed_var = env_prefix + "_SEED",
                     id_var = env_prefix + "_ID_FILE";
   const std::string ranks_value = std::to_string(num_ranks), seed_value = std::to_string(seed);
+  const std::string sharing = sharing_note(num_ranks, num_gpus());
+  if (!sharing.empty()) std::printf("[ note     ] %s.%s%s\n", child_suite.c_str(), child_test.c_str(), sharing.c_str());
   std::vector<pid_t> children;
   for (int r = 0; r < num_ranks; ++r) {
     const std::string rank_value = std::to_string(r);  // NOTE: built before fork: the child only sets and execs

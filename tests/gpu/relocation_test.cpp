@@ -3,7 +3,7 @@
 // against a poisoned destination.
 // - cuda transport, ranks as threads: staging smaller than one slot (and not a multiple of 4) forces windows that
 //   cut messages anywhere; a larger case prints the bytes moved per second.
-// - nccl transport, one process per GPU (2 GPUs): the test re-executes this binary once per rank (a forked child
+// - nccl transport, one process per GPU (2 GPUs; on one, both ranks share it as NCCL hosts of their own): the test re-executes this binary once per rank (a forked child
 //   could not use CUDA, which the parent initialized), rank 0 draws the NCCL id and pipes it to rank 1; each
 //   process relocates the same random cases (same seed, so the same plans) over make_nccl_transport, in place and
 //   not, checks a mismatched round fails on both ranks before any data moves, and runs one case over the
@@ -233,11 +233,12 @@ TEST(NcclRelocation, RankProcess) {
   const int rank = std::atoi(rank_text);
   int read_fd = -1, write_fd = -1;
   ASSERT_EQ(std::sscanf(pipe_text, "%d,%d", &read_fd, &write_fd), 2) << pipe_text;
-  ASSERT_EQ(cudaSetDevice(rank), cudaSuccess);
+  const int device = testing::rank_process_device(rank, kProcessRanks, std::max(1, num_gpus()));
+  ASSERT_EQ(cudaSetDevice(device), cudaSuccess);
   const std::vector<uint8_t> id = share_nccl_id(rank, read_fd, write_fd);
   CudaGroupOptions options;
   options.timeout_ms = 30'000;
-  auto group = create_cuda_group(id, rank, kProcessRanks, rank, options);
+  auto group = create_cuda_group(id, rank, kProcessRanks, device, options);
 
   // The same seed in every process: the same placements and plans.
   std::mt19937 rng(20261202);
@@ -328,10 +329,9 @@ TEST(NcclRelocation, RankProcess) {
 }
 
 TEST(NcclRelocation, OneProcessPerGpu) {
-  if (num_gpus() < kProcessRanks) {
-    GTEST_SKIP() << "the nccl transport test runs one process per GPU: it needs " << kProcessRanks << " GPUs, found "
-                 << num_gpus();
-  }
+  if (num_gpus() == 0) GTEST_SKIP() << "no GPU";
+  const std::string sharing = testing::sharing_note(kProcessRanks, num_gpus());
+  if (!sharing.empty()) std::printf("[ note     ] NcclRelocation.OneProcessPerGpu%s\n", sharing.c_str());
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
   const std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
