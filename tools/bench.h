@@ -27,6 +27,7 @@ struct BenchConfig {
   int num_nodes = 0;
   bool force_hierarchical = false;  // --routing hierarchical: the hierarchical path also on one node
   bool bf16_node_partials = false;  // --node-partials bf16: BufferOptions::node_partials = kBFloat16
+  bool processes = false;           // --processes: the hierarchical run with one process per rank on NCCL (cuda)
 };
 
 // Each returns a JSON report: {"backend", "device", "settings", "phases": [{"name", "time_us",

@@ -469,6 +469,15 @@ void print_nodes_report(const nlohmann::json& report) {
                 h["network_bytes"].get<double>() / 1e6, h["node_bytes"].get<double>() / 1e6,
                 f["peer_bytes"].get<double>() / 1e6);
   }
+  if (report.contains("nccl_baseline")) {
+    std::printf("beside NCCL send/recv of the network leg's bytes (one process per rank):\n");
+    std::printf("%-22s %14s %14s %10s\n", "phase", "hier. (us)", "nccl (us)", "hier/nccl");
+    for (const auto& b : report["nccl_baseline"]) {
+      std::printf("%-22s %14.1f %14.1f %10.2f\n", b["phase"].get<std::string>().c_str(),
+                  b["hierarchical_time_us"].get<double>(), b["nccl_time_us"].get<double>(),
+                  b["hierarchical_over_nccl"].get<double>());
+    }
+  }
   std::printf("low-latency (--ll-tokens %lld): %s\n", static_cast<long long>(s["num_ll_tokens"].get<int64_t>()),
               s["low_latency"].get<std::string>().c_str());
   for (const auto& c : report["check"]["details"]) {

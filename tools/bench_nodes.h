@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -79,7 +80,22 @@ void print_nodes_report(const nlohmann::json& report);
 
 nlohmann::json run_host_nodes_bench(const BenchConfig& config);
 #ifdef EPX_WITH_CUDA
+// config.processes: the hierarchical run with one process per rank (bench_nodes_processes.cpp), the report's
+// "nccl_baseline" beside it.
 nlohmann::json run_cuda_nodes_bench(const BenchConfig& config);
+
+// One rank's phases on its cuda group (tools/cuda/bench_nodes.cpp; ranks as threads or one process per rank):
+// seconds[0, kNumNodesPhases + kNumLowLatencyPhases) this rank's medians, and run's entries of this rank (run's
+// per-rank vectors sized to config.num_ranks).
+void run_cuda_rank_phases(const BenchConfig& config, const RankInputs& in, const RankInputs& ll_in,
+                          const std::shared_ptr<Group>& group, bool flat, double* seconds, RoutingRun& run);
+
+// --processes (tools/cuda/bench_nodes_processes.cpp): the parent starts one `epx bench` process per rank with the
+// same arguments (nodes_bench_child() is true there), waits for them and reads back their results: the tested
+// RoutingRun, and in *nccl_baseline the NCCL send/recv of the network leg's bytes beside it.
+RoutingRun run_cuda_routing_in_processes(const BenchConfig& config, nlohmann::json* nccl_baseline);
+bool nodes_bench_child();
+void run_nodes_bench_child(const BenchConfig& config);
 #endif
 
 }  // namespace epx::cli

@@ -181,6 +181,9 @@ void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const 
   if (c.num_sms.size() > 1) {
     throw BadInput(fmt::format("--sms takes one value with --nodes / --routing, got {}", c.num_sms.size()));
   }
+  if (c.processes && !use_cuda) {
+    throw BadInput("--processes runs ranks as processes on NCCL groups: it needs the cuda backend and a visible GPU (not --host)");
+  }
   if (!use_cuda) {
     // Per rank and routing at least x, its fp8 copy, the combined output and as many received rows as the rank
     // sends (7 bytes per element, as the plain host bench), twice: both routings' results are compared.
@@ -199,6 +202,12 @@ void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const 
   c.num_nodes = num_nodes;
   c.force_hierarchical = f.force_hierarchical;
   if (validate_only()) return;
+#ifdef EPX_WITH_CUDA
+  if (nodes_bench_child()) {  // a rank of a --processes run: its phases, then its results to the parent's file
+    run_nodes_bench_child(c);
+    return;
+  }
+#endif
   std::ofstream json_file;  // opened before the run, so an unwritable path fails before the work
   if (!json_path.empty()) {
     json_file.open(json_path);
@@ -301,6 +310,11 @@ void add_bench(CLI::App& app) {
                       "--routing: the run's option (default fp32, the library's); with --model: the predicted "
                       "combine's network rows (default bf16, DeepEP's internode choice)")
           ->check(one_of({"fp32", "bf16"}));
+  auto* processes = cmd->add_flag("--processes")->description(
+      "With --nodes on GPUs: the hierarchical run with one process per rank on an NCCL group, so that the network "
+      "leg runs on NCCL as across hosts (ranks beyond the visible GPUs share them, each an NCCL host of its own: "
+      "sockets over loopback), timed beside NCCL send/recv of the network leg's bytes; the flat run stays ranks "
+      "as threads (docs/internode.md)");
   auto* net_gbps = cmd->add_option("--net-gbps", model_config->links.network_gbps,
                                    "--model: network GB/s per GPU, each way (default 50: 400 Gb/s)")
                        ->check(number_in(0.1, 1e5));
@@ -343,6 +357,7 @@ void add_bench(CLI::App& app) {
                                                                           {groups, "--groups"},
                                                                           {topk_group, "--topk-group"}};
     const bool nodes_run = model->count() == 0 && (nodes_opt->count() > 0 || routing_opt->count() > 0);
+    if (!nodes_run && processes->count() > 0) throw BadInput("--processes applies only to --nodes / --routing");
     if (model->count() == 0 && !nodes_run && gpus_per_node->count() > 0) {
       throw BadInput("--gpus-per-node applies only to --nodes or --model");
     }
@@ -390,6 +405,7 @@ void add_bench(CLI::App& app) {
       f.force_hierarchical = *routing == "hierarchical";
       c.bf16_node_partials = *node_partials == "bf16";
       f.ranks_given = ranks->count() > 0;
+      c.processes = processes->count() > 0;
       for (const auto& [opt, name] :
            std::vector<std::pair<CLI::Option*, const char*>>{{dp, "--dp"}, {tbo, "--tbo"}, {eplb, "--eplb"}}) {
         if (opt->count() > 0) f.not_with_nodes.push_back(name);

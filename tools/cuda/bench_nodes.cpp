@@ -61,15 +61,135 @@ Tensor host_copy(const Tensor& t, cudaStream_t stream) {
   return h;
 }
 
+}  // namespace
+
+void run_cuda_rank_phases(const BenchConfig& config, const RankInputs& in, const RankInputs& ll_in,
+                          const std::shared_ptr<Group>& group, bool flat, double* seconds, RoutingRun& run) {
+  const int num_ranks = config.num_ranks;
+  const int64_t T = config.num_tokens, H = config.hidden, E = config.num_experts;
+  const int K = config.num_topk;
+  const int num_sms = config.num_sms.empty() ? 24 : config.num_sms[0];
+  const int64_t T_ll = config.num_ll_tokens;
+  Group& g = *group;
+  const int r = g.rank();
+  cuda_ok(cudaSetDevice(g.device().index), "cudaSetDevice");
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  BufferOptions options;
+  options.num_sms = num_sms;
+  options.num_normal_bytes = normal_buffer_size_hint(H, num_ranks, num_sms, T);
+  set_nodes_routing(config, flat, options);
+  options.num_low_latency_bytes = low_latency_buffer_size_hint(T_ll, H, num_ranks, E);
+  auto buffer = Buffer::create(group, tuned_from_env(options));
+  const Device device = g.device();
+  Tensor x = testing::upload(in.x, DType::kBFloat16, {T, H}, device, stream);
+  Tensor x8 = testing::upload(in.x_fp8, DType::kFloat8E4M3, {T, H}, device, stream);
+  Tensor scales = testing::upload(in.x_scales, DType::kFloat32, {T, H / 128}, device, stream);
+  Tensor topk = testing::upload(in.topk, DType::kInt64, {T, K}, device, stream);
+  Tensor weights = testing::upload(in.weights, DType::kFloat32, {T, K}, device, stream);
+  Layout layout = buffer->get_dispatch_layout(topk, E, stream);
+  cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  const int warm = config.num_warmup, iters = config.num_iters;
+  auto meet = [&](int) { g.barrier(); };
+  DispatchResult fresh, cached, fp8;
+  CombineResult combined;
+  seconds[0] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                    DispatchArgs a;
+                    a.x = x;
+                    a.topk_idx = topk;
+                    a.topk_weights = weights;
+                    a.num_experts = E;
+                    a.layout = &layout;
+                    a.stream = stream;
+                    fresh = buffer->dispatch(a);
+                  });
+  seconds[1] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                    DispatchArgs a;
+                    a.x = x;
+                    a.handle = fresh.handle;
+                    a.stream = stream;
+                    cached = buffer->dispatch(a);
+                  });
+  seconds[2] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                    DispatchArgs a;
+                    a.x = x8;
+                    a.x_scales = scales;
+                    a.handle = fresh.handle;
+                    a.stream = stream;
+                    fp8 = buffer->dispatch(a);
+                  });
+  seconds[3] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                    CombineArgs a;
+                    a.x = fresh.recv_x;
+                    a.handle = fresh.handle;
+                    a.stream = stream;
+                    combined = buffer->combine(a);
+                  });
+  run.dispatched[0][r] = download_snapshot(fresh, stream);
+  run.dispatched[1][r] = download_snapshot(cached, stream);
+  run.dispatched[2][r] = download_snapshot(fp8, stream);
+  run.combined[r] = testing::download<uint16_t>(combined.x, stream);
+
+  // Low-latency, as the host run (bench_nodes.cpp): fp8 dispatch timed; a bf16 dispatch whose rows are the
+  // identity experts' outputs; their combine timed.
+  Tensor ll_x = testing::upload(ll_in.x, DType::kBFloat16, {T_ll, H}, device, stream);
+  Tensor ll_topk = testing::upload(ll_in.topk, DType::kInt64, {T_ll, K}, device, stream);
+  Tensor ll_weights = testing::upload(ll_in.weights, DType::kFloat32, {T_ll, K}, device, stream);
+  auto ll_dispatch = [&](bool use_fp8) {
+    LowLatencyDispatchArgs a;
+    a.x = ll_x;
+    a.topk_idx = ll_topk;
+    a.max_tokens_per_rank = T_ll;
+    a.num_experts = E;
+    a.use_fp8 = use_fp8;
+    a.stream = stream;
+    return buffer->low_latency_dispatch(a);
+  };
+  LowLatencyDispatchResult ll;
+  seconds[kNumNodesPhases] =
+      1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) { ll = ll_dispatch(true); });
+  LowLatencyDispatchResult ll_host;
+  ll_host.recv_x = host_copy(ll.recv_x, stream);
+  ll_host.recv_x_scales = host_copy(ll.recv_x_scales, stream);
+  ll_host.recv_count = host_copy(ll.recv_count, stream);
+  ll_host.recv_src_info = host_copy(ll.recv_src_info, stream);
+  ll_host.recv_layout_range = host_copy(ll.recv_layout_range, stream);
+  run.ll_dispatched[r] = low_latency_snapshot(ll_host);
+  g.barrier();  // every rank's fp8 results are read before the next dispatch reuses the receive buffers
+  ll = ll_dispatch(false);
+  LowLatencyCombineResult ll_out;
+  seconds[kNumNodesPhases + 1] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
+                                      LowLatencyCombineArgs a;
+                                      a.x = ll.recv_x;
+                                      a.topk_idx = ll_topk;
+                                      a.topk_weights = ll_weights;
+                                      a.handle = ll.handle;
+                                      a.stream = stream;
+                                      ll_out = buffer->low_latency_combine(a);
+                                    });
+  run.ll_combined[r] = testing::download<uint16_t>(ll_out.x, stream);
+
+  // Every tensor frees on `stream`: release them before destroying it.
+  fresh = cached = fp8 = {};
+  combined = {};
+  layout = {};
+  x = x8 = scales = topk = weights = Tensor();
+  ll = ll_host = {};
+  ll_out = {};
+  ll_x = ll_topk = ll_weights = Tensor();
+  buffer.reset();
+  cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+}
+
+namespace {
+
 // One routing on cuda groups of gpus_per_node ranks per node (0: one node); `flat`: both paths routed flat, else
 // the topology's routing (or kHierarchical, forced).
 RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInputs>& inputs,
                             const std::vector<RankInputs>& ll_inputs, const std::vector<int>& devices,
                             int gpus_per_node, bool flat, const char* label) {
   const int num_ranks = config.num_ranks;
-  const int64_t T = config.num_tokens, H = config.hidden, E = config.num_experts;
-  const int K = config.num_topk;
-  const int num_sms = config.num_sms.empty() ? 24 : config.num_sms[0];
   if (config.progress) {
     std::fprintf(stderr, "[epx bench] cuda backend, %d ranks, %s: dispatch and combine\n", num_ranks, label);
   }
@@ -77,123 +197,13 @@ RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInp
   group_options.gpus_per_node = gpus_per_node;
   auto groups = create_cuda_groups(devices, group_options);
   RoutingRun run;
-  const int64_t T_ll = config.num_ll_tokens;
   std::vector<std::vector<double>> seconds(num_ranks, std::vector<double>(kNumNodesPhases + kNumLowLatencyPhases));
   for (auto& d : run.dispatched) d.resize(num_ranks);
   run.combined.resize(num_ranks);
   run.ll_dispatched.resize(num_ranks);
   run.ll_combined.resize(num_ranks);
-  run_host_ranks(groups, [&](int r, Group& g) {
-    cuda_ok(cudaSetDevice(g.device().index), "cudaSetDevice");
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    BufferOptions options;
-    options.num_sms = num_sms;
-    options.num_normal_bytes = normal_buffer_size_hint(H, num_ranks, num_sms, T);
-    set_nodes_routing(config, flat, options);
-    options.num_low_latency_bytes = low_latency_buffer_size_hint(T_ll, H, num_ranks, E);
-    auto buffer = Buffer::create(groups[r], tuned_from_env(options));
-    const RankInputs& in = inputs[r];
-    const Device device = g.device();
-    Tensor x = testing::upload(in.x, DType::kBFloat16, {T, H}, device, stream);
-    Tensor x8 = testing::upload(in.x_fp8, DType::kFloat8E4M3, {T, H}, device, stream);
-    Tensor scales = testing::upload(in.x_scales, DType::kFloat32, {T, H / 128}, device, stream);
-    Tensor topk = testing::upload(in.topk, DType::kInt64, {T, K}, device, stream);
-    Tensor weights = testing::upload(in.weights, DType::kFloat32, {T, K}, device, stream);
-    Layout layout = buffer->get_dispatch_layout(topk, E, stream);
-    cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    const int warm = config.num_warmup, iters = config.num_iters;
-    auto meet = [&](int) { g.barrier(); };
-    DispatchResult fresh, cached, fp8;
-    CombineResult combined;
-    seconds[r][0] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                      DispatchArgs a;
-                      a.x = x;
-                      a.topk_idx = topk;
-                      a.topk_weights = weights;
-                      a.num_experts = E;
-                      a.layout = &layout;
-                      a.stream = stream;
-                      fresh = buffer->dispatch(a);
-                    });
-    seconds[r][1] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                      DispatchArgs a;
-                      a.x = x;
-                      a.handle = fresh.handle;
-                      a.stream = stream;
-                      cached = buffer->dispatch(a);
-                    });
-    seconds[r][2] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                      DispatchArgs a;
-                      a.x = x8;
-                      a.x_scales = scales;
-                      a.handle = fresh.handle;
-                      a.stream = stream;
-                      fp8 = buffer->dispatch(a);
-                    });
-    seconds[r][3] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                      CombineArgs a;
-                      a.x = fresh.recv_x;
-                      a.handle = fresh.handle;
-                      a.stream = stream;
-                      combined = buffer->combine(a);
-                    });
-    run.dispatched[0][r] = download_snapshot(fresh, stream);
-    run.dispatched[1][r] = download_snapshot(cached, stream);
-    run.dispatched[2][r] = download_snapshot(fp8, stream);
-    run.combined[r] = testing::download<uint16_t>(combined.x, stream);
-
-    // Low-latency, as the host run (bench_nodes.cpp): fp8 dispatch timed; a bf16 dispatch whose rows are the
-    // identity experts' outputs; their combine timed.
-    const RankInputs& ll_in = ll_inputs[r];
-    Tensor ll_x = testing::upload(ll_in.x, DType::kBFloat16, {T_ll, H}, device, stream);
-    Tensor ll_topk = testing::upload(ll_in.topk, DType::kInt64, {T_ll, K}, device, stream);
-    Tensor ll_weights = testing::upload(ll_in.weights, DType::kFloat32, {T_ll, K}, device, stream);
-    auto ll_dispatch = [&](bool use_fp8) {
-      LowLatencyDispatchArgs a;
-      a.x = ll_x;
-      a.topk_idx = ll_topk;
-      a.max_tokens_per_rank = T_ll;
-      a.num_experts = E;
-      a.use_fp8 = use_fp8;
-      a.stream = stream;
-      return buffer->low_latency_dispatch(a);
-    };
-    LowLatencyDispatchResult ll;
-    seconds[r][kNumNodesPhases] =
-        1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) { ll = ll_dispatch(true); });
-    LowLatencyDispatchResult ll_host;
-    ll_host.recv_x = host_copy(ll.recv_x, stream);
-    ll_host.recv_x_scales = host_copy(ll.recv_x_scales, stream);
-    ll_host.recv_count = host_copy(ll.recv_count, stream);
-    ll_host.recv_src_info = host_copy(ll.recv_src_info, stream);
-    ll_host.recv_layout_range = host_copy(ll.recv_layout_range, stream);
-    run.ll_dispatched[r] = low_latency_snapshot(ll_host);
-    g.barrier();  // every rank's fp8 results are read before the next dispatch reuses the receive buffers
-    ll = ll_dispatch(false);
-    LowLatencyCombineResult ll_out;
-    seconds[r][kNumNodesPhases + 1] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                                        LowLatencyCombineArgs a;
-                                        a.x = ll.recv_x;
-                                        a.topk_idx = ll_topk;
-                                        a.topk_weights = ll_weights;
-                                        a.handle = ll.handle;
-                                        a.stream = stream;
-                                        ll_out = buffer->low_latency_combine(a);
-                                      });
-    run.ll_combined[r] = testing::download<uint16_t>(ll_out.x, stream);
-
-    // Every tensor frees on `stream`: release them before destroying it.
-    fresh = cached = fp8 = {};
-    combined = {};
-    layout = {};
-    x = x8 = scales = topk = weights = Tensor();
-    ll = ll_host = {};
-    ll_out = {};
-    ll_x = ll_topk = ll_weights = Tensor();
-    buffer.reset();
-    cudaStreamSynchronize(stream);
-    cudaStreamDestroy(stream);
+  run_host_ranks(groups, [&](int r, Group&) {
+    run_cuda_rank_phases(config, inputs[r], ll_inputs[r], groups[r], flat, seconds[r].data(), run);
   });
   for (int p = 0; p < kNumNodesPhases; ++p) {
     for (int r = 0; r < num_ranks; ++r) run.seconds[p] = std::max(run.seconds[p], seconds[r][p]);
@@ -222,17 +232,24 @@ nlohmann::json run_cuda_nodes_bench(const BenchConfig& config) {
   const std::vector<RankInputs> inputs = make_nodes_inputs(config);
   const std::vector<RankInputs> ll_inputs = make_nodes_ll_inputs(config);
   const Topology topo = nodes_topology(config);
-  const RoutingRun flat = run_cuda_routing(config, inputs, ll_inputs, devices, 0, true, "flat");
+  // --processes: the rank processes first, while this process holds no buffers.
+  nlohmann::json nccl_baseline;
   const RoutingRun tested =
-      run_cuda_routing(config, inputs, ll_inputs, devices, topo.gpus_per_node, false, "hierarchical");
+      config.processes
+          ? run_cuda_routing_in_processes(config, &nccl_baseline)
+          : run_cuda_routing(config, inputs, ll_inputs, devices, topo.gpus_per_node, false, "hierarchical");
+  const RoutingRun flat = run_cuda_routing(config, inputs, ll_inputs, devices, 0, true, "flat");
   const int num_used = std::min(num_gpus, config.num_ranks);
-  return nodes_report(config, inputs, ll_inputs, flat, tested, "cuda",
-                      fmt::format("{} x {} ({} SMs)", num_used, prop.name, prop.multiProcessorCount),
-                      {{"num_sms", config.num_sms.empty() ? 24 : config.num_sms[0]},
-                       {"devices", devices},
-                       {"timing",
-                        "CUDA events per rank, the ranks meeting before each iteration; slowest rank, "
-                        "median"}});
+  nlohmann::json report = nodes_report(
+      config, inputs, ll_inputs, flat, tested, "cuda",
+      fmt::format("{} x {} ({} SMs)", num_used, prop.name, prop.multiProcessorCount),
+      {{"num_sms", config.num_sms.empty() ? 24 : config.num_sms[0]},
+       {"devices", devices},
+       {"hierarchical_run", config.processes ? "one process per rank on an NCCL group (network leg on NCCL)"
+                                             : "ranks as threads (network leg: the threads' exchange)"},
+       {"timing", "CUDA events per rank, the ranks meeting before each iteration; slowest rank, median"}});
+  if (config.processes) report["nccl_baseline"] = nccl_baseline;
+  return report;
 }
 
 }  // namespace epx::cli
