@@ -231,6 +231,7 @@ TEST(NcclRelocation, RankProcess) {
   if (rank_text == nullptr || pipe_text == nullptr)
     GTEST_SKIP() << "runs as a child of NcclRelocation.OneProcessPerGpu";
   const int rank = std::atoi(rank_text);
+  testing::print_stack_on_crash(rank);
   int read_fd = -1, write_fd = -1;
   ASSERT_EQ(std::sscanf(pipe_text, "%d,%d", &read_fd, &write_fd), 2) << pipe_text;
   const int device = testing::rank_process_device(rank, kProcessRanks, std::max(1, num_gpus()));
@@ -256,6 +257,9 @@ TEST(NcclRelocation, RankProcess) {
     const Case& c = pc.c;
     SCOPED_TRACE(fmt::format("rank {}: logical={} slots {} -> {} in_place={}", rank, c.logical, c.old_per_rank,
                              c.new_per_rank, pc.in_place));
+    std::printf("[relocation] rank %d: logical=%d slots %d -> %d in_place=%d\n", rank, c.logical, c.old_per_rank,
+                c.new_per_rank, pc.in_place ? 1 : 0);
+    std::fflush(stdout);
     const auto old_p2l = random_phy2log(rng, c.logical, c.ranks * c.old_per_rank);
     const auto new_p2l = random_phy2log(rng, c.logical, c.ranks * c.new_per_rank);
     const RelocationPlan plan = plan_relocation(old_p2l, new_p2l, c.ranks, /*num_nodes=*/2);

@@ -1,8 +1,9 @@
 // The life of an owned NCCL communicator across failures (src/comm/cuda/owned_comm.h): revoke, rebuild by split,
 // and every way that fails for good. NCCL is replaced by a fake table (no GPU, no libnccl): each fake communicator
 // reports ncclInProgress for a set number of polls, then its final state, and records what was done to it. The real
-// NCCL behaviour behind it (ncclCommRevoke, ncclCommSplit of a revoked communicator) is tested on 2 GPUs by
-// MultiProcess.AbsentPeerThenTheGroupRebuilds (tests/gpu/multiprocess_test.cpp).
+// NCCL behaviour behind it (ncclCommRevoke, the rebuild from the spare) is tested on GPUs by
+// MultiProcess.LatePeerThenTheGroupRebuildsItsCommunicator (tests/gpu/multiprocess_test.cpp), also over NCCL's
+// socket transport (two ranks on one GPU as hosts of their own), where a peer's revoke leaves a remote error.
 #include <gtest/gtest.h>
 
 #ifdef EPX_WITH_CUDA
@@ -28,6 +29,7 @@ struct FakeNccl {
   std::vector<std::unique_ptr<FakeComm>> comms;
   int revoke_polls = 2;  // polls until a revoked communicator quiesces; < 0: never
   ncclResult_t revoke_returns = ncclInProgress;
+  ncclResult_t revoke_final = ncclSuccess;  // the state once quiet (a remote error: a peer's revoke broke connections)
   ncclResult_t split_returns = ncclInProgress;
   bool split_publishes = true;  // writes the child's handle (its creation ended); false: no rank joins
   // The split's outcome: NCCL 2.28 reports it on the parent (ncclInProgress for child_polls polls, then
@@ -63,7 +65,7 @@ ncclResult_t fake_revoke(ncclComm_t c, int flags) {
   EXPECT_EQ(flags, 0);
   ++fake(c)->revokes;
   fake(c)->polls_left = g->revoke_polls;
-  fake(c)->final_state = ncclSuccess;
+  fake(c)->final_state = g->revoke_final;
   return g->revoke_returns;
 }
 ncclResult_t fake_split(ncclComm_t c, int color, int key, ncclComm_t* child, ncclConfig_t* config) {
@@ -274,6 +276,88 @@ TEST_F(OwnedCommTest, ChildThatFailsItsCreationIsAbortedWithTheParent) {
     EXPECT_EQ(nccl_.comms[1]->aborts, 1);
     EXPECT_NE(owned.failure().find("NCCL reports remote error"), std::string::npos) << owned.failure();
   }
+}
+
+TEST_F(OwnedCommTest, SplitSameRanksGivesAChildAndLeavesTheParent) {
+  ncclComm_t comm = make_comm();
+  bool timed_out = true;
+  std::string why;
+  const ncclComm_t child = split_same_ranks(api_, comm, 5, in_ms(1'000), &timed_out, &why);
+  ASSERT_NE(child, nullptr);
+  EXPECT_NE(child, comm);
+  EXPECT_FALSE(timed_out);
+  EXPECT_TRUE(why.empty()) << why;
+  EXPECT_EQ(nccl_.split_key, 5);
+  EXPECT_EQ(fake(comm)->aborts, 0);
+  EXPECT_EQ(fake(child)->aborts, 0);
+}
+
+// With a spare (create_cuda_group splits one off at creation): the rebuild promotes it and splits the next spare off
+// it, so the revoked communicator is never split (NCCL refuses to split one in error).
+TEST_F(OwnedCommTest, RebuildPromotesTheSpareAndSplitsTheNextOffIt) {
+  ncclComm_t comm = make_comm();
+  ncclComm_t spare = make_comm();
+  ncclComm_t second_spare = nullptr;
+  {
+    OwnedComm owned(comm, 2, 1'000, api_, spare);
+    EXPECT_TRUE(owned.has_spare());
+    ASSERT_TRUE(owned.revoke());
+    EXPECT_EQ(fake(comm)->revokes, 1);
+    EXPECT_EQ(fake(spare)->revokes, 0);
+    bool timed_out = true;
+    EXPECT_EQ(owned.ready(in_ms(1'000), &timed_out), spare);
+    EXPECT_FALSE(timed_out);
+    EXPECT_EQ(nccl_.splits, 1);
+    EXPECT_EQ(nccl_.split_key, 2);
+    EXPECT_EQ(fake(comm)->aborts, 1);  // the revoked one, freed once the split is done
+    EXPECT_EQ(fake(spare)->aborts, 0);
+    EXPECT_TRUE(owned.has_spare());
+    ASSERT_EQ(nccl_.comms.size(), 3u);
+    second_spare = reinterpret_cast<ncclComm_t>(nccl_.comms[2].get());
+    EXPECT_EQ(owned.rebuilds(), 1);
+
+    // A second failure: the second spare takes over.
+    ASSERT_TRUE(owned.revoke());
+    EXPECT_EQ(owned.ready(in_ms(1'000), &timed_out), second_spare);
+    EXPECT_EQ(fake(spare)->aborts, 1);
+    EXPECT_EQ(owned.rebuilds(), 2);
+  }
+  EXPECT_EQ(fake(second_spare)->finalizes, 1);  // the healthy one at the end
+  EXPECT_EQ(nccl_.comms[3]->aborts, 1);          // the unused spare: aborted (it never carried traffic)
+}
+
+// Over NCCL's network transports a peer's revoke closes the connections, and this rank's communicator reports the
+// remote error after its own revoke too: with a spare that revoke still counts; without one it fails for good.
+TEST_F(OwnedCommTest, RevokeThatQuiescesWithARemoteErrorRebuildsFromTheSpare) {
+  nccl_.revoke_final = ncclRemoteError;
+  {
+    ncclComm_t comm = make_comm();
+    ncclComm_t spare = make_comm();
+    OwnedComm owned(comm, 0, 1'000, api_, spare);
+    EXPECT_TRUE(owned.revoke());
+    EXPECT_EQ(owned.state(), OwnedComm::State::kRevoked);
+    bool timed_out = true;
+    EXPECT_EQ(owned.ready(in_ms(1'000), &timed_out), spare);
+    EXPECT_EQ(owned.state(), OwnedComm::State::kHealthy);
+  }
+  nccl_.comms.clear();
+  ncclComm_t comm = make_comm();
+  OwnedComm owned(comm, 0, 1'000, api_);
+  EXPECT_FALSE(owned.revoke());
+  EXPECT_EQ(owned.state(), OwnedComm::State::kFailed);
+  EXPECT_NE(owned.failure().find("ncclCommRevoke ended with remote error"), std::string::npos) << owned.failure();
+}
+
+TEST_F(OwnedCommTest, SpareWhoseSplitFailsIsAbortedWithEverything) {
+  nccl_.child_final = ncclRemoteError;  // a peer died during the rebuild
+  ncclComm_t comm = make_comm();
+  ncclComm_t spare = make_comm();
+  OwnedComm owned(comm, 0, 1'000, api_, spare);
+  expect_rebuild_fails(owned);
+  EXPECT_FALSE(owned.has_spare());
+  ASSERT_EQ(nccl_.comms.size(), 3u);
+  for (const auto& c : nccl_.comms) EXPECT_EQ(c->aborts, 1);
+  EXPECT_NE(owned.failure().find("NCCL reports remote error"), std::string::npos) << owned.failure();
 }
 
 }  // namespace

@@ -67,8 +67,9 @@ void check_nccl(ncclResult_t result, const char* what) {
 
 class NcclCudaGroup final : public CudaGroup {
  public:
-  // owns_comm: the group destroys (or aborts) the communicator with itself; owned ones are non-blocking.
-  NcclCudaGroup(ncclComm_t comm, const CudaGroupOptions& options, bool owns_comm = false)
+  // owns_comm: the group destroys (or aborts) the communicator with itself, and the spare (OwnedComm); owned ones are
+  // non-blocking.
+  NcclCudaGroup(ncclComm_t comm, const CudaGroupOptions& options, bool owns_comm = false, ncclComm_t spare = nullptr)
       : timeout_ms_(detail::clamp_timeout_ms(options.timeout_ms)) {
     check_nccl(nccl().CommUserRank(comm, &rank_), "ncclCommUserRank");
     check_nccl(nccl().CommCount(comm, &num_ranks_), "ncclCommCount");
@@ -78,7 +79,7 @@ class NcclCudaGroup final : public CudaGroup {
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     // NOTE: last, so that a throw above leaves the communicator to the caller (create_cuda_group aborts it).
     if (owns_comm) {
-      owned_ = std::make_unique<OwnedComm>(comm, rank_, timeout_ms_, nccl());
+      owned_ = std::make_unique<OwnedComm>(comm, rank_, timeout_ms_, nccl(), spare);
     } else {
       borrowed_ = comm;
     }
@@ -401,9 +402,22 @@ std::shared_ptr<Group> create_cuda_group(const std::vector<uint8_t>& unique_id, 
                   "rank did not join (each of the {} processes must call create_cuda_group with the same id)",
                   rank, num_ranks, detail::clamp_timeout_ms(options.timeout_ms), num_ranks);
   }
+  // The spare the group rebuilds from after a failure (OwnedComm): split off now, while every connection is sound.
+  bool timed_out = false;
+  std::string why;
+  const ncclComm_t spare = cuda::split_same_ranks(
+      cuda::nccl(), comm, rank, detail::deadline_after_ms(detail::clamp_timeout_ms(options.timeout_ms)), &timed_out,
+      &why);
+  if (spare == nullptr) {  // comm was aborted
+    detail::raise(timed_out ? ErrorCode::kTimeout : ErrorCode::kNcclError,
+                  "cuda rank {}: splitting the group's spare communicator{} (the {} processes must each call "
+                  "create_cuda_group with the same id; waited up to {} ms)",
+                  rank, why, num_ranks, detail::clamp_timeout_ms(options.timeout_ms));
+  }
   try {
-    return std::make_shared<cuda::NcclCudaGroup>(comm, options, /*owns_comm=*/true);
+    return std::make_shared<cuda::NcclCudaGroup>(comm, options, /*owns_comm=*/true, spare);
   } catch (...) {
+    cuda::nccl().CommAbort(spare);
     cuda::nccl().CommAbort(comm);
     throw;
   }
