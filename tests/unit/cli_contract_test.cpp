@@ -125,6 +125,10 @@ TEST(CliContract, BenchNodesFlagsChecked) {
                   "--node-partials: 'fp16' is not one of fp32 | bf16");
   expect_rejected("bench --host --quiet --node-partials bf16",
                   "--node-partials applies only to --nodes / --routing or --model (the hierarchical combine)");
+  expect_rejected("bench --host --quiet --processes", "--processes applies only to --nodes / --routing");
+  expect_rejected("bench --model --processes", "--processes applies only to --nodes / --routing");
+  expect_rejected("bench --host --quiet --nodes 2 --processes",
+                  "--processes runs ranks as processes on NCCL groups: it needs the cuda backend and a visible GPU");
   expect_rejected("bench --backend gpu", "--backend: 'gpu' is not one of auto | host | cuda");
   expect_rejected("bench --model --backend host", "--backend does not apply to --model");
   expect_rejected("bench --host --quiet --ranks 1024 --experts 1024 --nodes 2 --tokens 1048576 --hidden 65536",
