@@ -111,8 +111,8 @@ if want tests; then
     [ -x "$t" ] || continue
     timed "$(basename "$t")" 300 "$t" --gtest_brief=1
   done
-  # Issue 17: the NCCL-group tests (one process per GPU, 2 nodes of 1 or 2 GPUs) again with NCCL forced onto its
-  # network transport: no P2P, no shared memory, the socket transport over loopback, so every exchange of the
+  # Issue 17: the NCCL-group tests (one process per GPU, 2 nodes of 1 or 2 GPUs; on one GPU they already run over
+  # sockets, each rank an NCCL host of its own) again with NCCL forced onto its network transport: no P2P, no shared memory, the socket transport over loopback, so every exchange of the
   # network leg crosses a socket as between two hosts. NCCL_DEBUG_SUBSYS=NET logs the transport each channel took
   # ("via NET/Socket/..."). The children inherit the environment.
   if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
@@ -184,6 +184,16 @@ if want bench; then
   # The same 2 x 2 run with bf16 node partials (BufferOptions::node_partials): half the combines' network bytes.
   timed "epx bench --ranks 4 --nodes 2 --node-partials bf16" 200 sh -c "'$BUILD/epx' bench --ranks 4 --nodes 2 \
     --node-partials bf16 --json '$OUT/bench_nodes_2x2_bf16.json' >'$OUT/bench_nodes_2x2_bf16.txt'"
+  # One process per rank on an NCCL group (--processes): 2 nodes of 1, the network leg on NCCL, timed beside NCCL
+  # send/recv of the same bytes. With 2 GPUs NCCL carries it over NVLink (issue 17's "within 10% of NCCL send/recv"
+  # row), then again over sockets; on one GPU both ranks share it as NCCL hosts of their own (sockets).
+  timed "epx bench --nodes 2 --processes" 300 sh -c "'$BUILD/epx' bench --ranks 2 --nodes 2 --processes \
+    --json '$OUT/bench_nodes_2x1_processes.json' >'$OUT/bench_nodes_2x1_processes.txt'"
+  if [ "$gpus" -ge 2 ]; then
+    timed "epx bench --nodes 2 --processes (sockets)" 300 sh -c "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
+      NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo '$BUILD/epx' bench --ranks 2 --nodes 2 --processes \
+      --json '$OUT/bench_nodes_2x1_processes_sockets.json' >'$OUT/bench_nodes_2x1_processes_sockets.txt'"
+  fi
   timed "epx bench --eplb" 200 sh -c "'$BUILD/epx' bench --eplb --ranks $((gpus < 2 ? 2 : gpus)) \
     --json '$OUT/bench_eplb.json' >'$OUT/bench_eplb.txt'"
 fi
