@@ -424,6 +424,11 @@ class Buffer {
   virtual std::vector<bool> rank_mask() const = 0;  // [num_ranks], true = masked
   virtual void clear_rank_mask() = 0;
 
+  // The routings this buffer's calls take: BufferOptions::normal_routing and low_latency_routing with kAuto resolved
+  // (kFlat or kHierarchical) by the group's topology and the backend's limits. Not collective.
+  virtual NormalRouting normal_routing() const = 0;
+  virtual LowLatencyRouting low_latency_routing() const = 0;
+
   // Collective: every rank of the group calls it. Waits for this rank's low-latency work to finish (a device
   // synchronize on the cuda backend), zeroes the low-latency buffer (signals, sequence numbers, the rank mask)
   // and forgets the shapes fixed by the first low_latency_dispatch, so the next one may use another

@@ -122,6 +122,16 @@ class Buffer:
     def num_ranks(self) -> int:
         return self._native.num_ranks
 
+    @property
+    def resolved_normal_routing(self) -> _epx.NormalRouting:
+        """normal_routing with "auto" resolved: flat or hierarchical, the routing normal calls take."""
+        return self._native.normal_routing
+
+    @property
+    def resolved_low_latency_routing(self) -> _epx.LowLatencyRouting:
+        """low_latency_routing with "auto" resolved: flat or hierarchical, the routing low-latency calls take."""
+        return self._native.low_latency_routing
+
     def _call(self, method: Callable, inputs: tuple, **kwargs):
         """Runs a native call with torch allocations when an input is a torch tensor."""
         use_torch = any_torch(*inputs)

@@ -336,6 +336,10 @@ void register_buffer(nb::module_& m) {
       .def("unmask_rank", &Buffer::unmask_rank, nb::arg("rank"))
       .def("clear_rank_mask", &Buffer::clear_rank_mask)
       .def("rank_mask", &Buffer::rank_mask)
+      .def_prop_ro("normal_routing", &Buffer::normal_routing,
+                   "BufferOptions::normal_routing with auto resolved: the routing normal calls take")
+      .def_prop_ro("low_latency_routing", &Buffer::low_latency_routing,
+                   "BufferOptions::low_latency_routing with auto resolved: the routing low-latency calls take")
       .def("clean_low_latency_buffer", &Buffer::clean_low_latency_buffer, nb::call_guard<nb::gil_scoped_release>());
 }
 

@@ -96,6 +96,10 @@ def test_normal_routing_argument():
     assert epx.Buffer(group).normal_routing == epx.NormalRouting.auto
     assert epx.Buffer(group, normal_routing="hierarchical").normal_routing == epx.NormalRouting.hierarchical
     assert epx.Buffer(group, normal_routing=epx.NormalRouting.flat).normal_routing == epx.NormalRouting.flat
+    # The routing taken: auto resolved by the topology (one node: flat; two: hierarchical), forced kept.
+    assert epx.Buffer(group).resolved_normal_routing == epx.NormalRouting.flat
+    assert epx.Buffer(group).resolved_low_latency_routing == epx.LowLatencyRouting.flat
+    assert epx.Buffer(group, normal_routing="hierarchical").resolved_normal_routing == epx.NormalRouting.hierarchical
     with pytest.raises(epx.InvalidArgumentError, match="normal_routing: 'diagonal' is not one of auto, flat, "
                                                        "hierarchical"):
         epx.Buffer(group, normal_routing="diagonal")
@@ -199,6 +203,19 @@ def test_combine_order_shows_the_routing(gpus_per_node, routing, partials, expec
 
     results = run(gpus_per_node, fn)
     assert results[0].shape == (1, H) and (results[0] == expected).all()
+
+
+def test_resolved_routings_follow_the_topology():
+    # Two nodes of two ranks: auto resolves to hierarchical on both paths; flat, when asked, stays flat.
+    def fn(rank, group):
+        auto = epx.Buffer(group)
+        flat = epx.Buffer(group, normal_routing="flat", low_latency_routing="flat")
+        return (auto.resolved_normal_routing, auto.resolved_low_latency_routing, flat.resolved_normal_routing,
+                flat.resolved_low_latency_routing)
+
+    for got in run(2, fn):
+        assert got == (epx.NormalRouting.hierarchical, epx.LowLatencyRouting.hierarchical, epx.NormalRouting.flat,
+                       epx.LowLatencyRouting.flat)
 
 
 def test_node_partials_argument():

@@ -156,10 +156,9 @@ class ElasticBuffer:
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.num_scaleout_ranks, self.num_scaleup_ranks
         self.runtime: Optional[Buffer] = self._v1
-        # Combine sums in DeepEP V2's order wherever epx routes flat (epx.Buffer's order_topk_idx): one node, and on
-        # the cuda backend up to its flat rank cap.
-        self._deepep_order = self.num_scaleout_ranks == 1 and (
-            not self._v1._cuda or self.num_ranks <= epx.CUDA_FLAT_NORMAL_MAX_RANKS)
+        # Combine sums in DeepEP V2's order wherever epx routes flat (epx.Buffer's order_topk_idx; the hierarchical
+        # routing refuses it): one node, and on the cuda backend up to its flat rank cap.
+        self._deepep_order = self._v1.runtime.resolved_normal_routing == epx.NormalRouting.flat
 
     # ---- life cycle, sizes, topology -----------------------------------------------------------------
 

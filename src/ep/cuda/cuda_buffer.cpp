@@ -45,6 +45,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
     low_latency_hierarchical_ = ep::low_latency_hierarchical(options, group_->topology());
     device_ = group_->device().index;
     const bool hierarchical = ep::normal_hierarchical(options, group_->topology(), kNormalMaxRanks);
+    normal_hierarchical_ = hierarchical;
     // NOTE: above kNormalMaxRanks there is no flat normal engine (its region and kernels split work per peer): the
     // hierarchical engine does every normal call, the layout included (core/limits.h, kHierarchicalMaxRanks). Above
     // kHierarchicalMaxRanks there is no normal engine at all: the buffer is low-latency only (EP72 decode).
@@ -159,6 +160,12 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
       EPX_CHECK_ARG(rank >= 0 && rank < num_ranks_, "unmask_rank: rank must be in [0, {}), got {}", num_ranks_, rank);
     }
   }
+  NormalRouting normal_routing() const override {
+    return normal_hierarchical_ ? NormalRouting::kHierarchical : NormalRouting::kFlat;
+  }
+  LowLatencyRouting low_latency_routing() const override {
+    return low_latency_hierarchical_ ? LowLatencyRouting::kHierarchical : LowLatencyRouting::kFlat;
+  }
   std::vector<bool> rank_mask() const override {
     return low_latency_ ? low_latency_->rank_mask() : std::vector<bool>(num_ranks_, false);
   }
@@ -228,6 +235,7 @@ class CudaBuffer final : public Buffer, private NormalCallHooks {
   std::unique_ptr<HierarchicalEngine> hierarchical_;  // normal dispatch/combine with hierarchical routing
   std::unique_ptr<LowLatencyEngine> low_latency_;
   bool low_latency_hierarchical_ = false;  // BufferOptions::low_latency_routing resolved (LowLatencyRelay)
+  bool normal_hierarchical_ = false;       // BufferOptions::normal_routing resolved
   // Reset requests, shared with the other ranks' buffers (see CudaWorld); null when the processes share no
   // memory (then a timeout cannot be recovered from in place).
   std::shared_ptr<CudaWorld> world_;

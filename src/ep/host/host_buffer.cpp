@@ -143,7 +143,8 @@ HostBuffer::HostBuffer(std::shared_ptr<Group> group, HostGroup* host_group, cons
       num_ranks_(group_->num_ranks()),
       topology_(group_->topology()),
       hierarchical_(ep::normal_hierarchical(options, topology_, std::numeric_limits<int>::max())),
-      ll_route_{ep::low_latency_hierarchical(options, topology_) ? topology_ : Topology{1, num_ranks_}},
+      ll_hierarchical_(ep::low_latency_hierarchical(options, topology_)),
+      ll_route_{ll_hierarchical_ ? topology_ : Topology{1, num_ranks_}},
       mask_(num_ranks_, false) {
   if (options_.allocator == nullptr) options_.allocator = default_allocator();
   if (options_.num_low_latency_bytes > 0) mailbox_ = attach_mailbox(*host_group_);

@@ -49,6 +49,12 @@ class HostBuffer final : public Buffer {
   void unmask_rank(int rank) override;
   std::vector<bool> rank_mask() const override { return mask_; }
   void clear_rank_mask() override;
+  NormalRouting normal_routing() const override {
+    return hierarchical_ ? NormalRouting::kHierarchical : NormalRouting::kFlat;
+  }
+  LowLatencyRouting low_latency_routing() const override {
+    return ll_hierarchical_ ? LowLatencyRouting::kHierarchical : LowLatencyRouting::kFlat;
+  }
   void clean_low_latency_buffer() override;
 
   Tensor alloc(DType dtype, const std::vector<int64_t>& shape) const;
@@ -88,6 +94,7 @@ class HostBuffer final : public Buffer {
   int num_ranks_;
   Topology topology_;
   bool hierarchical_;         // normal dispatch/combine take the hierarchical routing (BufferOptions::normal_routing)
+  bool ll_hierarchical_;       // BufferOptions::low_latency_routing resolved
   LowLatencyRoute ll_route_;  // BufferOptions::low_latency_routing: the group's topology, or one node (flat)
   std::vector<bool> mask_;
   std::shared_ptr<LowLatencyMailbox> mailbox_;
