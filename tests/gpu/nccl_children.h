@@ -55,6 +55,7 @@ inline std::optional<NcclChild> nccl_child(const std::string& prefix) {
   c.seed = std::strtoull(value("_SEED").c_str(), nullptr, 10);
   c.id_file = value("_ID_FILE");
   print_stack_on_crash(c.rank);
+  std::setvbuf(stdout, nullptr, _IONBF, 0);  // gtest's failures reach the log even when the process crashes later
   c.device = rank_process_device(c.rank, c.num_ranks, std::max(1, num_gpus()));
   return c;
 }

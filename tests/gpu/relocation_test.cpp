@@ -232,6 +232,7 @@ TEST(NcclRelocation, RankProcess) {
     GTEST_SKIP() << "runs as a child of NcclRelocation.OneProcessPerGpu";
   const int rank = std::atoi(rank_text);
   testing::print_stack_on_crash(rank);
+  std::setvbuf(stdout, nullptr, _IONBF, 0);  // gtest's failures reach the log even when the process crashes later
   int read_fd = -1, write_fd = -1;
   ASSERT_EQ(std::sscanf(pipe_text, "%d,%d", &read_fd, &write_fd), 2) << pipe_text;
   const int device = testing::rank_process_device(rank, kProcessRanks, std::max(1, num_gpus()));
