@@ -182,7 +182,8 @@ void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const 
     throw BadInput(fmt::format("--sms takes one value with --nodes / --routing, got {}", c.num_sms.size()));
   }
   if (c.processes && !use_cuda) {
-    throw BadInput("--processes runs ranks as processes on NCCL groups: it needs the cuda backend and a visible GPU (not --host)");
+    throw BadInput(
+        "--processes runs ranks as processes on NCCL groups: it needs the cuda backend and a visible GPU (not --host)");
   }
   if (!use_cuda) {
     // Per rank and routing at least x, its fp8 copy, the combined output and as many received rows as the rank
@@ -310,11 +311,15 @@ void add_bench(CLI::App& app) {
                       "--routing: the run's option (default fp32, the library's); with --model: the predicted "
                       "combine's network rows (default bf16, DeepEP's internode choice)")
           ->check(one_of({"fp32", "bf16"}));
-  auto* processes = cmd->add_flag("--processes")->description(
-      "With --nodes on GPUs: the hierarchical run with one process per rank on an NCCL group, so that the network "
-      "leg runs on NCCL as across hosts (ranks beyond the visible GPUs share them, each an NCCL host of its own: "
-      "sockets over loopback), timed beside NCCL send/recv of the network leg's bytes; the flat run stays ranks "
-      "as threads (docs/internode.md)");
+  auto* processes = cmd->add_flag("--processes")
+                        ->description(
+                            "With --nodes on GPUs: the hierarchical run with one process per rank on an NCCL group, so "
+                            "that the network "
+                            "leg runs on NCCL as across hosts (ranks beyond the visible GPUs share them, each an NCCL "
+                            "host of its own: "
+                            "sockets over loopback), timed beside NCCL send/recv of the network leg's bytes; the flat "
+                            "run stays ranks "
+                            "as threads (docs/internode.md)");
   auto* net_gbps = cmd->add_option("--net-gbps", model_config->links.network_gbps,
                                    "--model: network GB/s per GPU, each way (default 50: 400 Gb/s)")
                        ->check(number_in(0.1, 1e5));

@@ -3,9 +3,9 @@
 // before anything touches CUDA (a child cannot use CUDA that its parent initialized); rank 0 makes the NCCL
 // id and pipes it to the others; each child builds its communicator, runs the normal and the low-latency path with
 // identity experts, checks combine(dispatch(x)) exactly and exits with 0 (pass), 1 (mismatch), 2 (error)
-// or 77 (no GPU; with one GPU both ranks share it, testing::rank_process_device). The parent bounds the wait and kills children that outlive it.
-// Routing: every rank draws K = 8 distinct experts of E = 64 per token, then sets ~10% of the slots to -1;
-// x holds small integers, so both round trips are exact (normal: x * ranks visited; low-latency with
+// or 77 (no GPU; with one GPU both ranks share it, testing::rank_process_device). The parent bounds the wait and kills
+// children that outlive it. Routing: every rank draws K = 8 distinct experts of E = 64 per token, then sets ~10% of the
+// slots to -1; x holds small integers, so both round trips are exact (normal: x * ranks visited; low-latency with
 // weights 1/8: x * valid slots / 8).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -3,7 +3,8 @@
 // against a poisoned destination.
 // - cuda transport, ranks as threads: staging smaller than one slot (and not a multiple of 4) forces windows that
 //   cut messages anywhere; a larger case prints the bytes moved per second.
-// - nccl transport, one process per GPU (2 GPUs; on one, both ranks share it as NCCL hosts of their own): the test re-executes this binary once per rank (a forked child
+// - nccl transport, one process per GPU (2 GPUs; on one, both ranks share it as NCCL hosts of their own): the test
+// re-executes this binary once per rank (a forked child
 //   could not use CUDA, which the parent initialized), rank 0 draws the NCCL id and pipes it to rank 1; each
 //   process relocates the same random cases (same seed, so the same plans) over make_nccl_transport, in place and
 //   not, checks a mismatched round fails on both ranks before any data moves, and runs one case over the

@@ -323,7 +323,7 @@ TEST_F(OwnedCommTest, RebuildPromotesTheSpareAndSplitsTheNextOffIt) {
     EXPECT_EQ(owned.rebuilds(), 2);
   }
   EXPECT_EQ(fake(second_spare)->finalizes, 1);  // the healthy one at the end
-  EXPECT_EQ(nccl_.comms[3]->aborts, 1);          // the unused spare: aborted (it never carried traffic)
+  EXPECT_EQ(nccl_.comms[3]->aborts, 1);         // the unused spare: aborted (it never carried traffic)
 }
 
 // Over NCCL's network transports a peer's revoke closes the connections, and this rank's communicator reports the

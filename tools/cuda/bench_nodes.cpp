@@ -94,37 +94,37 @@ void run_cuda_rank_phases(const BenchConfig& config, const RankInputs& in, const
   DispatchResult fresh, cached, fp8;
   CombineResult combined;
   seconds[0] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                    DispatchArgs a;
-                    a.x = x;
-                    a.topk_idx = topk;
-                    a.topk_weights = weights;
-                    a.num_experts = E;
-                    a.layout = &layout;
-                    a.stream = stream;
-                    fresh = buffer->dispatch(a);
-                  });
+                 DispatchArgs a;
+                 a.x = x;
+                 a.topk_idx = topk;
+                 a.topk_weights = weights;
+                 a.num_experts = E;
+                 a.layout = &layout;
+                 a.stream = stream;
+                 fresh = buffer->dispatch(a);
+               });
   seconds[1] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                    DispatchArgs a;
-                    a.x = x;
-                    a.handle = fresh.handle;
-                    a.stream = stream;
-                    cached = buffer->dispatch(a);
-                  });
+                 DispatchArgs a;
+                 a.x = x;
+                 a.handle = fresh.handle;
+                 a.stream = stream;
+                 cached = buffer->dispatch(a);
+               });
   seconds[2] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                    DispatchArgs a;
-                    a.x = x8;
-                    a.x_scales = scales;
-                    a.handle = fresh.handle;
-                    a.stream = stream;
-                    fp8 = buffer->dispatch(a);
-                  });
+                 DispatchArgs a;
+                 a.x = x8;
+                 a.x_scales = scales;
+                 a.handle = fresh.handle;
+                 a.stream = stream;
+                 fp8 = buffer->dispatch(a);
+               });
   seconds[3] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                    CombineArgs a;
-                    a.x = fresh.recv_x;
-                    a.handle = fresh.handle;
-                    a.stream = stream;
-                    combined = buffer->combine(a);
-                  });
+                 CombineArgs a;
+                 a.x = fresh.recv_x;
+                 a.handle = fresh.handle;
+                 a.stream = stream;
+                 combined = buffer->combine(a);
+               });
   run.dispatched[0][r] = download_snapshot(fresh, stream);
   run.dispatched[1][r] = download_snapshot(cached, stream);
   run.dispatched[2][r] = download_snapshot(fp8, stream);
@@ -146,8 +146,7 @@ void run_cuda_rank_phases(const BenchConfig& config, const RankInputs& in, const
     return buffer->low_latency_dispatch(a);
   };
   LowLatencyDispatchResult ll;
-  seconds[kNumNodesPhases] =
-      1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) { ll = ll_dispatch(true); });
+  seconds[kNumNodesPhases] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) { ll = ll_dispatch(true); });
   LowLatencyDispatchResult ll_host;
   ll_host.recv_x = host_copy(ll.recv_x, stream);
   ll_host.recv_x_scales = host_copy(ll.recv_x_scales, stream);
@@ -159,14 +158,14 @@ void run_cuda_rank_phases(const BenchConfig& config, const RankInputs& in, const
   ll = ll_dispatch(false);
   LowLatencyCombineResult ll_out;
   seconds[kNumNodesPhases + 1] = 1e-3 * median_event_ms(stream, warm, iters, meet, [&](int) {
-                                      LowLatencyCombineArgs a;
-                                      a.x = ll.recv_x;
-                                      a.topk_idx = ll_topk;
-                                      a.topk_weights = ll_weights;
-                                      a.handle = ll.handle;
-                                      a.stream = stream;
-                                      ll_out = buffer->low_latency_combine(a);
-                                    });
+                                   LowLatencyCombineArgs a;
+                                   a.x = ll.recv_x;
+                                   a.topk_idx = ll_topk;
+                                   a.topk_weights = ll_weights;
+                                   a.handle = ll.handle;
+                                   a.stream = stream;
+                                   ll_out = buffer->low_latency_combine(a);
+                                 });
   run.ll_combined[r] = testing::download<uint16_t>(ll_out.x, stream);
 
   // Every tensor frees on `stream`: release them before destroying it.
@@ -234,10 +233,9 @@ nlohmann::json run_cuda_nodes_bench(const BenchConfig& config) {
   const Topology topo = nodes_topology(config);
   // --processes: the rank processes first, while this process holds no buffers.
   nlohmann::json nccl_baseline;
-  const RoutingRun tested =
-      config.processes
-          ? run_cuda_routing_in_processes(config, &nccl_baseline)
-          : run_cuda_routing(config, inputs, ll_inputs, devices, topo.gpus_per_node, false, "hierarchical");
+  const RoutingRun tested = config.processes ? run_cuda_routing_in_processes(config, &nccl_baseline)
+                                             : run_cuda_routing(config, inputs, ll_inputs, devices, topo.gpus_per_node,
+                                                                false, "hierarchical");
   const RoutingRun flat = run_cuda_routing(config, inputs, ll_inputs, devices, 0, true, "flat");
   const int num_used = std::min(num_gpus, config.num_ranks);
   nlohmann::json report = nodes_report(

@@ -107,8 +107,8 @@ std::vector<int64_t> network_rows_to(const BenchConfig& config, const RankInputs
 }
 
 // This rank's median seconds of each baseline phase (the parent takes the slowest rank's).
-std::vector<double> time_nccl_baseline(const BenchConfig& config, const std::vector<RankInputs>& inputs,
-                                       Group& group, cudaStream_t stream) {
+std::vector<double> time_nccl_baseline(const BenchConfig& config, const std::vector<RankInputs>& inputs, Group& group,
+                                       cudaStream_t stream) {
   const int R = config.num_ranks, rank = group.rank();
   const int64_t H = config.hidden;
   ncclUniqueId mine{};
@@ -139,24 +139,23 @@ std::vector<double> time_nccl_baseline(const BenchConfig& config, const std::vec
     const bool combine = b == 2;  // the combine's rows go back: send what the dispatch received
     const std::vector<int64_t>& out_rows = combine ? from : to;
     const std::vector<int64_t>& in_rows = combine ? to : from;
-    seconds[b] = 1e-3 * median_event_ms(stream, config.num_warmup, config.num_iters, meet, [&](int) {
-                   nccl_ok(ncclGroupStart(), "ncclGroupStart");
-                   int64_t out_at = 0, in_at = 0;
-                   for (int p = 0; p < R; ++p) {
-                     const int64_t out = out_rows[p] * row_bytes[b], in = in_rows[p] * row_bytes[b];
-                     if (out > 0) {
-                       nccl_ok(ncclSend(static_cast<char*>(send) + out_at, out, ncclUint8, p, comm, stream),
-                               "ncclSend");
-                     }
-                     if (in > 0) {
-                       nccl_ok(ncclRecv(static_cast<char*>(recv) + in_at, in, ncclUint8, p, comm, stream),
-                               "ncclRecv");
-                     }
-                     out_at += out;
-                     in_at += in;
-                   }
-                   nccl_ok(ncclGroupEnd(), "ncclGroupEnd");
-                 });
+    seconds[b] =
+        1e-3 * median_event_ms(stream, config.num_warmup, config.num_iters, meet, [&](int) {
+          nccl_ok(ncclGroupStart(), "ncclGroupStart");
+          int64_t out_at = 0, in_at = 0;
+          for (int p = 0; p < R; ++p) {
+            const int64_t out = out_rows[p] * row_bytes[b], in = in_rows[p] * row_bytes[b];
+            if (out > 0) {
+              nccl_ok(ncclSend(static_cast<char*>(send) + out_at, out, ncclUint8, p, comm, stream), "ncclSend");
+            }
+            if (in > 0) {
+              nccl_ok(ncclRecv(static_cast<char*>(recv) + in_at, in, ncclUint8, p, comm, stream), "ncclRecv");
+            }
+            out_at += out;
+            in_at += in;
+          }
+          nccl_ok(ncclGroupEnd(), "ncclGroupEnd");
+        });
   }
   cuda_ok(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   cudaFree(send);

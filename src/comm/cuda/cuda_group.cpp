@@ -405,9 +405,9 @@ std::shared_ptr<Group> create_cuda_group(const std::vector<uint8_t>& unique_id, 
   // The spare the group rebuilds from after a failure (OwnedComm): split off now, while every connection is sound.
   bool timed_out = false;
   std::string why;
-  const ncclComm_t spare = cuda::split_same_ranks(
-      cuda::nccl(), comm, rank, detail::deadline_after_ms(detail::clamp_timeout_ms(options.timeout_ms)), &timed_out,
-      &why);
+  const ncclComm_t spare =
+      cuda::split_same_ranks(cuda::nccl(), comm, rank,
+                             detail::deadline_after_ms(detail::clamp_timeout_ms(options.timeout_ms)), &timed_out, &why);
   if (spare == nullptr) {  // comm was aborted
     detail::raise(timed_out ? ErrorCode::kTimeout : ErrorCode::kNcclError,
                   "cuda rank {}: splitting the group's spare communicator{} (the {} processes must each call "

@@ -94,7 +94,7 @@ class HostBuffer final : public Buffer {
   int num_ranks_;
   Topology topology_;
   bool hierarchical_;         // normal dispatch/combine take the hierarchical routing (BufferOptions::normal_routing)
-  bool ll_hierarchical_;       // BufferOptions::low_latency_routing resolved
+  bool ll_hierarchical_;      // BufferOptions::low_latency_routing resolved
   LowLatencyRoute ll_route_;  // BufferOptions::low_latency_routing: the group's topology, or one node (flat)
   std::vector<bool> mask_;
   std::shared_ptr<LowLatencyMailbox> mailbox_;
