@@ -5,6 +5,7 @@
 #include <sys/types.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -14,23 +15,36 @@
 
 namespace epx::testing {
 
-// Waits for each child in order until `deadline`; a child still running then is killed with every other one
-// (SIGKILL), so a hung rank cannot hang the test. Returns each child's waitpid status, in order (read it with
-// WIFEXITED / WEXITSTATUS / WIFSIGNALED).
+// Waits for the children until `deadline`; a child still running then is killed with every other one (SIGKILL), so a
+// hung rank cannot hang the caller. Once a child ended with a failure (a nonzero exit or a signal), the others get
+// `grace` more at most (a rank whose peer died usually waits for it until its own timeout). Returns each child's
+// waitpid status, in order (read it with WIFEXITED / WEXITSTATUS / WIFSIGNALED).
 inline std::vector<int> wait_children(const std::vector<pid_t>& children,
-                                      std::chrono::steady_clock::time_point deadline) {
+                                      std::chrono::steady_clock::time_point deadline,
+                                      std::chrono::steady_clock::duration grace = std::chrono::hours(24)) {
   std::vector<int> statuses(children.size(), 0);
-  for (size_t i = 0; i < children.size(); ++i) {
-    int status = 0;
-    while (waitpid(children[i], &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        for (pid_t p : children) kill(p, SIGKILL);
-        waitpid(children[i], &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::vector<bool> done(children.size(), false);
+  size_t left = children.size();
+  while (left > 0) {
+    for (size_t i = 0; i < children.size(); ++i) {
+      int status = 0;
+      if (done[i] || waitpid(children[i], &status, WNOHANG) == 0) continue;
+      done[i] = true;
+      statuses[i] = status;
+      --left;
+      const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+      if (failed) deadline = std::min(deadline, std::chrono::steady_clock::now() + grace);
     }
-    statuses[i] = status;
+    if (left > 0 && std::chrono::steady_clock::now() > deadline) {
+      for (size_t i = 0; i < children.size(); ++i) {
+        if (done[i]) continue;
+        kill(children[i], SIGKILL);
+        waitpid(children[i], &statuses[i], 0);
+        done[i] = true;
+      }
+      left = 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return statuses;
 }

@@ -101,11 +101,11 @@ inline std::vector<uint8_t> shared_nccl_id(int rank, const std::string& id_file)
 
 // Runs the test `child_suite.child_test` of this binary in num_ranks child processes (rank r on GPU NcclChild::device,
 // which the child passes to create_cuda_group; with fewer GPUs than ranks, ranks share them as NCCL hosts of their
-// own), with `<env_prefix>_*` set as above and the id file
-// /tmp/<env_prefix in lower case>_nccl_id_<pid>, and expects each child to exit 0 within 240 s with its pass mark
-// (NcclChildPass; a child still running then is killed with the others). The children get the parent's environment
-// less GTEST_* (so that none writes the parent's reports or picks a shard). A child's own output (its gtest failures)
-// goes to the parent's stdout.
+// own), with `<env_prefix>_*` set as above and the id file /tmp/<env_prefix in lower case>_nccl_id_<pid>, and expects
+// each child to exit 0 within 240 s with its pass mark (NcclChildPass; a child still running then is killed with the
+// others, and so is one still running 60 s after another failed). The children get the parent's environment less
+// GTEST_* (so that none writes the parent's reports or picks a shard). A child's own output (its gtest failures) goes
+// to the parent's stdout.
 inline void run_nccl_children(int num_ranks, uint64_t seed, const std::string& child_suite,
                               const std::string& child_test, const std::string& env_prefix) {
   std::string lower = env_prefix;
@@ -141,7 +141,7 @@ inline void run_nccl_children(int num_ranks, uint64_t seed, const std::string& c
     children.push_back(pid);
   }
   const std::vector<int> statuses =
-      wait_children(children, std::chrono::steady_clock::now() + std::chrono::seconds(240));
+      wait_children(children, std::chrono::steady_clock::now() + std::chrono::seconds(240), std::chrono::seconds(60));
   for (int r = 0; r < num_ranks; ++r) {
     const int status = statuses[r];
     const std::string mark = nccl_child_mark(id_file, r);

@@ -363,8 +363,8 @@ TEST(NcclRelocation, OneProcessPerGpu) {
   }
   close(fds[0]);
   close(fds[1]);
-  const std::vector<int> statuses =
-      testing::wait_children(children, std::chrono::steady_clock::now() + std::chrono::seconds(300));
+  const std::vector<int> statuses = testing::wait_children(
+      children, std::chrono::steady_clock::now() + std::chrono::seconds(300), std::chrono::seconds(60));
   for (int rank = 0; rank < kProcessRanks; ++rank) {
     const int status = statuses[rank];
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == kChildPassed)

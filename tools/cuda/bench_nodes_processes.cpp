@@ -42,6 +42,7 @@ constexpr const char* kRankEnv = "EPX_BENCH_NODES_RANK";
 constexpr const char* kDirEnv = "EPX_BENCH_NODES_DIR";
 constexpr const char* kIdEnv = "EPX_BENCH_NODES_ID";  // the group's NCCL id, hex
 constexpr std::chrono::seconds kChildLimit{900};      // the whole run of one rank process
+constexpr std::chrono::seconds kFailedPeerGrace{60};  // how long the others may run on once a rank process failed
 constexpr uint32_t kFileMagic = 0x65707862;           // "epxb"
 
 // The baseline phases: the network leg's payload of the hierarchical phase of the same name (tools/bench_nodes.cpp's
@@ -280,7 +281,8 @@ RoutingRun run_cuda_routing_in_processes(const BenchConfig& config, nlohmann::js
     }
     children.push_back(pid);
   }
-  const std::vector<int> statuses = testing::wait_children(children, std::chrono::steady_clock::now() + kChildLimit);
+  const std::vector<int> statuses =
+      testing::wait_children(children, std::chrono::steady_clock::now() + kChildLimit, kFailedPeerGrace);
   const auto cleanup = [&] { std::filesystem::remove_all(dir); };
   for (int r = 0; r < R; ++r) {
     const int st = statuses[r];
