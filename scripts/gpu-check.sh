@@ -136,21 +136,34 @@ if want python; then
     python/tests/gpu
 fi
 
+# With one GPU the 2-rank runs share it: deepep-v2-env.sh --share-gpus writes a sitecustomize.py that maps each rank to
+# GPU rank % visible GPUs and makes it an NCCL host of its own (sockets over loopback), as epx's NCCL-group tests do.
+gpus_seen=$(nvidia-smi -L 2>/dev/null | wc -l)
+share=""
+[ "$gpus_seen" -lt 2 ] && share=--share-gpus
+if want deepep && [ -d "$ROOT/.carry/DeepEP-v2/deep_ep/utils" ]; then
+  bash "$ROOT/scripts/deepep-v2-env.sh" "$ROOT/.carry/DeepEP-v2" "$BUILD/deepep-v2" $share >/dev/null
+fi
 if want deepep && [ -d "$ROOT/.carry/DeepEP/tests" ]; then
+  site=""
+  if [ -n "$share" ] && [ -f "$BUILD/deepep-v2/sitecustomize.py" ]; then
+    mkdir -p "$BUILD/share-gpus" && cp "$BUILD/deepep-v2/sitecustomize.py" "$BUILD/share-gpus/" && site="$BUILD/share-gpus:"
+  fi
   for suite in test_intranode.py test_low_latency.py; do
-    timed "DeepEP $suite (shim)" 300 env PYTHONPATH="$ROOT/python/deep_ep_shim:$BUILD/python" \
+    timed "DeepEP $suite (shim)" 300 env PYTHONPATH="$site$ROOT/python/deep_ep_shim:$BUILD/python" \
       "$PY" "$ROOT/.carry/DeepEP/tests/$suite" --num-processes 2
   done
 fi
 # DeepEP V2's test of ElasticBuffer against the shim, with DeepEP's own test helpers (scripts/deepep-v2-env.sh): the
-# first case alone, then all 144 (combine bit for bit in DeepEP's summation order: CombineArgs::order_topk_idx).
+# first case alone, then all 144 (combine bit for bit in DeepEP's summation order: CombineArgs::order_topk_idx), with
+# 2 ranks (on one GPU at a smaller shape: 512 tokens, hidden 2048, 64 experts).
 if want deepep && [ -d "$ROOT/.carry/DeepEP-v2/tests/elastic" ]; then
-  bash "$ROOT/scripts/deepep-v2-env.sh" "$ROOT/.carry/DeepEP-v2" "$BUILD/deepep-v2" >/dev/null
-  procs=$(( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 ? 2 : 1 ))  # one process per GPU; one GPU runs one rank
+  shape=""
+  [ -n "$share" ] && shape="--num-tokens 512 --hidden 2048 --num-experts 64"
   for extra in --test-first-only ""; do
-    timed "DeepEP V2 elastic/test_ep.py ${extra:-all cases}, $procs process(es) (shim)" 300 env \
+    timed "DeepEP V2 elastic/test_ep.py ${extra:-all cases}, 2 processes (shim)" 300 env \
       PYTHONPATH="$BUILD/deepep-v2:$BUILD/python" "$PY" "$ROOT/.carry/DeepEP-v2/tests/elastic/test_ep.py" \
-      --num-processes "$procs" --skip-perf-test $extra
+      --num-processes 2 --skip-perf-test $shape $extra
   done
 fi
 
