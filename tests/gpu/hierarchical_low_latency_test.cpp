@@ -196,7 +196,8 @@ TEST_F(HierarchicalLowLatencyGpuTest, ForcedOnOneNode) {
 
 constexpr const char* kEnvPrefix = "EPX_HIER_LL";
 
-// 2 nodes of num_ranks / 2: bf16 with hooks in round 1, then fp8 (UE8M0, column-major) with hooks in round 2.
+// 2 nodes of num_ranks / 2: bf16 with hooks in round 1, fp8 (UE8M0, column-major) with hooks in round 2, bf16 node
+// partials, and a masked pair of ranks on different nodes.
 std::vector<Case> nccl_cases(int num_ranks) {
   Case bf16 = make_case(num_ranks, num_ranks / 2);
   bf16.hook_round = 1;
@@ -206,7 +207,14 @@ std::vector<Case> nccl_cases(int num_ranks) {
   fp8.scale_format = ScaleFormat::kUE8M0;
   fp8.scale_layout = ScaleLayout::kColumnMajor;
   fp8.hook_round = 2;
-  return {bf16, fp8};
+  Case partials = bf16;
+  partials.hook_round = -1;
+  partials.bf16_partials = true;
+  // Rank 0 and the last rank (of the other node) mask each other before the first call.
+  Case masked = partials;
+  masked.bf16_partials = false;
+  masked.masked = {{0, num_ranks - 1}};
+  return {bf16, fp8, partials, masked};
 }
 
 TEST(HierarchicalLowLatencyNcclChild, Rank) {

@@ -10,9 +10,10 @@
 // nodes ascending, bias_0, bias_1, one rounding). The seed is printed.
 //
 // HierarchicalNccl.TwoNodes runs the same comparison with one process per GPU on NCCL groups (2 nodes of 1 GPU, or
-// of 2 with 4 GPUs); it skips with a message when fewer than 2 GPUs are visible. HierarchicalNccl.
-// PeerThatNeverPostsTimesOut (2 GPUs; not run yet) checks that an exchange whose peer never posts ends in kTimeout.
-// LowLatencyAcrossNodesRunsBothRoutings (not run yet): the hierarchical low-latency routing runs beside the flat one.
+// of 2 with 4 GPUs; with one GPU both ranks share it as NCCL hosts of their own, over sockets): bf16 cached, fp8
+// worst-token, bf16 node partials. HierarchicalNccl.PeerThatNeverPostsTimesOut checks that an exchange whose peer
+// never posts ends in kTimeout and that the group rebuilds. LowLatencyAcrossNodesRunsBothRoutings: the hierarchical
+// low-latency routing runs beside the flat one.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -272,11 +273,24 @@ TEST_F(HierarchicalGpuTest, LowLatencyAcrossNodesRunsBothRoutings) {
 
 constexpr const char* kEnvPrefix = "EPX_HIER";
 
-Case nccl_case(int num_ranks) {
-  Case c = make_case(num_ranks, num_ranks / 2, std::vector<int64_t>(num_ranks, 0));
-  for (int r = 0; r < num_ranks; ++r) c.tokens[r] = r == 1 ? 0 : 200 + 37 * r;  // rank 1 idle
-  c.cached = true;
-  return c;
+// The cases of the NCCL-group run, every rank's outputs against the host backend's: bf16 with a cached dispatch of
+// new data; fp8 with UE8M0 scales column-major, worst-token mode; bf16 node partials with the layout passed. Rank 1
+// is idle in each.
+std::vector<Case> nccl_cases(int num_ranks) {
+  Case bf16 = make_case(num_ranks, num_ranks / 2, std::vector<int64_t>(num_ranks, 0));
+  for (int r = 0; r < num_ranks; ++r) bf16.tokens[r] = r == 1 ? 0 : 200 + 37 * r;  // rank 1 idle
+  bf16.cached = true;
+  Case fp8 = bf16;
+  fp8.hidden = 2048;  // column-major UE8M0 needs H % 512 == 0
+  fp8.fp8 = true;
+  fp8.scale_format = ScaleFormat::kUE8M0;
+  fp8.column_major_scales = true;
+  fp8.num_worst_tokens = 1024;
+  Case partials = bf16;
+  partials.cached = false;
+  partials.bf16_partials = true;
+  partials.pass_layout = true;
+  return {bf16, fp8, partials};
 }
 
 TEST(HierarchicalNcclChild, Rank) {
@@ -286,14 +300,18 @@ TEST(HierarchicalNcclChild, Rank) {
   const int rank = child->rank, num_ranks = child->num_ranks;
   const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
   ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
-  const Case c = nccl_case(num_ranks);
-  const auto in = make_inputs(c, child->seed);
-  const auto want = run_case(c, in, host_groups(c), true);
-  CudaGroupOptions options = cuda_options(c);
-  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, child->device, options);
+  const std::vector<Case> cases = nccl_cases(num_ranks);
+  std::shared_ptr<Group> group = create_cuda_group(id, rank, num_ranks, child->device, cuda_options(cases[0]));
   ASSERT_EQ(group->topology().num_nodes, 2);
-  const RankOutput got = run_rank(c, in[rank], group, false);
-  compare_rank(c, want[rank], got);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const uint64_t seed = child->seed + i;  // the same on every rank
+    SCOPED_TRACE("rank " + std::to_string(rank) + ", case " + std::to_string(i) + ", seed " + std::to_string(seed));
+    const auto in = make_inputs(c, seed);
+    const auto want = run_case(c, in, host_groups(c), true);
+    const RankOutput got = run_rank(c, in[rank], group, false);
+    compare_rank(c, want[rank], got);
+  }
   group->barrier();
 }
 
