@@ -127,6 +127,8 @@ TEST(CliContract, BenchNodesFlagsChecked) {
                   "--node-partials applies only to --nodes / --routing or --model (the hierarchical combine)");
   expect_rejected("bench --host --quiet --processes", "--processes applies only to --nodes / --routing");
   expect_rejected("bench --model --processes", "--processes applies only to --nodes / --routing");
+  expect_rejected("bench --host --quiet --ranks 2 --routing hierarchical --processes",
+                  "--processes times the network leg on NCCL: it needs --nodes 2 or more, got 1");
   expect_rejected("bench --host --quiet --nodes 2 --processes",
                   "--processes runs ranks as processes on NCCL groups: it needs the cuda backend and a visible GPU");
   expect_rejected("bench --backend gpu", "--backend: 'gpu' is not one of auto | host | cuda");
