@@ -182,8 +182,8 @@ void run_nodes_command(BenchConfig c, bool use_cuda, const NodesFlags& f, const 
     throw BadInput(fmt::format("--sms takes one value with --nodes / --routing, got {}", c.num_sms.size()));
   }
   if (c.processes && num_nodes < 2) {
-    throw BadInput(fmt::format("--processes times the network leg on NCCL: it needs --nodes 2 or more, got {}",
-                               num_nodes));
+    throw BadInput(
+        fmt::format("--processes times the network leg on NCCL: it needs --nodes 2 or more, got {}", num_nodes));
   }
   if (c.processes && !use_cuda) {
     throw BadInput(
