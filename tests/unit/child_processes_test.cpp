@@ -50,8 +50,7 @@ TEST(WaitChildren, AFailedChildLeavesTheOthersOnlyTheGrace) {
   // killed once the grace (300 ms) passed, long before the deadline.
   const auto start = Clock::now();
   const std::vector<pid_t> kids = {child(60'000, 0), child(10, 1)};
-  const std::vector<int> st =
-      wait_children(kids, start + std::chrono::seconds(120), std::chrono::milliseconds(300));
+  const std::vector<int> st = wait_children(kids, start + std::chrono::seconds(120), std::chrono::milliseconds(300));
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
   EXPECT_TRUE(WIFSIGNALED(st[0]) && WTERMSIG(st[0]) == SIGKILL);
   EXPECT_TRUE(WIFEXITED(st[1]) && WEXITSTATUS(st[1]) == 1);
