@@ -31,6 +31,7 @@ struct LegRows {
   // source) writes to another rank; flat, the pairs whose expert is on another rank than the source.
   double pair_node = 0;
   double pair_flat_peer = 0;
+  std::vector<int64_t> network_to;  // [s * R + d]: the network rows from rank s to rank d (network_leg_rows)
 };
 
 LegRows count_leg_rows(const BenchConfig& config, const std::vector<RankInputs>& inputs, const Topology& topo,
@@ -38,6 +39,7 @@ LegRows count_leg_rows(const BenchConfig& config, const std::vector<RankInputs>&
   const int num_ranks = topo.num_ranks();
   const int64_t experts_per_rank = config.num_experts / num_ranks;
   LegRows rows;
+  rows.network_to.assign(static_cast<size_t>(num_ranks) * num_ranks, 0);
   for (int s = 0; s < num_ranks; ++s) {
     const HostLayout layout = compute_layout_host(
         TensorView::of(const_cast<int64_t*>(inputs[s].topk.data()), DType::kInt64, {num_tokens, config.num_topk}),
@@ -57,7 +59,10 @@ LegRows count_leg_rows(const BenchConfig& config, const std::vector<RankInputs>&
           rows.flat_peer += d != s;
           rows.flat_cross_node += n != home;
         }
-        if (reached && n != home) ++sent;
+        if (reached && n != home) {
+          ++sent;
+          ++rows.network_to[static_cast<size_t>(s) * num_ranks + topo.rank_of(n, local)];
+        }
       }
     }
     rows.network += sent;
@@ -73,6 +78,14 @@ LegRows count_leg_rows(const BenchConfig& config, const std::vector<RankInputs>&
   }
   return rows;
 }
+
+}  // namespace
+
+std::vector<int64_t> network_leg_rows(const BenchConfig& config, const std::vector<RankInputs>& inputs) {
+  return count_leg_rows(config, inputs, nodes_topology(config), config.num_tokens).network_to;
+}
+
+namespace {
 
 template <typename T>
 int64_t count_different(const std::vector<T>& a, const std::vector<T>& b) {

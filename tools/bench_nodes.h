@@ -5,6 +5,7 @@
 // are declared here.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -25,6 +26,11 @@ std::vector<RankInputs> make_nodes_inputs(const BenchConfig& config);
 
 // The nodes run's topology: config.num_nodes nodes of config.num_ranks / config.num_nodes ranks.
 Topology nodes_topology(const BenchConfig& config);
+
+// Payload rows of the normal path's network leg per call, [s * R + d] from rank s to rank d: a token of s crosses
+// once to the rank with s's local index on every other node that one of its experts lives on (docs/internode.md);
+// the per-pair form of the report's network rows.
+std::vector<int64_t> network_leg_rows(const BenchConfig& config, const std::vector<RankInputs>& inputs);
 
 // Sets the routings of one run in `options` (flat: both paths kFlat; else the topology's, or kHierarchical when
 // config.force_hierarchical) and its NodePartials.
@@ -51,6 +57,20 @@ inline constexpr const char* kNodesPhases[kNumNodesPhases] = {"dispatch_bf16", "
 inline constexpr int kNumLowLatencyPhases = 2;
 inline constexpr const char* kLowLatencyPhases[kNumLowLatencyPhases] = {"ll_dispatch_fp8", "ll_combine_bf16"};
 struct RoutingRun {
+  RoutingRun() = default;
+  // The per-rank vectors sized for num_ranks ranks (empty results), as a cuda run fills them rank by rank.
+  explicit RoutingRun(int num_ranks)
+      : combined(num_ranks), ll_dispatched(num_ranks), ll_combined(num_ranks) {
+    for (auto& d : dispatched) d.resize(num_ranks);
+  }
+  // Folds one rank's medians (kNumNodesPhases, then kNumLowLatencyPhases) into the slowest rank's.
+  void add_rank_seconds(const double* rank_seconds) {
+    for (int p = 0; p < kNumNodesPhases; ++p) seconds[p] = std::max(seconds[p], rank_seconds[p]);
+    for (int p = 0; p < kNumLowLatencyPhases; ++p) {
+      ll_seconds[p] = std::max(ll_seconds[p], rank_seconds[kNumNodesPhases + p]);
+    }
+  }
+
   double seconds[kNumNodesPhases] = {};         // median over iterations of the slowest rank
   std::vector<DispatchSnapshot> dispatched[3];  // [phase 0..2][rank]: the last call's results
   std::vector<std::vector<uint16_t>> combined;  // [rank] [T, H] bf16: the last combine's output

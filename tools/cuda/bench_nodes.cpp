@@ -195,23 +195,12 @@ RoutingRun run_cuda_routing(const BenchConfig& config, const std::vector<RankInp
   CudaGroupOptions group_options;
   group_options.gpus_per_node = gpus_per_node;
   auto groups = create_cuda_groups(devices, group_options);
-  RoutingRun run;
+  RoutingRun run(num_ranks);
   std::vector<std::vector<double>> seconds(num_ranks, std::vector<double>(kNumNodesPhases + kNumLowLatencyPhases));
-  for (auto& d : run.dispatched) d.resize(num_ranks);
-  run.combined.resize(num_ranks);
-  run.ll_dispatched.resize(num_ranks);
-  run.ll_combined.resize(num_ranks);
   run_host_ranks(groups, [&](int r, Group&) {
     run_cuda_rank_phases(config, inputs[r], ll_inputs[r], groups[r], flat, seconds[r].data(), run);
   });
-  for (int p = 0; p < kNumNodesPhases; ++p) {
-    for (int r = 0; r < num_ranks; ++r) run.seconds[p] = std::max(run.seconds[p], seconds[r][p]);
-  }
-  for (int p = 0; p < kNumLowLatencyPhases; ++p) {
-    for (int r = 0; r < num_ranks; ++r) {
-      run.ll_seconds[p] = std::max(run.ll_seconds[p], seconds[r][kNumNodesPhases + p]);
-    }
-  }
+  for (const auto& rank_seconds : seconds) run.add_rank_seconds(rank_seconds.data());
   run.has_low_latency = true;
   return run;
 }

@@ -84,29 +84,6 @@ std::vector<T> get(std::ifstream& f, const std::string& path) {
 
 std::string rank_file(const std::string& dir, int rank) { return fmt::format("{}/rank{}.bin", dir, rank); }
 
-// Payload rows of the network leg from rank `rank` to each rank: a token crosses once per destination node other than
-// its own, to the rank with its local index there (docs/internode.md); -1 slots go nowhere.
-std::vector<int64_t> network_rows_to(const BenchConfig& config, const RankInputs& in, int rank) {
-  const int R = config.num_ranks;
-  const Topology topo = nodes_topology(config);
-  const int gpn = topo.gpus_per_node;
-  const int64_t experts_per_rank = config.num_experts / R;
-  std::vector<int64_t> rows(R, 0);
-  std::vector<char> seen(static_cast<size_t>(topo.num_nodes));
-  for (int64_t t = 0; t < config.num_tokens; ++t) {
-    std::fill(seen.begin(), seen.end(), 0);
-    for (int k = 0; k < config.num_topk; ++k) {
-      const int64_t e = in.topk[t * config.num_topk + k];
-      if (e < 0) continue;
-      const int node = static_cast<int>(e / experts_per_rank) / gpn;
-      if (node == rank / gpn || seen[node]) continue;
-      seen[node] = 1;
-      ++rows[node * gpn + rank % gpn];
-    }
-  }
-  return rows;
-}
-
 // This rank's median seconds of each baseline phase (the parent takes the slowest rank's).
 std::vector<double> time_nccl_baseline(const BenchConfig& config, const std::vector<RankInputs>& inputs, Group& group,
                                        cudaStream_t stream) {
@@ -118,9 +95,12 @@ std::vector<double> time_nccl_baseline(const BenchConfig& config, const std::vec
   group.all_gather_bytes(&mine, ids.data(), sizeof(ncclUniqueId));
   ncclComm_t comm = nullptr;
   nccl_ok(ncclCommInitRank(&comm, R, ids[0], rank), "ncclCommInitRank (the baseline's communicator)");
-  const std::vector<int64_t> to = network_rows_to(config, inputs[rank], rank);
-  std::vector<int64_t> from(R, 0);
-  for (int p = 0; p < R; ++p) from[p] = network_rows_to(config, inputs[p], p)[rank];
+  const std::vector<int64_t> rows = network_leg_rows(config, inputs);  // [s * R + d]
+  std::vector<int64_t> to(R), from(R);
+  for (int p = 0; p < R; ++p) {
+    to[p] = rows[rank * R + p];
+    from[p] = rows[p * R + rank];
+  }
   // Row bytes as tools/bench_nodes.cpp counts the legs: bf16 rows, fp8 rows with fp32 scales, combine partials.
   const int64_t row_bytes[kNumBaselines] = {H * 2, H + H / 128 * 4, H * (config.bf16_node_partials ? 2 : 4)};
   int64_t most = 0;
@@ -208,11 +188,7 @@ void run_nodes_bench_child(const BenchConfig& config) {
   }
   const std::vector<RankInputs> inputs = make_nodes_inputs(config);
   const std::vector<RankInputs> ll_inputs = make_nodes_ll_inputs(config);
-  RoutingRun run;
-  for (auto& d : run.dispatched) d.resize(R);
-  run.combined.resize(R);
-  run.ll_dispatched.resize(R);
-  run.ll_combined.resize(R);
+  RoutingRun run(R);
   std::vector<double> seconds(kNumNodesPhases + kNumLowLatencyPhases);
   run_cuda_rank_phases(config, inputs[rank], ll_inputs[rank], group, false, seconds.data(), run);
   cudaStream_t stream;
@@ -297,11 +273,7 @@ RoutingRun run_cuda_routing_in_processes(const BenchConfig& config, nlohmann::js
                               kChildLimit.count()));
     }
   }
-  RoutingRun run;
-  for (auto& d : run.dispatched) d.resize(R);
-  run.combined.resize(R);
-  run.ll_dispatched.resize(R);
-  run.ll_combined.resize(R);
+  RoutingRun run(R);
   std::vector<double> baseline(kNumBaselines, 0.0);
   for (int r = 0; r < R; ++r) {
     const std::string path = rank_file(dir, r);
@@ -314,11 +286,12 @@ RoutingRun run_cuda_routing_in_processes(const BenchConfig& config, nlohmann::js
     }
     const auto seconds = get<double>(f, path);
     const auto nccl = get<double>(f, path);
-    for (int p = 0; p < kNumNodesPhases; ++p) run.seconds[p] = std::max(run.seconds[p], seconds.at(p));
-    for (int p = 0; p < kNumLowLatencyPhases; ++p) {
-      run.ll_seconds[p] = std::max(run.ll_seconds[p], seconds.at(kNumNodesPhases + p));
+    if (seconds.size() != kNumNodesPhases + kNumLowLatencyPhases || nccl.size() != kNumBaselines) {
+      cleanup();
+      throw Error(ErrorCode::kInternal, fmt::format("bench --processes: {} holds the timings of another build", path));
     }
-    for (int b = 0; b < kNumBaselines; ++b) baseline[b] = std::max(baseline[b], nccl.at(b));
+    run.add_rank_seconds(seconds.data());
+    for (int b = 0; b < kNumBaselines; ++b) baseline[b] = std::max(baseline[b], nccl[b]);
     for (auto& phase : run.dispatched) {
       DispatchSnapshot& d = phase[r];
       for (auto* v : {&d.recv_x, &d.recv_x_scales, &d.recv_topk_idx, &d.recv_topk_weights, &d.recv_src_idx,
