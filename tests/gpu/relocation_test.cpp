@@ -3,31 +3,24 @@
 // against a poisoned destination.
 // - cuda transport, ranks as threads: staging smaller than one slot (and not a multiple of 4) forces windows that
 //   cut messages anywhere; a larger case prints the bytes moved per second.
-// - nccl transport, one process per GPU (2 GPUs; on one, both ranks share it as NCCL hosts of their own): the test
-// re-executes this binary once per rank (a forked child
-//   could not use CUDA, which the parent initialized), rank 0 draws the NCCL id and pipes it to rank 1; each
-//   process relocates the same random cases (same seed, so the same plans) over make_nccl_transport, in place and
-//   not, checks a mismatched round fails on both ranks before any data moves, and runs one case over the
-//   transport choose_transport picks.
+// - nccl transport, one process per GPU (2 GPUs; on one, both ranks share it as NCCL hosts of their own): the parent
+//   re-executes this binary once per rank (nccl_children.h, as the hierarchical NCCL-group tests do); each process
+//   relocates the same random cases (same seed, so the same plans) over make_nccl_transport, in place and not,
+//   checks a mismatched round fails on both ranks before any data moves, and runs one case over the transport
+//   choose_transport picks.
 #include "epx/eplb/relocation.h"
 
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <filesystem>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -35,6 +28,7 @@
 
 #include "epx/cuda.h"
 #include "epx/error.h"
+#include "nccl_children.h"
 #include "testing/gpu_util.h"
 #include "testing/processes.h"
 #include "testing/routing.h"
@@ -201,50 +195,25 @@ TEST(CudaRelocation, Throughput) {
 // ---- the nccl transport, one process per GPU ----------------------------------------------------------------
 
 constexpr int kProcessRanks = 2;
-constexpr const char* kRankEnv = "EPX_RELOCATION_TEST_RANK";  // set in the children only
-constexpr const char* kPipeEnv = "EPX_RELOCATION_TEST_PIPE";  // "read_fd,write_fd": rank 0 -> the others, the id
-// A child whose test ran and passed exits with this (a child that skipped or matched no test exits 0).
-constexpr int kChildPassed = 42;
+constexpr const char* kEnvPrefix = "EPX_RELOCATION_TEST";  // the children's environment (nccl_children.h)
+constexpr uint64_t kProcessSeed = 20261202;
 
-// Rank 0 draws the id and writes it once per peer; the others read it (bounded).
-std::vector<uint8_t> share_nccl_id(int rank, int read_fd, int write_fd) {
-  if (rank == 0) {
-    std::vector<uint8_t> id = nccl_unique_id();
-    for (int peer = 1; peer < kProcessRanks; ++peer) {
-      if (write(write_fd, id.data(), id.size()) != static_cast<ssize_t>(id.size())) {
-        throw Error(ErrorCode::kInternal, "writing the NCCL id to the pipe");
-      }
-    }
-    return id;
-  }
-  std::vector<uint8_t> id(128);  // NCCL_UNIQUE_ID_BYTES
-  pollfd p{read_fd, POLLIN, 0};
-  if (poll(&p, 1, 60'000) != 1 || read(read_fd, id.data(), id.size()) != static_cast<ssize_t>(id.size())) {
-    throw Error(ErrorCode::kTimeout, "no NCCL id from rank 0 within 60 s");
-  }
-  return id;
-}
-
-// One rank's process (started by OneProcessPerGpu below).
-TEST(NcclRelocation, RankProcess) {
-  const char* rank_text = std::getenv(kRankEnv);
-  const char* pipe_text = std::getenv(kPipeEnv);
-  if (rank_text == nullptr || pipe_text == nullptr)
-    GTEST_SKIP() << "runs as a child of NcclRelocation.OneProcessPerGpu";
-  const int rank = std::atoi(rank_text);
-  testing::print_stack_on_crash(rank);
-  std::setvbuf(stdout, nullptr, _IONBF, 0);  // gtest's failures reach the log even when the process crashes later
-  int read_fd = -1, write_fd = -1;
-  ASSERT_EQ(std::sscanf(pipe_text, "%d,%d", &read_fd, &write_fd), 2) << pipe_text;
-  const int device = testing::rank_process_device(rank, kProcessRanks, std::max(1, num_gpus()));
-  ASSERT_EQ(cudaSetDevice(device), cudaSuccess);
-  const std::vector<uint8_t> id = share_nccl_id(rank, read_fd, write_fd);
+// One rank's process (started by NcclRelocation.OneProcessPerGpu below through nccl_children.h).
+TEST(NcclRelocationChild, Rank) {
+  const std::optional<testing::NcclChild> child = testing::nccl_child(kEnvPrefix);
+  if (!child) GTEST_SKIP() << "runs as a child of NcclRelocation.OneProcessPerGpu";
+  const testing::NcclChildPass pass(*child);
+  const int rank = child->rank;
+  ASSERT_EQ(child->num_ranks, kProcessRanks);
+  ASSERT_EQ(cudaSetDevice(child->device), cudaSuccess);
+  const std::vector<uint8_t> id = testing::shared_nccl_id(rank, child->id_file);
+  ASSERT_FALSE(id.empty()) << "no NCCL id from rank 0";
   CudaGroupOptions options;
   options.timeout_ms = 30'000;
-  auto group = create_cuda_group(id, rank, kProcessRanks, device, options);
+  auto group = create_cuda_group(id, rank, kProcessRanks, child->device, options);
 
   // The same seed in every process: the same placements and plans.
-  std::mt19937 rng(20261202);
+  std::mt19937 rng(child->seed);
   struct ProcessCase {
     Case c;
     bool in_place;
@@ -354,48 +323,11 @@ TEST(NcclRelocation, RankProcess) {
   EXPECT_EQ(result.error, "");
   EXPECT_EQ(result.bad_words, 0);
   group->barrier();
-  group.reset();
-  std::fflush(nullptr);
-  std::_Exit(HasFailure() ? 1 : kChildPassed);
 }
 
 TEST(NcclRelocation, OneProcessPerGpu) {
   if (num_gpus() == 0) GTEST_SKIP() << "no GPU";
-  const std::string sharing = testing::sharing_note(kProcessRanks, num_gpus());
-  if (!sharing.empty()) std::printf("[ note     ] NcclRelocation.OneProcessPerGpu%s\n", sharing.c_str());
-  int fds[2];
-  ASSERT_EQ(pipe(fds), 0);
-  const std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
-  const std::string filter = "--gtest_filter=NcclRelocation.RankProcess";
-  std::vector<pid_t> children;
-  for (int rank = 0; rank < kProcessRanks; ++rank) {
-    // The parent's environment, less what would make a child write the parent's reports or pick a shard.
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string entry = *e;
-      if (entry.rfind("GTEST_", 0) == 0 || entry.rfind(kRankEnv, 0) == 0 || entry.rfind(kPipeEnv, 0) == 0) continue;
-      env.push_back(entry);
-    }
-    env.push_back(fmt::format("{}={}", kRankEnv, rank));
-    env.push_back(fmt::format("{}={},{}", kPipeEnv, fds[0], fds[1]));
-    std::vector<char*> envp;
-    for (std::string& e : env) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    std::vector<char*> argv = {const_cast<char*>(exe.c_str()), const_cast<char*>(filter.c_str()), nullptr};
-    pid_t pid = 0;
-    ASSERT_EQ(posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv.data(), envp.data()), 0);
-    children.push_back(pid);
-  }
-  close(fds[0]);
-  close(fds[1]);
-  const std::vector<int> statuses = testing::wait_children(
-      children, std::chrono::steady_clock::now() + std::chrono::seconds(300), std::chrono::seconds(60));
-  for (int rank = 0; rank < kProcessRanks; ++rank) {
-    const int status = statuses[rank];
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == kChildPassed)
-        << "rank " << rank << ": exit " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1) << ", signal "
-        << (WIFSIGNALED(status) ? WTERMSIG(status) : 0) << " (" << kChildPassed << ": passed, 1: failed)";
-  }
+  testing::run_nccl_children(kProcessRanks, kProcessSeed, "NcclRelocationChild", "Rank", kEnvPrefix);
 }
 
 }  // namespace
