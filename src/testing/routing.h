@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace epx::testing {
@@ -50,9 +52,15 @@ std::vector<int64_t> random_distinct_topk(Rng& rng, int64_t num_tokens, int num_
 }
 
 // [num_physical] logical expert of each physical slot: every logical expert at least once, the other slots
-// uniform random replicas, then the whole placement shuffled. num_physical >= num_logical.
+// uniform random replicas, then the whole placement shuffled. num_physical >= num_logical >= 1, else throws (a test case
+// with fewer slots than experts once wrote past the vector: NcclRelocation's heap corruption, nineteenth session).
 template <typename Rng>
 std::vector<int32_t> random_phy2log(Rng& rng, int num_logical, int num_physical) {
+  if (num_logical < 1 || num_physical < num_logical) {
+    throw std::invalid_argument("random_phy2log: needs num_physical >= num_logical >= 1, got " +
+                                std::to_string(num_physical) + " physical for " + std::to_string(num_logical) +
+                                " logical experts");
+  }
   std::vector<int32_t> p2l(num_physical);
   std::iota(p2l.begin(), p2l.begin() + num_logical, 0);
   std::uniform_int_distribution<int32_t> any(0, num_logical - 1);

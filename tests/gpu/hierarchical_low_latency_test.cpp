@@ -261,7 +261,8 @@ struct GraphCase {
 };
 
 // nccl_cases' shapes with two rounds and token counts fixed per (round, rank) from `seed` (the same on every rank): one
-// rank idle per round, the others in [M / 2, M]. bf16: round 1 with hooks, ThreadLocal; fp8: round 0, Global.
+// rank idle per round, the others in [M / 2, M]. bf16: round 1 with hooks, ThreadLocal; the others (fp8, bf16
+// node partials, the masked pair): round 0, Global. run_graph_case honours each case's partials and masks.
 std::vector<GraphCase> graph_cases(int num_ranks, uint64_t seed) {
   std::vector<Case> cases = nccl_cases(num_ranks);
   std::mt19937 rng(static_cast<uint32_t>(seed));
@@ -384,7 +385,12 @@ void run_graph_case(const GraphCase& gc, const std::shared_ptr<Group>& group, ui
     options.allocator = std::make_shared<testing::PoisonAllocator>();
     options.num_low_latency_bytes = low_latency_buffer_size_hint(c.max_tokens, c.hidden, c.num_ranks, c.num_experts);
     options.low_latency_routing = LowLatencyRouting::kAuto;
+    options.node_partials = c.bf16_partials ? NodePartials::kBFloat16 : NodePartials::kFloat32;
     auto buffer = Buffer::create(group, options);
+    for (const auto& [a, b] : c.masked) {
+      if (rank == a) buffer->mask_rank(b);
+      if (rank == b) buffer->mask_rank(a);
+    }
 
     {  // The eager round (round 0's tensors): the first dispatch allocates and maps the relay region.
       SCOPED_TRACE("eager round, seed " + std::to_string(seed));
