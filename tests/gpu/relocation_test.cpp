@@ -314,7 +314,7 @@ TEST(NcclRelocationChild, Rank) {
   group->all_gather_bytes(&mine, kinds.data(), 1);
   EXPECT_EQ(kinds[0], kinds[1]);
   std::printf("[relocation] rank %d: choose_transport picks %s\n", rank, to_string(kind));
-  const Case c{2, 64, 16, 18, {2048, 512}, 0, 4};
+  const Case c{2, 32, 16, 18, {2048, 512}, 0, 4};  // 32 -> 36 physical experts
   const auto old_p2l = random_phy2log(rng, c.logical, c.ranks * c.old_per_rank);
   const auto new_p2l = random_phy2log(rng, c.logical, c.ranks * c.new_per_rank);
   const RelocationPlan plan = plan_relocation(old_p2l, new_p2l, c.ranks, 1);
