@@ -1,5 +1,6 @@
 // One process per GPU on an NCCL group, for the GPU tests that run a case on NCCL groups (tests/gpu:
-// hierarchical_test.cpp's HierarchicalNccl.*, hierarchical_low_latency_test.cpp's HierarchicalLowLatencyNccl.*).
+// hierarchical_test.cpp's HierarchicalNccl.*, hierarchical_low_latency_test.cpp's HierarchicalLowLatencyNccl.*,
+// relocation_test.cpp's NcclRelocation.*).
 // The parent test re-executes its own binary once per rank (a fork of a process that already used CUDA cannot use
 // it) with a gtest filter that selects one child test, and hands each child its rank through environment variables
 // named `<prefix>_RANK`, `<prefix>_RANKS`, `<prefix>_SEED` and `<prefix>_ID_FILE`; a child test skips when they are
